@@ -1,0 +1,41 @@
+"""gpusnap: checkpoint and restore the GPU and CPU state of a running PyTorch program.
+
+>>> import torch, gpusnap
+>>> model = torch.nn.Linear(8, 8)
+>>> optim = torch.optim.AdamW(model.parameters())
+>>> app_state = {"model": model, "optim": optim, "rng": gpusnap.RNGState(), "step": 0}
+>>> with gpusnap.Checkpointer("memory://pkg-doctest") as ckpt:
+...     info = ckpt.save(app_state).wait()
+...     handle = ckpt.restore(app_state)
+"""
+
+from gpusnap.checkpointer import Checkpointer
+from gpusnap.config import Config
+from gpusnap.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    IntegrityError,
+    RestoreMismatchError,
+    StorageError,
+    ValidationError,
+)
+from gpusnap.handles import CheckpointInfo, PendingSave, RestoreHandle
+from gpusnap.state.rng import RNGState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Checkpointer",
+    "CheckpointInfo",
+    "Config",
+    "PendingSave",
+    "RestoreHandle",
+    "RNGState",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "IntegrityError",
+    "RestoreMismatchError",
+    "StorageError",
+    "ValidationError",
+    "__version__",
+]

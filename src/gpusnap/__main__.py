@@ -1,0 +1,5 @@
+"""``python -m gpusnap`` is the ``gpusnap`` command."""
+
+from gpusnap.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,91 @@
+"""Stop-the-world capture: copy every span to the host, then chunk, hash and store it.
+
+This is the baseline path (``save(blocking=True)``, and the foundation of the background
+save): the caller is held while device bytes move to the host, so the bytes are trivially
+consistent. Life of a span here: ``live -> host copy -> chunks hashed -> chunks stored``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+import torch
+
+from gpusnap.device import to_host
+from gpusnap.kernels.hashing import chunk_digest
+from gpusnap.state.flatten import FlatState
+from gpusnap.storage.manifest import StorageEntry
+from gpusnap.storage.repository import WriteTxn
+
+__all__ = ["CaptureCounters", "snapshot_to_host", "write_host_spans"]
+
+
+@dataclass
+class CaptureCounters:
+    """Byte counts reported in a checkpoint's stats (thread-safe increments)."""
+
+    bytes_total: int = 0
+    bytes_copied: int = 0
+    bytes_written: int = 0
+    bytes_skipped: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, *, written: int = 0, skipped: int = 0) -> None:
+        with self._lock:
+            self.bytes_written += written
+            self.bytes_skipped += skipped
+
+
+def snapshot_to_host(flat: FlatState, *, copy_cpu: bool) -> tuple[list[torch.Tensor], int]:
+    """Host bytes of every span, in span order, and how many bytes were copied.
+
+    CUDA spans are always copied (in stream order, so work already enqueued counts as
+    before the consistent point). CPU spans are aliased unless ``copy_cpu``: a blocking
+    save holds the caller until the bytes are stored, so no copy is needed there.
+    """
+    out: list[torch.Tensor] = []
+    copied = 0
+    for span in flat.spans:
+        data = span.as_bytes()
+        needs_copy = copy_cpu or data.device.type != "cpu"
+        out.append(to_host(data, copy=needs_copy))
+        copied += span.nbytes if needs_copy else 0
+    return out, copied
+
+
+def _chunk_views(data: torch.Tensor, chunk_size: int) -> list[memoryview]:
+    view = memoryview(data.numpy()).cast("B")
+    return [view[off : off + chunk_size] for off in range(0, len(view), chunk_size)]
+
+
+def write_host_spans(
+    flat: FlatState,
+    host_spans: Sequence[torch.Tensor],
+    txn: WriteTxn,
+    *,
+    chunk_size: int,
+    pool: ThreadPoolExecutor,
+    counters: CaptureCounters,
+) -> tuple[StorageEntry, ...]:
+    """Hash and store every chunk of every span; returns the manifest's storage table."""
+
+    def store(view: memoryview) -> str:
+        digest = chunk_digest(view)
+        if txn.has_chunk(digest) or not txn.put_chunk(digest, view):
+            counters.add(skipped=len(view))
+        else:
+            counters.add(written=len(view))
+        return digest
+
+    futures = [[pool.submit(store, v) for v in _chunk_views(d, chunk_size)] for d in host_spans]
+    # Let every chunk finish before raising, so no worker still writes into an aborted txn.
+    wait([f for per_span in futures for f in per_span])
+    entries = []
+    for span, chunk_futures in zip(flat.spans, futures):
+        digests = tuple(f.result() for f in chunk_futures)
+        entries.append(StorageEntry(nbytes=span.nbytes, device=str(span.device), chunks=digests))
+        counters.bytes_total += span.nbytes
+    return tuple(entries)

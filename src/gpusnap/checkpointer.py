@@ -1,0 +1,310 @@
+"""The ``Checkpointer``: orchestrates state -> capture -> storage on save, and back on restore.
+
+Save, in call order (each step raises before the next starts):
+  1. ``flatten(app_state)``: plain values encoded now, tensors grouped by storage.
+  2. capture: every span's bytes on the host at the consistent point (the call of ``save``).
+  3. background writer: chunks hashed and stored, manifest committed, retention applied.
+Restore: resolve -> plan (all checks, nothing written) -> read and verify -> apply in place.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import threading
+import time
+import weakref
+from collections.abc import MutableMapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpusnap.capture import CaptureCounters, snapshot_to_host, write_host_spans
+from gpusnap.config import Config
+from gpusnap.device import synchronize
+from gpusnap.errors import CheckpointError, CheckpointNotFoundError
+from gpusnap.handles import CheckpointInfo, PendingSave, RestoreHandle
+from gpusnap.restore import load_spans
+from gpusnap.state.apply import SpanInfo, plan_restore
+from gpusnap.state.flatten import FlatState, flatten
+from gpusnap.storage.manifest import Manifest
+from gpusnap.storage.repository import Repository
+
+__all__ = ["Checkpointer", "info_from_manifest"]
+
+log = logging.getLogger("gpusnap")
+
+
+def info_from_manifest(manifest: Manifest) -> CheckpointInfo:
+    return CheckpointInfo(
+        id=manifest.id,
+        tag=manifest.tag,
+        created=manifest.created,
+        nbytes=manifest.nbytes,
+        stats=dict(manifest.stats),
+    )
+
+
+@dataclass
+class _SaveJob:
+    pending: PendingSave
+    flat: FlatState
+    host_spans: list[torch.Tensor]
+    created: float
+    started: float
+    blocking: bool
+    counters: CaptureCounters
+    stall_s: float = 0.0  # a blocking save's stall is the whole save
+
+
+class Checkpointer:
+    """Checkpoints and restores an ``app_state`` mapping under ``root``.
+
+    ``root`` is a local directory (created on first save) or an fsspec URL such as
+    ``memory://ckpt`` or ``s3://bucket/run`` (``storage_options`` go to fsspec).
+
+    >>> import torch, gpusnap
+    >>> model = torch.nn.Linear(4, 2)
+    >>> app_state = {"model": model, "step": 3}
+    >>> with gpusnap.Checkpointer("memory://doctest-ckpt", keep_last=2) as ckpt:
+    ...     info = ckpt.save(app_state, tag="first").wait()
+    ...     app_state["step"] = 4
+    ...     _ = ckpt.restore(app_state)
+    >>> app_state["step"]
+    3
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        keep_last: int | None = None,
+        config: Config | None = None,
+        allow_pickle: bool = False,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"keep_last must be a positive integer or None, got {keep_last!r}")
+        self.root = os.fspath(root)
+        self.keep_last = keep_last
+        self.config = config if config is not None else Config.from_env()
+        self.allow_pickle = allow_pickle
+        self._storage_options = storage_options
+        self._repo: Repository | None = None
+        self._repo_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="gpusnap-io")
+        self._queue: queue.Queue[_SaveJob | None] = queue.Queue(self.config.max_pending_saves)
+        self._pending: list[PendingSave] = []
+        self._pending_lock = threading.Lock()
+        self._writer: threading.Thread | None = None
+        self._closed = False
+        self._atexit = weakref.WeakMethod(self.close)
+        atexit.register(_close_at_exit, self._atexit)
+
+    # -- repository ---------------------------------------------------------------------------
+    def _repository(self, *, create: bool) -> Repository:
+        with self._repo_lock:
+            if self._repo is None:
+                self._repo = Repository.open(
+                    self.root,
+                    create=create,
+                    storage_options=self._storage_options,
+                    config=self.config,
+                )
+            return self._repo
+
+    # -- save ---------------------------------------------------------------------------------
+    def save(
+        self, app_state: MutableMapping[str, Any], *, tag: str | None = None, blocking: bool = False
+    ) -> PendingSave:
+        """Checkpoint ``app_state`` as it is now; returns at once unless ``blocking``.
+
+        The checkpoint equals the state at this call (work already enqueued on the current
+        CUDA stream counts as before it). ``pending.wait()`` returns the committed
+        :class:`CheckpointInfo` or raises the error that stopped the save.
+        """
+        self._check_open()
+        if tag is not None and (not isinstance(tag, str) or not tag or "/" in tag):
+            raise ValueError(f"tag must be a non-empty string without '/', got {tag!r}")
+        started = time.perf_counter()
+        flat = flatten(app_state, allow_pickle=self.allow_pickle)
+        repo = self._repository(create=True)
+        created = time.time()
+        pending = PendingSave(repo.new_id(created), tag)
+        host_spans, copied = snapshot_to_host(flat, copy_cpu=not blocking)
+        counters = CaptureCounters(bytes_copied=copied)
+        job = _SaveJob(pending, flat, host_spans, created, started, blocking, counters)
+        if blocking:
+            self._run_job(repo, job)
+            pending.wait()
+            return pending
+        pending._set_staged()
+        with self._pending_lock:
+            self._pending.append(pending)
+        self._ensure_writer()
+        self._queue.put(job)  # blocks while max_pending_saves durable writes are queued
+        job.stall_s = time.perf_counter() - started
+        return pending
+
+    def _ensure_writer(self) -> None:
+        if self._writer is None or not self._writer.is_alive():
+            self._writer = threading.Thread(
+                target=self._writer_loop, name="gpusnap-writer", daemon=True
+            )
+            self._writer.start()
+
+    def _writer_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                self._run_job(self._repository(create=True), job)
+            finally:
+                with self._pending_lock:
+                    if job.pending in self._pending:
+                        self._pending.remove(job.pending)
+
+    def _run_job(self, repo: Repository, job: _SaveJob) -> None:
+        pending = job.pending
+        try:
+            with repo.begin_write() as txn:
+                entries = write_host_spans(
+                    job.flat,
+                    job.host_spans,
+                    txn,
+                    chunk_size=self.config.chunk_size,
+                    pool=self._pool,
+                    counters=job.counters,
+                )
+                job.host_spans.clear()  # release host copies before the commit's fsyncs
+                duration = time.perf_counter() - job.started
+                stats = {
+                    "stall_s": duration if job.blocking else job.stall_s,
+                    "duration_s": duration,
+                    "bytes_total": job.counters.bytes_total,
+                    "bytes_copied": job.counters.bytes_copied,
+                    "bytes_written": job.counters.bytes_written,
+                    "bytes_cow": 0,
+                    "bytes_skipped": job.counters.bytes_skipped,
+                    "validation": "not needed: stop-the-world capture",
+                }
+                manifest = Manifest(
+                    id=pending.id,
+                    tag=pending.tag,
+                    created=job.created,
+                    chunk_size=self.config.chunk_size,
+                    storages=entries,
+                    tree=job.flat.tree,
+                    stats=stats,
+                )
+                txn.commit(manifest)
+            info = info_from_manifest(manifest)
+            info.stats["duration_s"] = time.perf_counter() - job.started
+            if self.keep_last is not None:
+                report = repo.gc(self.keep_last, blocking=False)
+                if report.skipped:
+                    log.info("gpusnap: retention skipped, the root is busy: %s", report.notes)
+            pending._finish(info)
+        except BaseException as exc:  # the save failed: report it on the handle, commit nothing
+            log.warning("gpusnap: checkpoint %s failed: %s", pending.id, exc)
+            pending._fail(exc)
+
+    # -- waiting, listing ---------------------------------------------------------------------
+    def wait(self, timeout: float | None = None) -> list[CheckpointInfo]:
+        """Wait for every pending save; returns their infos (raises the first failure)."""
+        with self._pending_lock:
+            pending = list(self._pending)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        infos = []
+        for p in pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            infos.append(p.wait(left))
+        return infos
+
+    def list(self) -> list[CheckpointInfo]:
+        """Committed checkpoints, oldest first (empty when the root does not exist yet)."""
+        try:
+            repo = self._repository(create=False)
+        except CheckpointNotFoundError:
+            return []
+        return [info_from_manifest(m) for m in repo.list()]
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest committed checkpoint, or None."""
+        infos = self.list()
+        return infos[-1] if infos else None
+
+    # -- restore ------------------------------------------------------------------------------
+    def restore(
+        self,
+        app_state: MutableMapping[str, Any],
+        checkpoint: str | None = None,
+        *,
+        lazy: bool = False,
+    ) -> RestoreHandle:
+        """Restore ``app_state`` in place from ``checkpoint`` (an id, a tag, or None: latest).
+
+        Tensors are overwritten in place (data pointers unchanged), Stateful values get
+        ``load_state_dict``, plain values are replaced in the mapping. Every check runs
+        before any byte is written (:class:`~gpusnap.RestoreMismatchError`), and every chunk
+        is verified before any is applied (:class:`~gpusnap.IntegrityError`).
+        """
+        self._check_open()
+        if lazy:
+            raise NotImplementedError("lazy restore is not implemented yet; use lazy=False")
+        self.wait()  # a restore of "latest" must see this process's own pending saves
+        started = time.perf_counter()
+        repo = self._repository(create=False)
+        manifest = repo.resolve(checkpoint)
+        handle = RestoreHandle(manifest.id)
+        spans = [SpanInfo(nbytes=e.nbytes, device=e.device) for e in manifest.storages]
+        plan = plan_restore(app_state, manifest.tree, spans, allow_pickle=self.allow_pickle)
+        counters = load_spans(repo, manifest, plan, pool=self._pool)
+        plan.finish()
+        for dev in {torch.device(e.device) for e in manifest.storages}:
+            if dev.type == "cuda" and torch.cuda.is_available():
+                synchronize(dev)
+        elapsed = time.perf_counter() - started
+        handle.stats.update(
+            return_s=elapsed,
+            total_s=elapsed,
+            bytes_read=counters.bytes_read,
+            chunks_read=counters.chunks_read,
+        )
+        handle._finish()
+        return handle
+
+    # -- life cycle ---------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"Checkpointer({self.root!r}) is closed")
+
+    def close(self) -> None:
+        """Wait for pending saves (their errors are logged, not raised), then release threads."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._writer is not None and self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({self.root!r}, keep_last={self.keep_last})"
+
+
+def _close_at_exit(ref: weakref.WeakMethod) -> None:  # type: ignore[type-arg]
+    close = ref()
+    if close is not None:
+        close()

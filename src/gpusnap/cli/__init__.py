@@ -1,0 +1,1 @@
+"""The ``gpusnap`` command line: ls, show, verify, gc, demo."""

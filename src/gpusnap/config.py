@@ -1,0 +1,69 @@
+"""Every tunable knob in one place, with ``GPUSNAP_*`` environment overrides.
+
+>>> from gpusnap.config import Config
+>>> Config(chunk_size=1 << 20).chunk_size
+1048576
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+__all__ = ["Config", "MiB"]
+
+MiB = 1 << 20
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(f"GPUSNAP_{name.upper()}")
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"GPUSNAP_{name.upper()}={raw!r} is not an integer") from None
+
+
+@dataclass(frozen=True)
+class Config:
+    """Knobs for a :class:`gpusnap.Checkpointer`.
+
+    Fields left at their defaults can be overridden with environment variables named
+    ``GPUSNAP_<FIELD>`` (for example ``GPUSNAP_CHUNK_SIZE=1048576``); explicit arguments win.
+    """
+
+    chunk_size: int = field(default=4 * MiB, metadata={"doc": "bytes per chunk (hash, copy, dedup unit)"})
+    pack_size: int = field(default=256 * MiB, metadata={"doc": "a pack file is closed past this size"})
+    io_threads: int = field(default=4, metadata={"doc": "writer/reader threads for pack files"})
+    hash_threads: int = field(default=4, metadata={"doc": "threads hashing chunks on the host"})
+    staging_bytes: int = field(default=256 * MiB, metadata={"doc": "pinned host staging pool"})
+    max_pending_saves: int = field(default=2, metadata={"doc": "durable writes queued at most"})
+    fsync: bool = field(default=True, metadata={"doc": "fsync files and directories on commit"})
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool):
+                continue
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Config.{f.name} must be a positive integer, got {value!r}")
+        if self.chunk_size % 512:
+            raise ValueError(f"Config.chunk_size must be a multiple of 512, got {self.chunk_size}")
+        if self.staging_bytes < self.chunk_size:
+            raise ValueError("Config.staging_bytes must hold at least one chunk")
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> Config:
+        """Defaults, then ``GPUSNAP_*`` variables, then ``overrides``."""
+        values: dict[str, object] = {}
+        for f in dataclasses.fields(cls):
+            default = f.default
+            if isinstance(default, bool):
+                raw = os.environ.get(f"GPUSNAP_{f.name.upper()}")
+                values[f.name] = default if raw in (None, "") else raw.lower() not in ("0", "false", "no")
+            else:
+                values[f.name] = _env_int(f.name, default)  # type: ignore[arg-type]
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]

@@ -1,0 +1,48 @@
+"""The one place that knows about CUDA. Every path above it also runs on CPU tensors.
+
+Copies between a device and the host go through :func:`to_host` / :func:`host_buffer`
+so that the CPU machine (CI) exercises the same code as the GPU machine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["is_accelerator", "host_buffer", "to_host", "synchronize", "device_exists"]
+
+
+def is_accelerator(device: torch.device) -> bool:
+    """True for devices whose memory is not directly readable by the CPU."""
+    return device.type not in ("cpu", "meta")
+
+
+def device_exists(name: str) -> bool:
+    """Whether a tensor can be allocated on ``name`` (e.g. ``"cuda:1"``) in this process."""
+    device = torch.device(name)
+    if device.type == "cpu":
+        return True
+    if device.type == "cuda":
+        index = device.index or 0
+        return torch.cuda.is_available() and index < torch.cuda.device_count()
+    return False
+
+
+def host_buffer(nbytes: int, *, pinned: bool) -> torch.Tensor:
+    """A uint8 host tensor; page-locked only when asked and CUDA is present."""
+    pin = pinned and torch.cuda.is_available()
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+
+def to_host(data: torch.Tensor, *, copy: bool) -> torch.Tensor:
+    """Bytes of ``data`` (uint8) on the host. Without ``copy``, CPU data is aliased."""
+    if data.device.type == "cpu":
+        return data.clone() if copy else data
+    out = host_buffer(data.numel(), pinned=False)
+    out.copy_(data)  # synchronous: orders after all work already enqueued on the stream
+    return out
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for all work on ``device`` (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

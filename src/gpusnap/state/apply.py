@@ -1,0 +1,669 @@
+"""Plan a restore against the live ``app_state``, then fill it in place.
+
+Call order::
+
+    plan = plan_restore(app_state, manifest_tree, span_infos)   # checks everything, writes nothing
+    plan.apply_span(i, data_i)   # any order, once per span, possibly from several threads
+    plan.finish()                # before or after the spans: load_state_dict, plain values
+
+``plan_restore`` pairs every checkpoint node with its target and raises one
+RestoreMismatchError listing every key that does not fit before a single byte is written.
+Tensors are filled bitwise through an integer view of the same item size, so every dtype
+(float8, bits, bool, complex...) and every NaN payload survives exactly.
+
+Where the bytes land:
+
+- ``nn.Module``: into its Parameters/buffers themselves (same objects, same data pointers).
+  ``load_state_dict`` is *not* called for them: that would be a second full pass over the
+  weights, and it would read tensors a lazy restore has not filled yet. It is called, with
+  ``strict=False`` and only the other entries, when the module has extra state.
+- Stateful values (optimizers, schedulers, RNGState, ...): their current ``state_dict()`` is the
+  target. Its tensors of the right shape/dtype are filled in place; missing ones (optimizer
+  state not created yet) are allocated here. ``finish()`` hands those very tensor objects to
+  ``load_state_dict`` (optimizers keep them when dtype/device match, so data pointers stay).
+- Tensors in the mapping or its dicts/lists: in place. Plain values: replaced in the mapping
+  (nested dicts/lists are updated in place); tuples are rebuilt.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, MutableMapping, MutableSequence, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError, RestoreMismatchError
+from .flatten import is_stateful, tensor_problem
+from .plain import PLAIN_KINDS, decode_plain, dtype_from_name, dtype_name, join_path, type_name
+
+__all__ = ["SpanInfo", "RestorePlan", "plan_restore"]
+
+# Copying through an integer dtype of the same width moves bits, never values.
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_QUANTIZED = frozenset(
+    d for d in (getattr(torch, n, None) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")) if d is not None
+)
+_EXTRA_STATE_SUFFIX = "_extra_state"  # torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX
+
+
+@dataclass(frozen=True)
+class SpanInfo:
+    """What the manifest says about one stored span: its length and the device it came from."""
+
+    nbytes: int
+    device: str
+
+
+def plan_restore(
+    app_state: MutableMapping[str, Any],
+    tree: dict[str, Any],
+    spans: Sequence[SpanInfo],
+    *,
+    allow_pickle: bool = False,
+) -> RestorePlan:
+    """Pair ``tree`` with ``app_state``; RestoreMismatchError (all problems at once) if it does not fit.
+
+    Missing Stateful tensors are allocated here. Nothing in ``app_state`` changes until
+    :meth:`RestorePlan.apply_span` / :meth:`RestorePlan.finish`.
+    """
+    planner = _Planner(spans, allow_pickle)
+    root = planner.top(app_state, tree)
+    if planner.mismatches:
+        problems = "\n".join(f"  - {m}" for m in planner.mismatches)
+        raise RestoreMismatchError(
+            f"app_state does not fit the checkpoint ({len(planner.mismatches)} problem(s)); nothing was restored:\n"
+            f"{problems}"
+        )
+    return RestorePlan(root, planner.copies, [s.nbytes for s in spans], planner.span_paths, planner.stateful_spans)
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """A checked ``tensor`` node."""
+
+    storage: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    byte_offset: int
+    device: str
+    requires_grad: bool
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def extent(self) -> int:
+        """Bytes from the first to past the last element (0 when empty)."""
+        if self.numel == 0:
+            return 0
+        return (sum((n - 1) * s for n, s in zip(self.shape, self.stride)) + 1) * self.itemsize
+
+    def describe(self) -> str:
+        return f"shape {list(self.shape)} dtype {dtype_name(self.dtype)}"
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """Fill ``target`` from the bytes of span ``spec.storage``."""
+
+    target: torch.Tensor
+    spec: _Spec
+    path: str
+
+
+class _Slot(Protocol):
+    """A paired node; ``build()`` (at finish) applies side effects and returns the restored value."""
+
+    def build(self) -> Any: ...
+
+
+@dataclass
+class _Value:
+    value: Any
+
+    def build(self) -> Any:
+        return self.value
+
+
+@dataclass
+class _Refill:
+    """A live dict/list of plain values: its contents become ``value``, its identity stays."""
+
+    live: Any
+    value: Any
+
+    def build(self) -> Any:
+        if isinstance(self.live, MutableMapping):
+            self.live.clear()
+            self.live.update(self.value)
+        else:
+            self.live[:] = self.value
+        return self.live
+
+
+@dataclass
+class _Dict:
+    """``live`` is updated in place when given (app_state), else a new dict is built."""
+
+    live: MutableMapping[Any, Any] | None
+    items: list[tuple[Any, _Slot]]
+
+    def build(self) -> Any:
+        if self.live is None:
+            return {key: slot.build() for key, slot in self.items}
+        for key, slot in self.items:
+            value = slot.build()
+            if self.live[key] is not value:
+                self.live[key] = value
+        return self.live
+
+
+@dataclass
+class _List:
+    live: MutableSequence[Any] | None
+    items: list[_Slot]
+
+    def build(self) -> Any:
+        if self.live is None:
+            return [slot.build() for slot in self.items]
+        for i, slot in enumerate(self.items):
+            value = slot.build()
+            if self.live[i] is not value:
+                self.live[i] = value
+        return self.live
+
+
+@dataclass
+class _Tuple:
+    live: tuple[Any, ...] | None
+    items: list[_Slot]
+
+    def build(self) -> Any:
+        values = tuple(slot.build() for slot in self.items)
+        live = self.live
+        if live is not None and len(live) == len(values) and all(a is b for a, b in zip(live, values)):
+            return live
+        return values
+
+
+@dataclass
+class _Module:
+    module: nn.Module
+    path: str
+    extra: list[tuple[str, _Slot]]
+    metadata: Any
+
+    def build(self) -> Any:
+        if self.extra:
+            state: OrderedDict[str, Any] = OrderedDict((key, slot.build()) for key, slot in self.extra)
+            if self.metadata is not None:
+                state._metadata = self.metadata  # type: ignore[attr-defined]  # version info for _load_from_state_dict
+            # strict=False: the tensors are absent on purpose, they were restored in place.
+            _load(self.module, state, self.path, strict=False)
+        return self.module
+
+
+@dataclass
+class _Stateful:
+    obj: Any
+    path: str
+    state: _Slot
+
+    def build(self) -> Any:
+        _load(self.obj, self.state.build(), self.path)
+        return self.obj
+
+
+def _load(obj: Any, state: Any, path: str, **kwargs: Any) -> None:
+    try:
+        obj.load_state_dict(state, **kwargs)
+    except Exception as exc:
+        raise CheckpointError(f"{path or '<root>'}: {type_name(obj)}.load_state_dict() failed: {exc!r}") from exc
+
+
+class RestorePlan:
+    """Targets paired with checkpoint spans; see the module docstring for the call order.
+
+    ``span_paths`` names the key paths filled from each span (for error messages).
+    ``stateful_spans`` are the spans whose tensors are handed to a Stateful's ``load_state_dict``:
+    a lazy restore should load them before :meth:`finish`, since a Stateful may read the values
+    right away (RNGState does; optimizers only keep the tensor objects).
+    """
+
+    def __init__(
+        self,
+        root: _Slot,
+        copies: dict[int, list[_Copy]],
+        span_nbytes: list[int],
+        span_paths: dict[int, list[str]],
+        stateful_spans: set[int],
+    ) -> None:
+        self.span_paths = span_paths
+        self.stateful_spans = frozenset(stateful_spans)
+        self._root = root
+        self._copies = copies
+        self._span_nbytes = span_nbytes
+        self._lock = threading.Lock()
+        self._applied: set[int] = set()
+        self._finished = False
+
+    @property
+    def pending_spans(self) -> frozenset[int]:
+        """Span indices not applied yet."""
+        with self._lock:
+            return frozenset(range(len(self._span_nbytes))) - self._applied
+
+    def apply_span(self, index: int, data: torch.Tensor) -> None:
+        """Fill every target on span ``index`` from ``data`` (uint8, the span's nbytes, any device).
+
+        When ``data`` is pinned host memory and a target is on a device, the copy is queued
+        on the current stream: keep ``data`` unchanged until that stream has passed this point.
+        """
+        self._claim(index, data)
+        for copy in self._copies.get(index, ()):
+            try:
+                _copy_into(copy.target, data, copy.spec)
+            except Exception as exc:
+                raise CheckpointError(f"{copy.path}: copying the restored bytes failed: {exc!r}") from exc
+
+    def finish(self) -> None:
+        """Call ``load_state_dict`` on Stateful values and put plain values back; once."""
+        with self._lock:
+            if self._finished:
+                raise CheckpointError("RestorePlan.finish() was already called")
+            self._finished = True
+        self._root.build()
+
+    def apply(self, span_data: Mapping[int, torch.Tensor]) -> None:
+        """``apply_span`` for every span in ``span_data``, then :meth:`finish`."""
+        missing = self.pending_spans - set(span_data)
+        if missing:
+            raise CheckpointError(f"RestorePlan.apply: no data for span(s) {sorted(missing)}")
+        for index, data in span_data.items():
+            self.apply_span(index, data)
+        self.finish()
+
+    def _claim(self, index: int, data: torch.Tensor) -> None:
+        if not 0 <= index < len(self._span_nbytes):
+            raise CheckpointError(f"span {index} does not exist (the checkpoint has {len(self._span_nbytes)})")
+        nbytes = self._span_nbytes[index]
+        if data.dtype != torch.uint8 or data.dim() != 1 or data.numel() != nbytes or data.stride(0) != 1:
+            raise CheckpointError(
+                f"span {index}: expected a contiguous 1-D uint8 tensor of {nbytes} bytes, got "
+                f"{data.dtype} of shape {list(data.shape)}"
+            )
+        with self._lock:
+            if index in self._applied:
+                raise CheckpointError(f"span {index} was already applied")
+            self._applied.add(index)
+
+
+class _Planner:
+    """One walk over checkpoint tree and live state; collects copies and every mismatch."""
+
+    def __init__(self, spans: Sequence[SpanInfo], allow_pickle: bool) -> None:
+        self.spans = spans
+        self.allow_pickle = allow_pickle
+        self.mismatches: list[str] = []
+        self.copies: dict[int, list[_Copy]] = {}
+        self.span_paths: dict[int, list[str]] = {i: [] for i in range(len(spans))}
+        self.stateful_spans: set[int] = set()
+        self._targets: dict[int, tuple[int, int, str]] = {}  # id(target) -> (span, offset, path)
+        self._stateful_depth = 0
+
+    # -- structure -------------------------------------------------------------------------
+
+    def top(self, app_state: MutableMapping[str, Any], tree: dict[str, Any]) -> _Slot:
+        if not isinstance(app_state, MutableMapping):
+            raise CheckpointError(f"app_state must be a mutable mapping, got {type_name(app_state)}")
+        if _kind(tree, "") != "dict":
+            raise CheckpointError("the checkpoint tree must be a 'dict' node at its root")
+        pairs = self.keyed(tree, "")
+        self.check_keys([k for k, _ in pairs], list(app_state), "", "app_state")
+        items = [(key, self.owned(app_state[key], node, join_path("", key))) for key, node in pairs if key in app_state]
+        return _Dict(app_state, items)
+
+    def keyed(self, node: dict[str, Any], path: str) -> list[tuple[Any, dict[str, Any]]]:
+        """Decoded keys and value nodes of a ``dict`` node."""
+        items = node.get("items")
+        if not isinstance(items, list) or not all(isinstance(p, list) and len(p) == 2 for p in items):
+            raise CheckpointError(f"{path or '<root>'}: malformed 'dict' node")
+        pairs = []
+        for key_node, value_node in items:
+            key = decode_plain(key_node, path, self.allow_pickle)
+            try:
+                hash(key)
+            except TypeError:
+                raise CheckpointError(f"{path or '<root>'}: unhashable dict key {key!r}") from None
+            pairs.append((key, value_node))
+        return pairs
+
+    def check_keys(self, ckpt_keys: list[Any], live_keys: list[Any], path: str, what: str) -> None:
+        live = set(live_keys)
+        ckpt = set(ckpt_keys)
+        missing = [k for k in live_keys if k not in ckpt]
+        unexpected = [k for k in ckpt_keys if k not in live]
+        where = path or "<root>"
+        if missing:
+            self.mismatches.append(f"{where}: keys in {what} but not in the checkpoint: {missing!r}")
+        if unexpected:
+            self.mismatches.append(f"{where}: keys in the checkpoint but not in {what}: {unexpected!r}")
+
+    def owned(self, live: Any, node: dict[str, Any], path: str) -> _Slot:
+        """``live`` belongs to app_state: tensors are filled in place, containers updated in place."""
+        kind = _kind(node, path)
+        if kind == "tensor":
+            return self.tensor_in_place(live, node, path)
+        if kind in ("module", "stateful"):
+            return self.object(live, node, path)
+        if kind in PLAIN_KINDS and _is_plain_node(node):
+            return self.plain(node, path, live)
+        if kind == "dict":
+            return self.owned_dict(live, node, path)
+        if kind in ("list", "tuple"):
+            return self.owned_sequence(live, node, path, kind)
+        raise CheckpointError(f"{path or '<root>'}: unknown checkpoint node kind {kind!r}")
+
+    def owned_dict(self, live: Any, node: dict[str, Any], path: str) -> _Slot:
+        pairs = self.keyed(node, path)
+        if not isinstance(live, MutableMapping):
+            return self.mismatch(path, f"the checkpoint has a dict, app_state has a {type_name(live)}")
+        self.check_keys([k for k, _ in pairs], list(live), path, "app_state")
+        return _Dict(live, [(k, self.owned(live[k], n, join_path(path, k))) for k, n in pairs if k in live])
+
+    def owned_sequence(self, live: Any, node: dict[str, Any], path: str, kind: str) -> _Slot:
+        items = _items(node, path)
+        expected = list if kind == "list" else tuple
+        if not isinstance(live, expected):
+            return self.mismatch(path, f"the checkpoint has a {kind}, app_state has a {type_name(live)}")
+        if len(live) != len(items):
+            return self.mismatch(path, f"the checkpoint has a {kind} of length {len(items)}, app_state {len(live)}")
+        slots = [self.owned(v, n, join_path(path, i)) for i, (v, n) in enumerate(zip(live, items))]
+        return _List(live, slots) if kind == "list" else _Tuple(live, slots)
+
+    def in_state(self, current: Any, node: dict[str, Any], path: str) -> _Slot:
+        """Inside a state_dict: the checkpoint's structure wins; ``current`` only lends tensors."""
+        kind = _kind(node, path)
+        if kind == "tensor":
+            return self.tensor_in_state(current, node, path)
+        if kind in ("module", "stateful"):
+            return self.object(current, node, path)
+        if kind in PLAIN_KINDS and _is_plain_node(node):
+            return self.plain(node, path, None)
+        if kind == "dict":
+            lender = current if isinstance(current, Mapping) else {}
+            pairs = self.keyed(node, path)
+            return _Dict(None, [(k, self.in_state(lender.get(k), n, join_path(path, k))) for k, n in pairs])
+        if kind in ("list", "tuple"):
+            items = _items(node, path)
+            lender = list(current) if isinstance(current, (list, tuple)) else []
+            lender += [None] * (len(items) - len(lender))
+            slots = [self.in_state(lender[i], n, join_path(path, i)) for i, n in enumerate(items)]
+            return _List(None, slots) if kind == "list" else _Tuple(None, slots)
+        raise CheckpointError(f"{path or '<root>'}: unknown checkpoint node kind {kind!r}")
+
+    def plain(self, node: dict[str, Any], path: str, live: Any) -> _Slot:
+        value = decode_plain(node, path, self.allow_pickle)  # decoded now: a refusal must come first
+        if isinstance(value, dict) and isinstance(live, MutableMapping) or (
+            isinstance(value, list) and isinstance(live, list)
+        ):
+            return _Refill(live, value)
+        return _Value(value)
+
+    def mismatch(self, path: str, message: str) -> _Slot:
+        self.mismatches.append(f"{path or '<root>'}: {message}")
+        return _Value(None)
+
+    # -- objects ---------------------------------------------------------------------------
+
+    def object(self, live: Any, node: dict[str, Any], path: str) -> _Slot:
+        if node["t"] == "module":
+            if not isinstance(live, nn.Module):
+                return self.mismatch(path, f"the checkpoint has an nn.Module, app_state has a {type_name(live)}")
+            return self.module(live, node, path)
+        if not is_stateful(live):
+            return self.mismatch(
+                path, f"the checkpoint has a Stateful ({node.get('cls')}), app_state has a {type_name(live)}"
+            )
+        current = _state_dict(live, path)
+        self._stateful_depth += 1
+        try:
+            state = self.in_state(current, _child(node, "state", path), path)
+        finally:
+            self._stateful_depth -= 1
+        return _Stateful(live, path, state)
+
+    def module(self, module: nn.Module, node: dict[str, Any], path: str) -> _Slot:
+        entries = _child(node, "entries", path)
+        if _kind(entries, path) != "dict":
+            raise CheckpointError(f"{path or '<root>'}: a module's entries must be a 'dict' node")
+        pairs = self.keyed(entries, path)
+        current = _state_dict(module, path, keep_vars=True)
+        self.check_keys([k for k, _ in pairs], list(current), path, "the module")
+        own = {id(t) for _, t in module.named_parameters(remove_duplicate=False)}
+        own |= {id(t) for _, t in module.named_buffers(remove_duplicate=False)}
+        extra: list[tuple[str, _Slot]] = []
+        for key, entry in pairs:
+            if key not in current:
+                continue
+            live, entry_path = current[key], join_path(path, key)
+            if _kind(entry, entry_path) == "tensor" and id(live) in own:
+                self.tensor_in_place(live, entry, entry_path)
+            elif _kind(entry, entry_path) == "tensor" and not isinstance(live, torch.Tensor):
+                self.mismatch(entry_path, f"the checkpoint has a tensor, the module has a {type_name(live)}")
+            else:  # extra state, or a tensor _save_to_state_dict computed: only load_state_dict can take it
+                extra.append((key, self.in_state(live, entry, entry_path)))
+        return _Module(module, path, extra, getattr(current, "_metadata", None))
+
+    # -- tensors ---------------------------------------------------------------------------
+
+    def tensor_in_place(self, live: Any, node: dict[str, Any], path: str) -> _Slot:
+        spec = self.spec(node, path)
+        if not isinstance(live, torch.Tensor):
+            found = type_name(live)
+            return self.mismatch(path, f"the checkpoint has a tensor ({spec.describe()}), app_state has a {found}")
+        problem = _target_problem(live, spec)
+        if problem is not None:
+            return self.mismatch(path, problem)
+        self.add_copy(live, spec, path)
+        return _Value(live)
+
+    def tensor_in_state(self, current: Any, node: dict[str, Any], path: str) -> _Slot:
+        spec = self.spec(node, path)
+        if isinstance(current, torch.Tensor) and tensor_problem(current) is None:
+            problem = _target_problem(current, spec)
+            if problem is not None:
+                return self.mismatch(path, problem)
+            target = current
+        else:  # not created yet (fresh optimizer), or nothing usable to write into
+            target = _allocate(spec)
+        self.add_copy(target, spec, path)
+        return _Value(target)
+
+    def add_copy(self, target: torch.Tensor, spec: _Spec, path: str) -> None:
+        self.span_paths[spec.storage].append(path)
+        if self._stateful_depth:
+            self.stateful_spans.add(spec.storage)
+        seen = self._targets.get(id(target))
+        if seen is not None:
+            if seen[:2] != (spec.storage, spec.byte_offset):
+                self.mismatch(path, f"this tensor is also {seen[2]} here, but the checkpoint stores them apart")
+            return  # tied: one tensor, one copy
+        self._targets[id(target)] = (spec.storage, spec.byte_offset, path)
+        self.copies.setdefault(spec.storage, []).append(_Copy(target, spec, path))
+
+    def spec(self, node: dict[str, Any], path: str) -> _Spec:
+        where = path or "<root>"
+        try:
+            spec = _Spec(
+                storage=_int(node["storage"]),
+                dtype=dtype_from_name(node["dtype"], path),
+                shape=tuple(_int(d) for d in node["shape"]),
+                stride=tuple(_int(s) for s in node["stride"]),
+                byte_offset=_int(node["byte_offset"]),
+                device=str(node["device"]),
+                requires_grad=bool(node["requires_grad"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{where}: malformed 'tensor' node: {exc!r}") from exc
+        if spec.dtype in _QUANTIZED:
+            raise CheckpointError(f"{where}: quantized dtype {spec.dtype} cannot be restored")
+        if len(spec.shape) != len(spec.stride) or min(spec.shape + spec.stride + (spec.byte_offset,), default=0) < 0:
+            raise CheckpointError(f"{where}: malformed 'tensor' node: shape {spec.shape}, stride {spec.stride}")
+        if not 0 <= spec.storage < len(self.spans):
+            raise CheckpointError(f"{where}: storage {spec.storage} is not in the checkpoint's storage table")
+        if spec.numel and spec.byte_offset + spec.extent > self.spans[spec.storage].nbytes:
+            raise CheckpointError(
+                f"{where}: the tensor reaches byte {spec.byte_offset + spec.extent} of storage {spec.storage}, "
+                f"which holds {self.spans[spec.storage].nbytes}; the checkpoint is inconsistent"
+            )
+        return spec
+
+
+def _kind(node: Any, path: str) -> str:
+    kind = node.get("t") if isinstance(node, dict) else None
+    if not isinstance(kind, str):
+        raise CheckpointError(f"{path or '<root>'}: malformed checkpoint node {str(node)[:80]!r}")
+    return kind
+
+
+def _child(node: dict[str, Any], field: str, path: str) -> dict[str, Any]:
+    child = node.get(field)
+    if not isinstance(child, dict):
+        raise CheckpointError(f"{path or '<root>'}: a {node['t']!r} node has no {field!r}")
+    return child
+
+
+def _items(node: dict[str, Any], path: str) -> list[Any]:
+    items = node.get("items")
+    if not isinstance(items, list):
+        raise CheckpointError(f"{path or '<root>'}: malformed {node['t']!r} node")
+    return items
+
+
+def _int(value: Any) -> int:
+    if type(value) is not int:
+        raise TypeError(f"expected an int, got {value!r}")
+    return value
+
+
+def _is_plain_node(node: Any) -> bool:
+    """True when the subtree holds no tensor or object: it is restored as one value.
+
+    Malformed parts count as plain so that :func:`decode_plain` reports them.
+    """
+    if not isinstance(node, dict):
+        return True
+    kind, items = node.get("t"), node.get("items")
+    if kind in ("dict", "list", "tuple") and isinstance(items, list):
+        if kind == "dict":
+            items = [p[1] for p in items if isinstance(p, list) and len(p) == 2]
+        return all(_is_plain_node(v) for v in items)
+    return kind in PLAIN_KINDS
+
+
+def _state_dict(obj: Any, path: str, **kwargs: Any) -> Any:
+    try:
+        return obj.state_dict(**kwargs)
+    except Exception as exc:
+        raise CheckpointError(f"{path or '<root>'}: {type_name(obj)}.state_dict() failed: {exc!r}") from exc
+
+
+def _target_problem(target: torch.Tensor, spec: _Spec) -> str | None:
+    """Why ``target`` cannot take the checkpoint's tensor in place, or None."""
+    if target.shape != spec.shape or target.dtype != spec.dtype:
+        return (
+            f"the checkpoint has {spec.describe()}, the target has "
+            f"shape {list(target.shape)} dtype {dtype_name(target.dtype)}"
+        )
+    problem = tensor_problem(target)
+    if problem is not None:
+        hint = "; materialize it first (e.g. module.to_empty(device=...))" if target.is_meta else ""
+        return f"the target cannot be written in place: {problem}{hint}"
+    return None
+
+
+def _allocate(spec: _Spec) -> torch.Tensor:
+    """A new tensor for ``spec`` on its recorded device if this machine has it, else on CPU."""
+    device = _device_here(spec.device)
+    if spec.numel and _dense(spec.shape, spec.stride):
+        tensor = torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device=device)
+    else:  # overlapping or gapped layouts cannot be allocated as such; contiguous holds the values
+        tensor = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+    if spec.requires_grad and (spec.dtype.is_floating_point or spec.dtype.is_complex):
+        tensor.requires_grad_(True)
+    return tensor
+
+
+def _dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Non-overlapping and without gaps (a permutation of a contiguous layout)."""
+    expected = 1
+    for step, size in sorted((s, n) for n, s in zip(shape, stride) if n != 1):
+        if step != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _device_here(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        return torch.device("cpu")
+    if device.type == "cpu":
+        return device
+    backend: Any = getattr(torch, device.type, None)
+    try:
+        ok = bool(backend.is_available()) and (device.index is None or device.index < backend.device_count())
+    except Exception:  # a backend without these functions: treat it as absent
+        ok = False
+    return device if ok else torch.device("cpu")
+
+
+def _copy_into(target: torch.Tensor, data: torch.Tensor, spec: _Spec) -> None:
+    """Bitwise ``target[...] = span bytes`` through integer views; works for strided targets."""
+    if spec.numel == 0:
+        return
+    src = _source_view(data, spec)
+    dst = _int_view(target.detach())
+    non_blocking = src.device.type == "cpu" and dst.device.type != "cpu" and src.is_pinned()
+    with _write_mode(target):
+        dst.copy_(src, non_blocking=non_blocking)
+
+
+def _int_view(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.element_size() == 16:  # complex128: two int64 lanes per element
+        return torch.view_as_real(tensor).view(torch.int64)
+    return tensor.view(_INT_OF_SIZE[tensor.element_size()])
+
+
+def _source_view(data: torch.Tensor, spec: _Spec) -> torch.Tensor:
+    """The tensor's bytes within ``data``, seen as the integer layout :func:`_int_view` gives."""
+    raw = data[spec.byte_offset : spec.byte_offset + spec.extent]
+    item = spec.itemsize
+    if raw.storage_offset() % item or raw.data_ptr() % item:
+        raw = raw.clone()  # views of mixed dtypes can leave this one unaligned in the span
+    if item == 16:
+        flat = raw.view(torch.int64)
+        return flat.as_strided(spec.shape + (2,), tuple(2 * s for s in spec.stride) + (1,))
+    return raw.view(_INT_OF_SIZE[item]).as_strided(spec.shape, spec.stride)
+
+
+def _write_mode(target: torch.Tensor) -> AbstractContextManager[Any]:
+    # Inference tensors may only be written inside inference mode; others under no_grad, so
+    # restoring a Parameter is not recorded by autograd.
+    return torch.inference_mode() if target.is_inference() else torch.no_grad()

@@ -1,0 +1,314 @@
+"""Where bytes go: the small :class:`Backend` protocol and the local-directory backend.
+
+The repository never touches files directly; it speaks to a backend with paths relative to
+the checkpoint root, always ``/``-separated (``"packs/ab/ab12....pack"``). The protocol is
+small on purpose so that a fault-injecting wrapper (tests) or an object store (fsspec) fits.
+
+Call order the repository follows (and a backend may rely on):
+
+* write a file: ``makedirs(dir)`` -> ``open_write("tmp/x")`` -> ``write(...)``\\* ->
+  ``close(sync=True)`` -> ``rename("tmp/x", final)`` -> ``sync_dir(dir of final)``.
+  Nothing is ever written in place under its final name, and committed files are never
+  modified afterwards (packs and manifests are immutable).
+* read: ``listdir`` / ``exists`` / ``size``, then ``read_range`` or ``readinto_range``.
+* delete: ``remove(path)`` then ``sync_dir``; removing a missing file is not an error
+  (another process's gc may have been first).
+* locking: ``lock(exclusive=False)`` for the life of a write transaction,
+  ``lock(exclusive=True)`` for gc; ``release()`` on the returned handle.
+
+Every method raises :class:`OSError` (with ``errno`` set) on failure; translating that into
+:class:`gpusnap.StorageError` with a useful message is the repository's job.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import time
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = [
+    "Backend",
+    "BackendLock",
+    "LocalBackend",
+    "WriteHandle",
+    "open_backend",
+]
+
+
+class WriteHandle(Protocol):
+    """A file being written under a temporary name."""
+
+    def write(self, data: bytes | memoryview) -> None:
+        """Write all of ``data`` (looping over short writes) or raise :class:`OSError`."""
+        ...
+
+    def close(self, *, sync: bool) -> None:
+        """Flush, ``fsync`` when ``sync`` (durability before a rename), then close.
+
+        The handle is closed even when flushing or syncing raises.
+        """
+        ...
+
+
+class BackendLock(Protocol):
+    """A held root lock; ``release()`` is idempotent."""
+
+    def release(self) -> None: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Storage primitives relative to one checkpoint root. See the module docstring."""
+
+    root: str
+    """The root, as shown to users in messages."""
+
+    def describe(self, path: str) -> str:
+        """Full location of ``path`` for error messages (an absolute path or a URL)."""
+        ...
+
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` (``""`` is the root itself) exists, as a file or a directory."""
+        ...
+
+    def isdir(self, path: str) -> bool:
+        """Whether ``path`` is a directory (object stores: a prefix with children)."""
+        ...
+
+    def makedirs(self, path: str) -> None:
+        """Create ``path`` and its parents; existing directories are fine."""
+        ...
+
+    def listdir(self, path: str) -> list[str]:
+        """Names (not paths) directly under ``path``, sorted; :class:`FileNotFoundError` if missing."""
+        ...
+
+    def size(self, path: str) -> int:
+        """Size of a file in bytes."""
+        ...
+
+    def open_write(self, path: str) -> WriteHandle:
+        """Create or truncate ``path`` for writing; the parent directory must exist."""
+        ...
+
+    def rename(self, src: str, dst: str) -> None:
+        """Move ``src`` to ``dst``, atomically replacing ``dst`` where the medium allows."""
+        ...
+
+    def read_range(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        """Up to ``length`` bytes at ``offset`` (``None``: to the end); short only at end of file."""
+        ...
+
+    def readinto_range(self, path: str, offset: int, out: memoryview) -> int:
+        """Fill ``out`` from ``offset`` without an intermediate copy where possible.
+
+        Returns the number of bytes read, smaller than ``len(out)`` only at end of file.
+        """
+        ...
+
+    def remove(self, path: str) -> None:
+        """Delete a file; a missing file is not an error."""
+        ...
+
+    def sync_dir(self, path: str) -> None:
+        """Make renames and removals in directory ``path`` durable (``fsync`` on the directory)."""
+        ...
+
+    def lock(self, *, exclusive: bool, timeout: float) -> BackendLock:
+        """Take the root lock, shared or exclusive, waiting up to ``timeout`` seconds.
+
+        ``timeout=0`` tries once. Raises :class:`TimeoutError` when the lock stays busy.
+        """
+        ...
+
+
+class _LocalWriteHandle:
+    """An ``os.open`` file descriptor; ``os.write`` takes memoryviews without copying."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd: int | None = fd
+
+    def write(self, data: bytes | memoryview) -> None:
+        if self._fd is None:
+            raise ValueError("write to a closed file")
+        view = memoryview(data)
+        while len(view):
+            written = os.write(self._fd, view)
+            view = view[written:]
+
+    def close(self, *, sync: bool) -> None:
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            if sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class _FlockLock:
+    """``fcntl.flock`` on an open file descriptor; closing the descriptor releases it."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
+
+
+def _poll_until(acquire: Callable[[], bool], timeout: float) -> bool:
+    """Call ``acquire()`` until it returns True or ``timeout`` passes (short, growing sleeps)."""
+    deadline = time.monotonic() + max(0.0, timeout)
+    delay = 0.005
+    while True:
+        if acquire():
+            return True
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        time.sleep(min(delay, remaining))
+        delay = min(delay * 2, 0.1)
+
+
+class LocalBackend:
+    """A directory on a local (POSIX) filesystem.
+
+    Locking uses ``fcntl.flock`` on ``ROOT/lock``: each lock opens its own descriptor, so two
+    :class:`~gpusnap.storage.repository.Repository` objects in one process exclude each other
+    exactly as two processes do.
+    """
+
+    LOCK_NAME = "lock"
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root: str = os.path.abspath(os.fspath(root))
+
+    def __repr__(self) -> str:
+        return f"LocalBackend({self.root!r})"
+
+    def _abs(self, path: str) -> str:
+        return os.path.join(self.root, *path.split("/")) if path else self.root
+
+    def describe(self, path: str) -> str:
+        return self._abs(path)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(self._abs(path))
+
+    def isdir(self, path: str) -> bool:
+        return os.path.isdir(self._abs(path))
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(self._abs(path), exist_ok=True)
+
+    def listdir(self, path: str) -> list[str]:
+        return sorted(os.listdir(self._abs(path)))
+
+    def size(self, path: str) -> int:
+        return os.stat(self._abs(path)).st_size
+
+    def open_write(self, path: str) -> WriteHandle:
+        fd = os.open(self._abs(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        return _LocalWriteHandle(fd)
+
+    def rename(self, src: str, dst: str) -> None:
+        os.replace(self._abs(src), self._abs(dst))
+
+    def read_range(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        fd = os.open(self._abs(path), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if length is None:
+                length = max(0, os.fstat(fd).st_size - offset)
+            parts: list[bytes] = []
+            got = 0
+            while got < length:
+                part = os.pread(fd, length - got, offset + got)
+                if not part:
+                    break
+                parts.append(part)
+                got += len(part)
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+        finally:
+            os.close(fd)
+
+    def readinto_range(self, path: str, offset: int, out: memoryview) -> int:
+        view = memoryview(out).cast("B") if memoryview(out).format != "B" else memoryview(out)
+        fd = os.open(self._abs(path), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            got = 0
+            while got < len(view):
+                n = os.preadv(fd, [view[got:]], offset + got)
+                if n == 0:
+                    break
+                got += n
+            return got
+        finally:
+            os.close(fd)
+
+    def remove(self, path: str) -> None:
+        try:
+            os.remove(self._abs(path))
+        except FileNotFoundError:
+            pass
+
+    def sync_dir(self, path: str) -> None:
+        fd = os.open(self._abs(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def lock(self, *, exclusive: bool, timeout: float) -> BackendLock:
+        lock_path = self._abs(self.LOCK_NAME)
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            # A read-only medium still allows flock on an existing file opened read-only.
+            if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise
+            fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
+        mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
+
+        def attempt() -> bool:
+            try:
+                fcntl.flock(fd, mode)
+                return True
+            except BlockingIOError:
+                return False
+
+        try:
+            acquired = _poll_until(attempt, timeout)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not acquired:
+            os.close(fd)
+            raise TimeoutError(errno.EWOULDBLOCK, "lock busy", lock_path)
+        return _FlockLock(fd)
+
+
+def open_backend(root: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Backend:
+    """A backend for ``root``: a plain path or ``file://`` URL is local, any other URL uses fsspec.
+
+    >>> type(open_backend("/tmp/x")).__name__
+    'LocalBackend'
+    """
+    if not isinstance(root, str):
+        return LocalBackend(root)
+    protocol, sep, rest = root.partition("://")
+    if not sep:
+        return LocalBackend(root)
+    if protocol == "file":
+        return LocalBackend(rest)
+    from gpusnap.storage.fsspec_backend import FsspecBackend
+
+    return FsspecBackend(root, storage_options)

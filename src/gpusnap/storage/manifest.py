@@ -1,0 +1,121 @@
+"""The manifest: one self-checking JSON document per checkpoint.
+
+A manifest is what makes a checkpoint visible: it names every chunk by digest (locations come
+from pack indexes) and carries the app_state tree and stats, which this layer treats as
+opaque JSON. Its ``checksum`` covers the canonical JSON of every other field, so a flipped
+byte or a torn write is an :class:`IntegrityError`, never a silently wrong restore.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from gpusnap.errors import CheckpointError, IntegrityError
+from gpusnap.kernels.hashing import chunk_digest
+
+__all__ = ["FORMAT", "VERSION", "Manifest", "StorageEntry", "canonical_json"]
+
+FORMAT = "gpusnap"
+VERSION = 1
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Deterministic JSON (sorted keys, compact, ASCII, no NaN): the bytes the checksum covers."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode("ascii")
+
+
+@dataclass(frozen=True)
+class StorageEntry:
+    """One stored span: its length and the digests of its chunks, in order."""
+
+    nbytes: int
+    device: str
+    chunks: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A committed checkpoint. ``tree`` and ``stats`` belong to the layers above."""
+
+    id: str
+    tag: str | None
+    created: float
+    chunk_size: int
+    storages: tuple[StorageEntry, ...]
+    tree: dict[str, Any]
+    stats: dict[str, Any]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data in the checkpoint (before deduplication)."""
+        return sum(s.nbytes for s in self.storages)
+
+    def _body(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "id": self.id,
+            "tag": self.tag,
+            "created": self.created,
+            "chunk_size": self.chunk_size,
+            "storages": [
+                {"nbytes": s.nbytes, "device": s.device, "chunks": list(s.chunks)} for s in self.storages
+            ],
+            "tree": self.tree,
+            "stats": self.stats,
+        }
+
+    def to_json(self) -> bytes:
+        """The file's bytes: canonical JSON of all fields plus ``checksum``."""
+        body = self._body()
+        try:
+            checksum = chunk_digest(canonical_json(body))
+            return canonical_json({**body, "checksum": checksum})
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(
+                f"manifest {self.id}: tree/stats must be plain JSON (no NaN, no objects): {exc}"
+            ) from None
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> Manifest:
+        """Parse and check a manifest; ``where`` (its path) appears in every error."""
+        try:
+            doc = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise IntegrityError(f"manifest {where} is unreadable (truncated or corrupt): {exc}") from None
+        if not isinstance(doc, dict):
+            raise IntegrityError(f"manifest {where} is not a JSON object (corrupt)")
+        if doc.get("format") != FORMAT or doc.get("version") != VERSION:
+            raise CheckpointError(
+                f"manifest {where} has format {doc.get('format')!r} version {doc.get('version')!r}; "
+                f"this gpusnap reads {FORMAT!r} version {VERSION} (upgrade gpusnap to read it)"
+            )
+        checksum = doc.pop("checksum", None)
+        try:
+            expected = chunk_digest(canonical_json(doc))
+        except ValueError as exc:  # NaN/Infinity literals: never written by to_json
+            raise IntegrityError(f"manifest {where} is corrupt: {exc}") from None
+        if checksum != expected:
+            raise IntegrityError(f"manifest {where} fails its checksum (corrupt or modified)")
+        try:
+            storages = tuple(
+                StorageEntry(int(s["nbytes"]), str(s["device"]), tuple(str(c) for c in s["chunks"]))
+                for s in doc["storages"]
+            )
+            tree, stats = doc["tree"], doc["stats"]
+            if not isinstance(tree, dict) or not isinstance(stats, dict):
+                raise TypeError("tree and stats must be objects")
+            tag = doc["tag"]
+            return cls(
+                id=str(doc["id"]),
+                tag=None if tag is None else str(tag),
+                created=float(doc["created"]),
+                chunk_size=int(doc["chunk_size"]),
+                storages=storages,
+                tree=tree,
+                stats=stats,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"manifest {where} is malformed (written by a buggy writer?): {exc!r}") from None

@@ -1,0 +1,894 @@
+"""The checkpoint repository: packs + manifests under one root, with atomic commits and gc.
+
+Visibility rule (docs/architecture.md): a checkpoint exists once ``manifests/<id>.json`` exists
+with a valid checksum; every pack it names was fsynced and renamed into ``packs/`` before the
+manifest was renamed into place. Everything else (``tmp/``, packs no manifest references) is
+garbage that only ``gc`` removes, under the exclusive root lock that no live write
+transaction lets it take.
+
+Write transaction states: ``open -> committing -> committed``, or ``-> aborted``. A backend
+failure while ``open`` marks it *failed* (further puts and the commit raise a
+:class:`StorageError`) and ``abort()`` (or leaving the ``with`` block) cleans up;
+``commit()`` either commits or aborts.
+"""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import json
+import os
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from gpusnap.config import Config
+from gpusnap.errors import CheckpointError, CheckpointNotFoundError, IntegrityError, StorageError
+from gpusnap.kernels.hashing import chunk_digest
+from gpusnap.storage.backend import Backend, BackendLock, open_backend
+from gpusnap.storage.manifest import FORMAT, VERSION, Manifest, canonical_json
+from gpusnap.storage.pack import PACK_MAGIC, PackIndex, PackWriter, pack_path, read_pack_index
+
+__all__ = ["GcReport", "Repository", "VerifyReport", "WriteTxn"]
+
+ROOT_FILE = "gpusnap.json"
+PACKS, MANIFESTS, TMP = "packs", "manifests", "tmp"
+_LAYOUT = frozenset({PACKS, MANIFESTS, TMP, "lock"})
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_INTACT = "this checkpoint was not committed; earlier checkpoints are intact"
+
+
+@dataclass(frozen=True)
+class GcReport:
+    """What a gc run removed, or why it held back."""
+
+    deleted_checkpoints: tuple[str, ...] = ()
+    deleted_packs: tuple[str, ...] = ()
+    freed_bytes: int = 0
+    skipped: bool = False
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """Outcome of re-hashing stored chunks; ``ok`` is False when ``problems`` is not empty."""
+
+    ok: bool
+    problems: tuple[str, ...]
+    checked_checkpoints: int
+    checked_chunks: int
+    checked_bytes: int
+
+
+def _os_reason(exc: OSError) -> str:
+    name = errno.errorcode.get(exc.errno or 0, "")
+    text = exc.strerror or str(exc) or type(exc).__name__
+    return f"{text} [{name}]" if name else text
+
+
+def _storage_error(exc: OSError, doing: str, where: str, *, writing: bool) -> StorageError:
+    """One line: what failed, where, and (for writes) that nothing earlier was harmed."""
+    tail = f"; {_INTACT}" if writing else ""
+    return StorageError(f"{doing} {where} failed: {_os_reason(exc)}{tail}")
+
+
+def _about(what: str) -> str:
+    return f" ({what})" if what else ""
+
+
+def _byte_view(data: bytes | bytearray | memoryview) -> memoryview:
+    view = memoryview(data)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")  # needs a C-contiguous buffer, as any chunk of a span is
+    return view
+
+
+class Repository:
+    """A checkpoint root. Thread-safe; open one per process (or several: locks are per object)."""
+
+    def __init__(self, backend: Backend, config: Config) -> None:
+        """Use :meth:`open`; this constructor assumes the root layout already exists."""
+        self.backend = backend
+        self.config = config
+        self.root: str = backend.root
+        self._mutex = threading.RLock()
+        self._refresh_mutex = threading.Lock()
+        self._packs: dict[str, PackIndex] = {}
+        self._chunks: dict[str, tuple[str, int, int]] = {}
+        self._manifest_cache: dict[str, Manifest] = {}
+        self._issued_ids: set[str] = set()
+
+    # ------------------------------------------------------------------ opening
+
+    @classmethod
+    def open(
+        cls,
+        root: str | os.PathLike[str],
+        *,
+        create: bool = False,
+        storage_options: dict[str, Any] | None = None,
+        config: Config | None = None,
+        backend: Backend | None = None,
+    ) -> Repository:
+        """Open (or with ``create=True`` initialise) the checkpoint root at ``root``."""
+        backend = backend if backend is not None else open_backend(root, storage_options)
+        config = config if config is not None else Config.from_env()
+        where = backend.root
+        try:
+            if not backend.exists(""):
+                if not create:
+                    raise CheckpointNotFoundError(f"no checkpoint root at {where} (pass create=True to make one)")
+                cls._initialise(backend)
+            elif not backend.isdir(""):
+                raise CheckpointError(f"{where} is a file, not a checkpoint root directory")
+            elif ROOT_FILE in (names := set(backend.listdir(""))):
+                cls._check_root_file(backend)
+                if create:
+                    cls._initialise(backend, root_file=False)
+            elif names <= _LAYOUT:
+                # Empty, or a root another process is creating right now (gpusnap.json comes
+                # last): either way creating it here is safe and idempotent.
+                if not create:
+                    raise CheckpointNotFoundError(f"no checkpoint root at {where} (the directory is empty)")
+                cls._initialise(backend)
+            else:
+                raise CheckpointError(
+                    f"{where} exists but is not a gpusnap checkpoint root (no {ROOT_FILE}); "
+                    "pick an empty or new directory"
+                )
+        except OSError as exc:
+            raise _storage_error(exc, "opening checkpoint root", where, writing=False) from exc
+        return cls(backend, config)
+
+    @staticmethod
+    def _initialise(backend: Backend, *, root_file: bool = True) -> None:
+        for d in (PACKS, MANIFESTS, TMP):
+            backend.makedirs(d)
+        if root_file:
+            tmp = f"{TMP}/{ROOT_FILE}.{os.getpid()}-{secrets.token_hex(4)}"
+            handle = backend.open_write(tmp)
+            try:
+                handle.write(canonical_json({"format": FORMAT, "version": VERSION}))
+            finally:
+                handle.close(sync=True)
+            backend.rename(tmp, ROOT_FILE)
+            backend.sync_dir("")
+        # Creates ROOT/lock now, so that a root later mounted read-only can still be locked.
+        try:
+            backend.lock(exclusive=False, timeout=0.0).release()
+        except TimeoutError:
+            pass  # someone holds it, so it exists
+
+    @staticmethod
+    def _check_root_file(backend: Backend) -> None:
+        where = backend.describe(ROOT_FILE)
+        try:
+            doc = json.loads(backend.read_range(ROOT_FILE).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise CheckpointError(f"{where} is not valid JSON: {exc}") from None
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("version") != VERSION:
+            raise CheckpointError(
+                f"{where} describes an unsupported layout {doc!r}; this gpusnap reads version {VERSION}"
+            )
+
+    def __repr__(self) -> str:
+        return f"Repository({self.root!r})"
+
+    # ------------------------------------------------------------------ helpers
+
+    @contextmanager
+    def _io(self, doing: str, path: str, *, writing: bool = False) -> Iterator[None]:
+        try:
+            yield
+        except OSError as exc:
+            raise _storage_error(exc, doing, self.backend.describe(path), writing=writing) from exc
+
+    def _listdir(self, path: str) -> builtins.list[str]:
+        """Names under ``path``; a missing directory is empty (object stores have no empty dirs)."""
+        try:
+            return self.backend.listdir(path)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise _storage_error(exc, "listing", self.backend.describe(path), writing=False) from exc
+
+    def _lock(self, *, exclusive: bool, timeout: float) -> BackendLock:
+        try:
+            return self.backend.lock(exclusive=exclusive, timeout=timeout)
+        except TimeoutError:
+            raise StorageError(
+                f"another process holds {self.root} (gc or save in progress); "
+                f"gave up waiting for the {'exclusive' if exclusive else 'shared'} lock after {timeout:g}s"
+            ) from None
+        except OSError as exc:
+            raise _storage_error(exc, "locking", self.backend.describe("lock"), writing=False) from exc
+
+    # ------------------------------------------------------------------ ids and manifests
+
+    def new_id(self, created: float) -> str:
+        """``YYYYMMDD-HHMMSS-mmm-xxxxxx`` (UTC, milliseconds, random hex): sortable and unique.
+
+        No I/O (save() calls it while the caller waits): 24 random bits make ids from
+        concurrent processes distinct within a millisecond, ids issued by this object are
+        never repeated, and commit refuses to overwrite an existing manifest.
+        """
+        seconds, millis = divmod(round(created * 1000), 1000)
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(seconds))
+        with self._mutex:
+            while True:
+                cid = f"{stamp}-{millis:03d}-{secrets.token_hex(3)}"
+                if cid not in self._issued_ids:
+                    self._issued_ids.add(cid)
+                    return cid
+
+    def _read_manifest(self, name: str) -> Manifest:
+        path = f"{MANIFESTS}/{name}"
+        where = self.backend.describe(path)
+        try:
+            data = self.backend.read_range(path)
+        except FileNotFoundError:
+            raise  # callers decide: vanished during a listing, or an unknown id
+        except OSError as exc:
+            raise _storage_error(exc, "reading manifest", where, writing=False) from exc
+        manifest = Manifest.from_json(data, where)
+        if f"{manifest.id}.json" != name:
+            raise IntegrityError(f"manifest {where} holds id {manifest.id!r}, which does not match its file name")
+        return manifest
+
+    def _scan(self, *, fresh: bool = False) -> tuple[builtins.list[Manifest], builtins.list[tuple[str, str]]]:
+        """All manifests, split into readable (oldest first) and problems.
+
+        Committed manifests never change, so readable ones are cached by file name; ``fresh``
+        re-reads every file (verify).
+        """
+        good: builtins.list[Manifest] = []
+        bad: builtins.list[tuple[str, str]] = []
+        names = [n for n in self._listdir(MANIFESTS) if n.endswith(".json")]
+        for name in names:
+            cached = None if fresh else self._manifest_cache.get(name)
+            if cached is not None:
+                good.append(cached)
+                continue
+            try:
+                manifest = self._read_manifest(name)
+            except FileNotFoundError:
+                continue
+            except CheckpointError as exc:  # IntegrityError, unknown version, StorageError
+                bad.append((self.backend.describe(f"{MANIFESTS}/{name}"), str(exc)))
+                continue
+            with self._mutex:
+                self._manifest_cache[name] = manifest
+            good.append(manifest)
+        with self._mutex:
+            for stale in set(self._manifest_cache) - set(names):
+                del self._manifest_cache[stale]
+        good.sort(key=lambda m: (m.created, m.id))
+        return good, bad
+
+    def list(self) -> builtins.list[Manifest]:
+        """Committed, readable checkpoints, oldest first (by ``created``, then id)."""
+        return self._scan()[0]
+
+    def problems(self) -> builtins.list[tuple[str, str]]:
+        """``(manifest file, error)`` for every manifest that cannot be read or fails its checksum."""
+        return self._scan()[1]
+
+    def load_manifest(self, checkpoint_id: str) -> Manifest:
+        """Read one manifest by id, checksum verified (no cache)."""
+        if not _ID_RE.match(checkpoint_id):
+            raise CheckpointNotFoundError(f"no checkpoint {checkpoint_id!r} in {self.root}")
+        try:
+            return self._read_manifest(f"{checkpoint_id}.json")
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"no checkpoint {checkpoint_id!r} in {self.root}") from None
+
+    def resolve(self, ref: str | None) -> Manifest:
+        """``None``: the newest readable checkpoint; else an id; else the newest with that tag."""
+        manifests, bad = self._scan()
+        note = f" ({len(bad)} unreadable manifest(s); run verify)" if bad else ""
+        if ref is None:
+            if not manifests:
+                raise CheckpointNotFoundError(f"no committed checkpoint in {self.root}{note}")
+            return manifests[-1]
+        for m in manifests:
+            if m.id == ref:
+                return m
+        tagged = [m for m in manifests if m.tag == ref]
+        if tagged:
+            return tagged[-1]
+        known = ", ".join(m.id for m in manifests[-5:]) or "none"
+        raise CheckpointNotFoundError(
+            f"no checkpoint with id or tag {ref!r} in {self.root}; newest known: {known}{note}"
+        )
+
+    def delete(self, checkpoint_id: str) -> None:
+        """Remove one manifest (the checkpoint disappears); its packs wait for :meth:`gc`."""
+        if not _ID_RE.match(checkpoint_id):
+            raise CheckpointNotFoundError(f"no checkpoint {checkpoint_id!r} in {self.root}")
+        path = f"{MANIFESTS}/{checkpoint_id}.json"
+        with self._io("deleting checkpoint", path):
+            if not self.backend.exists(path):
+                raise CheckpointNotFoundError(f"no checkpoint {checkpoint_id!r} in {self.root}")
+            self.backend.remove(path)
+            if self.config.fsync:
+                self.backend.sync_dir(MANIFESTS)
+        with self._mutex:
+            self._manifest_cache.pop(f"{checkpoint_id}.json", None)
+
+    # ------------------------------------------------------------------ chunk index
+
+    def _pack_paths(self) -> builtins.list[str]:
+        paths: builtins.list[str] = []
+        for fan in self._listdir(PACKS):
+            if len(fan) != 2:
+                continue
+            paths.extend(f"{PACKS}/{fan}/{n}" for n in self._listdir(f"{PACKS}/{fan}") if n.endswith(".pack"))
+        return paths
+
+    def _refresh_packs(self, errors: builtins.list[tuple[str, str]] | None = None) -> None:
+        """Re-list ``packs/``: forget vanished packs (another gc), index new ones from their trailers.
+
+        A damaged trailer is skipped (its chunks count as missing); with ``errors`` given, every
+        failure is collected there instead of a backend error being raised.
+        """
+        with self._refresh_mutex:
+            present = self._pack_paths()
+            with self._mutex:
+                gone = set(self._packs) - set(present)
+                for path in gone:
+                    del self._packs[path]
+                if gone:
+                    self._rebuild_chunk_map()
+                new = [p for p in present if p not in self._packs]
+            for path in new:
+                try:
+                    index = read_pack_index(self.backend, path)
+                except FileNotFoundError:
+                    continue
+                except IntegrityError as exc:
+                    if errors is not None:
+                        errors.append((path, str(exc)))
+                    continue
+                except OSError as exc:
+                    err = _storage_error(exc, "reading pack index", self.backend.describe(path), writing=False)
+                    if errors is None:
+                        raise err from exc
+                    errors.append((path, str(err)))
+                    continue
+                self._add_pack(index)
+
+    def _rebuild_chunk_map(self) -> None:
+        self._chunks = {}
+        for index in self._packs.values():
+            for e in index.entries:
+                self._chunks.setdefault(e.digest, (index.path, e.offset, e.length))
+
+    def _add_pack(self, index: PackIndex) -> None:
+        with self._mutex:
+            self._packs[index.path] = index
+            for e in index.entries:
+                self._chunks.setdefault(e.digest, (index.path, e.offset, e.length))
+
+    def _known(self, digest: str) -> bool:
+        with self._mutex:
+            return digest in self._chunks
+
+    def _locate(self, digest: str, what: str) -> tuple[str, int, int]:
+        with self._mutex:
+            loc = self._chunks.get(digest)
+        if loc is None:
+            self._refresh_packs()
+            with self._mutex:
+                loc = self._chunks.get(digest)
+        if loc is None:
+            raise IntegrityError(f"chunk {digest}{_about(what)} is missing: no pack under {self.root} holds it")
+        return loc
+
+    def _forget_pack(self, path: str) -> None:
+        with self._mutex:
+            if self._packs.pop(path, None) is not None:
+                self._rebuild_chunk_map()
+
+    # ------------------------------------------------------------------ reading chunks
+
+    def chunk_length(self, digest: str) -> int:
+        """Stored length of a chunk (for sizing a :meth:`read_chunk_into` buffer)."""
+        return self._locate(digest, "")[2]
+
+    def read_chunk(self, digest: str, *, what: str = "") -> bytes:
+        """A chunk's bytes, verified against ``digest``."""
+        path, offset, length = self._locate(digest, what)
+        try:
+            data = self.backend.read_range(path, offset, length)
+        except FileNotFoundError:
+            # Deleted by a gc elsewhere (the chunk may live in another pack too): look again.
+            self._forget_pack(path)
+            path, offset, length = self._locate(digest, what)
+            try:
+                data = self.backend.read_range(path, offset, length)
+            except OSError as exc:
+                raise self._read_error(exc, path, what) from exc
+        except OSError as exc:
+            raise self._read_error(exc, path, what) from exc
+        self._check(digest, data, path, offset, length, what)
+        return data
+
+    def read_chunk_into(self, digest: str, out: memoryview, *, what: str = "") -> None:
+        """Read a chunk straight into ``out`` (exactly its length), then verify it in place."""
+        view = _byte_view(out)
+        if view.readonly:
+            raise ValueError("read_chunk_into needs a writable buffer")
+        for attempt in (0, 1):
+            path, offset, length = self._locate(digest, what)
+            if length != len(view):
+                raise IntegrityError(
+                    f"chunk {digest}{_about(what)} in pack {self.backend.describe(path)} is {length} bytes, "
+                    f"the checkpoint expects {len(view)}"
+                )
+            try:
+                got = self.backend.readinto_range(path, offset, view)
+            except FileNotFoundError as exc:
+                if attempt:
+                    raise self._read_error(exc, path, what) from exc
+                self._forget_pack(path)
+                continue
+            except OSError as exc:
+                raise self._read_error(exc, path, what) from exc
+            self._check(digest, view[:got], path, offset, length, what)
+            return
+
+    def _read_error(self, exc: OSError, path: str, what: str) -> StorageError:
+        doing = f"reading chunk for {what} from pack" if what else "reading chunk from pack"
+        return _storage_error(exc, doing, self.backend.describe(path), writing=False)
+
+    def _check(self, digest: str, data: bytes | memoryview, path: str, offset: int, length: int, what: str) -> None:
+        where = self.backend.describe(path)
+        if len(data) != length:
+            raise IntegrityError(
+                f"chunk {digest}{_about(what)} in pack {where} is truncated: {len(data)} of {length} bytes"
+            )
+        if chunk_digest(data) != digest:
+            raise IntegrityError(
+                f"chunk {digest}{_about(what)} in pack {where} at offset {offset} does not match its digest (corrupt)"
+            )
+
+    # ------------------------------------------------------------------ writing
+
+    def begin_write(self, *, timeout: float = 60.0) -> WriteTxn:
+        """Start a write transaction: shared root lock, then a fresh view of existing packs."""
+        lock = self._lock(exclusive=False, timeout=timeout)
+        try:
+            self._refresh_packs()
+            return WriteTxn(self, lock)
+        except BaseException:
+            lock.release()
+            raise
+
+    # ------------------------------------------------------------------ gc
+
+    def gc(self, keep_last: int | None = None, *, blocking: bool = True, timeout: float = 30.0) -> GcReport:
+        """Delete old checkpoints, then packs nothing references, then stale ``tmp/`` files.
+
+        Runs under the exclusive root lock, so no write transaction is live. Crash-safe in
+        every order: manifests go first, so an interrupted gc leaves only garbage.
+
+        A pack is deleted only when *none* of its chunks is referenced; a partly live pack is
+        kept whole (rewriting the live part into a new pack, i.e. compaction, is future work:
+        manifests name chunks by digest, so it would not touch them). If any manifest is
+        unreadable, no pack is deleted at all: its references are unknown.
+        """
+        if keep_last is not None and keep_last < 0:
+            raise ValueError(f"keep_last must be >= 0 or None, got {keep_last}")
+        try:
+            lock = self._lock(exclusive=True, timeout=timeout if blocking else 0.0)
+        except StorageError as exc:
+            if blocking:
+                raise
+            return GcReport(skipped=True, notes=(str(exc),))
+        try:
+            return self._gc_locked(keep_last)
+        finally:
+            lock.release()
+
+    def _gc_locked(self, keep_last: int | None) -> GcReport:
+        notes: builtins.list[str] = []
+        freed = 0
+        manifests, bad = self._scan(fresh=True)
+        deleted_ids: builtins.list[str] = []
+        if keep_last is not None and len(manifests) > keep_last:
+            doomed = manifests[: len(manifests) - keep_last]
+            for m in doomed:
+                path = f"{MANIFESTS}/{m.id}.json"
+                with self._io("gc: deleting manifest", path):
+                    try:
+                        freed += self.backend.size(path)
+                    except FileNotFoundError:
+                        pass
+                    self.backend.remove(path)
+                deleted_ids.append(m.id)
+            if self.config.fsync:
+                with self._io("gc: syncing", MANIFESTS):
+                    self.backend.sync_dir(MANIFESTS)
+            manifests = manifests[len(doomed) :]
+            with self._mutex:
+                for cid in deleted_ids:
+                    self._manifest_cache.pop(f"{cid}.json", None)
+
+        deleted_packs: builtins.list[str] = []
+        if bad:
+            notes.append(
+                f"deleted no packs: {len(bad)} manifest(s) are unreadable, so which packs they need "
+                f"is unknown ({bad[0][0]}: {bad[0][1]}); fix or delete them, then run gc again"
+            )
+        else:
+            errors: builtins.list[tuple[str, str]] = []
+            self._refresh_packs(errors)
+            for path, err in errors:
+                notes.append(f"kept pack with unreadable index {self.backend.describe(path)}: {err}")
+            live = {d for m in manifests for s in m.storages for d in s.chunks}
+            with self._mutex:
+                packs = list(self._packs.values())
+            partly, dead_bytes = 0, 0
+            for index in packs:
+                live_entries = [e for e in index.entries if e.digest in live]
+                if live_entries:
+                    if len(live_entries) < len(index.entries):
+                        partly += 1
+                        dead_bytes += sum(e.length for e in index.entries if e.digest not in live)
+                    continue
+                with self._io("gc: deleting pack", index.path):
+                    self.backend.remove(index.path)
+                self._forget_pack(index.path)
+                deleted_packs.append(index.path)
+                freed += index.size
+            if partly:
+                notes.append(f"{partly} pack(s) are partly live: {dead_bytes} dead bytes kept (no compaction yet)")
+
+        for name in self._listdir(TMP):
+            path = f"{TMP}/{name}"
+            try:
+                size = self.backend.size(path)
+                self.backend.remove(path)
+                freed += size
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                notes.append(f"could not delete temporary {self.backend.describe(path)}: {_os_reason(exc)}")
+        return GcReport(tuple(deleted_ids), tuple(deleted_packs), freed, False, tuple(notes))
+
+    # ------------------------------------------------------------------ verify
+
+    def verify(
+        self, checkpoint_id: str | None = None, *, progress: Callable[[int], None] | None = None
+    ) -> VerifyReport:
+        """Re-hash every chunk of one checkpoint (id or tag) or of all, and check pack trailers.
+
+        Works from freshly read pack indexes, not from what this object remembers. Holds the
+        shared lock (best effort) so a concurrent gc cannot pull packs away mid-check.
+        """
+        try:
+            lock: BackendLock | None = self._lock(exclusive=False, timeout=30.0)
+        except StorageError:
+            lock = None  # read-only media or a long gc: verify anyway, a vanished pack is reported
+        try:
+            return self._verify(checkpoint_id, progress)
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _verify(self, checkpoint_id: str | None, progress: Callable[[int], None] | None) -> VerifyReport:
+        problems: builtins.list[str] = []
+        if checkpoint_id is None:
+            manifests, bad = self._scan(fresh=True)
+            problems.extend(f"manifest {where}: {err}" for where, err in bad)
+        else:
+            try:
+                manifests = [self.load_manifest(checkpoint_id)]
+            except CheckpointNotFoundError:
+                manifests = [self.resolve(checkpoint_id)]  # a tag, or CheckpointNotFoundError
+            except CheckpointError as exc:
+                manifests = []
+                problems.append(str(exc))
+
+        packs: dict[str, PackIndex] = {}
+        pack_errors: builtins.list[str] = []
+        for path in self._pack_paths():
+            try:
+                packs[path] = read_pack_index(self.backend, path)
+            except FileNotFoundError:
+                continue
+            except IntegrityError as exc:
+                pack_errors.append(str(exc))
+            except OSError as exc:
+                where = self.backend.describe(path)
+                pack_errors.append(str(_storage_error(exc, "reading pack index", where, writing=False)))
+        where_is: dict[str, tuple[str, int, int]] = {}
+        for index in packs.values():
+            for e in index.entries:
+                where_is.setdefault(e.digest, (index.path, e.offset, e.length))
+        if checkpoint_id is None:
+            problems.extend(pack_errors)
+
+        results: dict[str, str | None] = {}
+        used_packs: set[str] = set()
+        checked_chunks = checked_bytes = 0
+        for m in manifests:
+            for si, storage in enumerate(m.storages):
+                for ci, digest in enumerate(storage.chunks):
+                    if digest not in results:
+                        loc = where_is.get(digest)
+                        if loc is None:
+                            hint = f" ({len(pack_errors)} pack(s) have unreadable indexes)" if pack_errors else ""
+                            results[digest] = f"chunk {digest} is missing: no pack holds it{hint}"
+                        else:
+                            used_packs.add(loc[0])
+                            results[digest] = self._verify_chunk(digest, *loc)
+                            checked_chunks += 1
+                            checked_bytes += loc[2]
+                            if progress is not None:
+                                progress(loc[2])
+                    if results[digest] is not None:
+                        problems.append(f"checkpoint {m.id}: storage {si} chunk {ci}: {results[digest]}")
+                if all(d in where_is for d in storage.chunks):
+                    total = sum(where_is[d][2] for d in storage.chunks)
+                    if total != storage.nbytes:
+                        problems.append(
+                            f"checkpoint {m.id}: storage {si} chunks hold {total} bytes, "
+                            f"the manifest says {storage.nbytes}"
+                        )
+
+        for path in sorted(packs if checkpoint_id is None else used_packs):
+            problems.extend(self._verify_pack_header(packs[path]))
+        return VerifyReport(not problems, tuple(problems), len(manifests), checked_chunks, checked_bytes)
+
+    def _verify_chunk(self, digest: str, path: str, offset: int, length: int) -> str | None:
+        """The problem with one chunk, or None."""
+        try:
+            data = self.backend.read_range(path, offset, length)
+            self._check(digest, data, path, offset, length, "")
+        except OSError as exc:
+            return str(self._read_error(exc, path, ""))
+        except CheckpointError as exc:
+            return str(exc)
+        return None
+
+    def _verify_pack_header(self, index: PackIndex) -> builtins.list[str]:
+        where = self.backend.describe(index.path)
+        out = []
+        if index.path != pack_path(index.pack_id):
+            out.append(f"pack {where}: name does not match its index digest {index.pack_id}")
+        try:
+            head = self.backend.read_range(index.path, 0, len(PACK_MAGIC))
+        except OSError as exc:
+            return [*out, str(_storage_error(exc, "reading pack", where, writing=False))]
+        if head != PACK_MAGIC:
+            out.append(f"pack {where}: bad header magic {head!r}")
+        return out
+
+
+class WriteTxn:
+    """One checkpoint being written: chunks go into temporary packs, :meth:`commit` publishes.
+
+    Holds the shared root lock from :meth:`Repository.begin_write` until commit or abort, so
+    gc cannot delete a pack this transaction deduplicated against.
+
+    States: ``open -> committing -> committed``, or ``-> aborted`` from any but committed.
+    Up to ``config.io_threads`` pack writers are open at once, each used by one thread at a
+    time, so concurrent ``put_chunk`` calls write different files in parallel.
+    """
+
+    def __init__(self, repo: Repository, lock: BackendLock) -> None:
+        self._repo = repo
+        self._backend = repo.backend
+        self._config = repo.config
+        self._lock: BackendLock | None = lock
+        self._token = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self._cond = threading.Condition()
+        self._state = "open"
+        self._error: StorageError | None = None  # first backend failure; the txn cannot commit
+        self._put: set[str] = set()  # digests written or being written by this txn
+        self._free: list[PackWriter] = []  # open writers no thread is using
+        self._writers: list[PackWriter] = []  # every writer made, for cleanup
+        self._finished: list[PackIndex] = []  # full packs, trailer written, still in tmp/
+        self._live = 0  # unfinished writers (free or in use), at most config.io_threads
+        self._busy = 0  # put_chunk calls holding a writer
+        self._seq = 0
+
+    def __enter__(self) -> WriteTxn:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._state in ("open", "committing"):
+            self.abort()
+
+    def _check_usable(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._state != "open":
+            raise CheckpointError(f"write transaction is {self._state}")
+
+    def has_chunk(self, digest: str) -> bool:
+        """Whether ``digest`` is already stored (committed packs) or was put in this txn."""
+        with self._cond:
+            if digest in self._put:
+                return True
+        return self._repo._known(digest)
+
+    def put_chunk(self, digest: str, data: bytes | bytearray | memoryview) -> bool:
+        """Store one chunk unless known; returns False when deduplicated. Thread-safe.
+
+        ``digest`` is trusted to be ``chunk_digest(data)`` (the capture layer computed it from
+        the same bytes); :meth:`Repository.verify` would expose a mismatch. After a
+        :class:`StorageError` the transaction can only be aborted.
+        """
+        view = _byte_view(data)
+        with self._cond:
+            while True:
+                self._check_usable()
+                if digest in self._put or self._repo._known(digest):
+                    return False
+                if self._free or self._live < self._config.io_threads:
+                    break
+                self._cond.wait()
+            self._put.add(digest)
+            self._busy += 1
+            writer = self._free.pop() if self._free else None
+            if writer is None:
+                self._live += 1
+                self._seq += 1
+            path = writer.tmp_path if writer is not None else f"{TMP}/{self._token}-{self._seq:04d}.pack"
+        index: PackIndex | None = None
+        try:
+            if writer is None:
+                writer = PackWriter(self._backend, path, fsync=self._config.fsync)
+                with self._cond:
+                    self._writers.append(writer)
+            writer.append(digest, view)
+            if writer.nbytes >= self._config.pack_size:
+                index = writer.finish()  # fsync here spreads sync cost over the save
+        except BaseException as exc:
+            error = self._fail(writer, digest, exc, path)
+            if error is None:
+                raise
+            raise error from exc
+        with self._cond:
+            if index is not None:
+                self._finished.append(index)
+                self._live -= 1
+            else:
+                self._free.append(writer)
+            self._busy -= 1
+            self._cond.notify_all()
+        return True
+
+    def _fail(self, writer: PackWriter | None, digest: str, exc: BaseException, path: str) -> StorageError | None:
+        """Mark the txn failed and drop the broken writer's file; the rest waits for abort()."""
+        if writer is not None:
+            writer.discard()
+        error = None
+        if isinstance(exc, OSError):
+            error = _storage_error(exc, "writing pack", self._backend.describe(path), writing=True)
+        with self._cond:
+            self._put.discard(digest)
+            self._live -= 1
+            self._busy -= 1
+            if self._error is None:
+                self._error = error or StorageError(f"writing pack {path} failed: {exc!r}; {_INTACT}")
+            self._cond.notify_all()
+        return error
+
+    def commit(self, manifest: Manifest) -> None:
+        """Publish ``manifest``: finish and sync packs, rename them, then the manifest. Releases the lock.
+
+        On any failure the transaction is aborted (temporary files removed) before raising;
+        packs already renamed into ``packs/`` stay for gc (another writer may already use them).
+        """
+        problem: CheckpointError | None = None
+        with self._cond:
+            while self._busy:
+                self._cond.wait()
+            try:
+                self._check_usable()
+            except CheckpointError as exc:
+                problem = exc
+            else:
+                self._state = "committing"
+        if problem is not None:
+            self.abort()  # a failed put left temporary files; a closed txn makes this a no-op
+            raise problem
+        try:
+            self._commit(manifest)
+        except BaseException:
+            self.abort()
+            raise
+        with self._cond:
+            self._state = "committed"
+        self._release()
+
+    def _commit(self, manifest: Manifest) -> None:
+        repo, backend, fsync = self._repo, self._backend, self._config.fsync
+        if not _ID_RE.match(manifest.id):
+            raise CheckpointError(f"checkpoint id {manifest.id!r} is not a safe file name")
+        missing = [d for s in manifest.storages for d in s.chunks if d not in self._put and not repo._known(d)]
+        if missing:
+            raise CheckpointError(
+                f"manifest {manifest.id} names {len(missing)} chunk(s) never stored, e.g. {missing[0]}; "
+                "nothing was committed"
+            )
+        final = f"{MANIFESTS}/{manifest.id}.json"
+        with repo._io("checking", final, writing=True):
+            if backend.exists(final):
+                raise CheckpointError(f"checkpoint {manifest.id} already exists in {repo.root}")
+        data = manifest.to_json()
+
+        packs = list(self._finished)
+        for writer in self._free:
+            with repo._io("writing pack", writer.tmp_path, writing=True):
+                packs.append(writer.finish())
+        self._free = []
+        fans = sorted({pack_path(p.pack_id).rsplit("/", 1)[0] for p in packs})
+        for fan in fans:
+            with repo._io("creating", fan, writing=True):
+                backend.makedirs(fan)
+        published: list[PackIndex] = []
+        for index in packs:
+            dst = pack_path(index.pack_id)
+            with repo._io("publishing pack", dst, writing=True):
+                backend.rename(index.path, dst)
+            published.append(PackIndex(dst, index.pack_id, index.size, index.entries))
+        if fsync and fans:
+            for d in [*fans, PACKS]:
+                with repo._io("syncing", d, writing=True):
+                    backend.sync_dir(d)
+        for index in published:
+            repo._add_pack(index)
+
+        tmp = f"{TMP}/{self._token}-{manifest.id}.json"
+        with repo._io("writing manifest", tmp, writing=True):
+            handle = backend.open_write(tmp)
+            try:
+                handle.write(data)
+            finally:
+                handle.close(sync=fsync)
+        with repo._io("publishing manifest", final, writing=True):
+            backend.rename(tmp, final)
+            if fsync:
+                backend.sync_dir(MANIFESTS)
+        with repo._mutex:
+            repo._manifest_cache[f"{manifest.id}.json"] = manifest
+
+    def abort(self) -> None:
+        """Drop everything this transaction wrote to ``tmp/`` and release the lock. Idempotent."""
+        with self._cond:
+            if self._state in ("aborted", "committed"):
+                return
+            self._state = "aborted"
+            self._cond.notify_all()
+            while self._busy:
+                self._cond.wait()
+            writers, self._writers, self._free, self._finished = self._writers, [], [], []
+        for writer in writers:
+            writer.discard()  # best effort; a file already renamed into packs/ is simply gone
+        try:
+            leftovers = [n for n in self._backend.listdir(TMP) if n.startswith(f"{self._token}-")]
+        except OSError:
+            leftovers = []
+        for name in leftovers:
+            try:
+                self._backend.remove(f"{TMP}/{name}")
+            except OSError:
+                pass
+        self._release()
+
+    def _release(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
