@@ -18,12 +18,14 @@ import time
 import weakref
 from collections.abc import MutableMapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from gpusnap.capture import CaptureCounters, snapshot_to_host, write_host_spans
+from gpusnap.capture.concurrent import ConcurrentSave
+from gpusnap.capture.staging import StagingPool
 from gpusnap.config import Config
 from gpusnap.device import synchronize
 from gpusnap.errors import CheckpointError, CheckpointNotFoundError
@@ -53,11 +55,12 @@ def info_from_manifest(manifest: Manifest) -> CheckpointInfo:
 class _SaveJob:
     pending: PendingSave
     flat: FlatState
-    host_spans: list[torch.Tensor]
     created: float
     started: float
     blocking: bool
     counters: CaptureCounters
+    host_spans: list[torch.Tensor] = field(default_factory=list)  # stop-the-world path
+    concurrent: ConcurrentSave | None = None  # concurrent path (its txn is already open)
     stall_s: float = 0.0  # a blocking save's stall is the whole save
 
 
@@ -101,6 +104,10 @@ class Checkpointer:
         self._pending: list[PendingSave] = []
         self._pending_lock = threading.Lock()
         self._writer: threading.Thread | None = None
+        self._windows: list[ConcurrentSave] = []
+        self._write_order: list[str] = []  # key paths, soonest-written first (last window)
+        self._staging: StagingPool | None = None
+        self._streams: dict[torch.device, Any] = {}
         self._closed = False
         self._atexit = weakref.WeakMethod(self.close)
         atexit.register(_close_at_exit, self._atexit)
@@ -131,24 +138,96 @@ class Checkpointer:
         if tag is not None and (not isinstance(tag, str) or not tag or "/" in tag):
             raise ValueError(f"tag must be a non-empty string without '/', got {tag!r}")
         started = time.perf_counter()
+        self._reap()
+        self._wait_for_open_window()  # one window at a time: counted in this save's stall
         flat = flatten(app_state, allow_pickle=self.allow_pickle)
         repo = self._repository(create=True)
         created = time.time()
         pending = PendingSave(repo.new_id(created), tag)
-        host_spans, copied = snapshot_to_host(flat, copy_cpu=not blocking)
-        counters = CaptureCounters(bytes_copied=copied)
-        job = _SaveJob(pending, flat, host_spans, created, started, blocking, counters)
+        pending._on_wait = self._reap
+        job = _SaveJob(pending, flat, created, started, blocking, CaptureCounters())
+        if blocking or not self.config.concurrent:
+            job.host_spans, job.counters.bytes_copied = snapshot_to_host(flat, copy_cpu=not blocking)
         if blocking:
             self._run_job(repo, job)
             pending.wait()
             return pending
-        pending._set_staged()
+        if self.config.concurrent:
+            job.concurrent = self._start_window(repo, flat)
+        else:
+            pending._set_staged()
         with self._pending_lock:
             self._pending.append(pending)
         self._ensure_writer()
         self._queue.put(job)  # blocks while max_pending_saves durable writes are queued
         job.stall_s = time.perf_counter() - started
         return pending
+
+    def _start_window(self, repo: Repository, flat: FlatState) -> ConcurrentSave:
+        txn = repo.begin_write()
+        try:
+            cuda = sorted({s.device for s in flat.spans if s.device.type == "cuda"}, key=str)
+            order = self._copy_order(flat)
+            capture = ConcurrentSave(
+                flat,
+                txn,
+                staging=self._staging_pool(pinned=bool(cuda)),
+                io_pool=self._pool,
+                streams={d: self._copy_stream(d) for d in cuda},
+                chunk_size=self.config.chunk_size,
+                order=order,
+                cow_budget=self._cow_budget(cuda),
+                eager_cpu_bytes=self.config.eager_cpu_bytes,
+            )
+            capture.start()
+        except BaseException:
+            txn.abort()
+            raise
+        self._windows.append(capture)
+        return capture
+
+    def _copy_order(self, flat: FlatState) -> list[int]:
+        """Spans the previous window saw written go first, soonest first; then the rest."""
+        rank = {path: i for i, path in enumerate(self._write_order)}
+        far = len(rank)
+        keyed = [(min((rank.get(p, far) for p in s.paths), default=far), s.index) for s in flat.spans]
+        return [index for _, index in sorted(keyed)]
+
+    def _cow_budget(self, cuda: list[torch.device]) -> int:
+        if self.config.cow_budget_bytes:
+            return self.config.cow_budget_bytes
+        if cuda:
+            return min(torch.cuda.mem_get_info(d)[0] for d in cuda) // 4
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+        except (ValueError, OSError, AttributeError):
+            return 1 << 30
+
+    def _staging_pool(self, *, pinned: bool) -> StagingPool:
+        pool = self._staging
+        if pool is None or (pinned and not pool.pinned):
+            slots = max(2, self.config.staging_bytes // self.config.chunk_size)
+            pool = self._staging = StagingPool(slots, self.config.chunk_size, pinned=pinned)
+        return pool
+
+    def _copy_stream(self, device: torch.device) -> Any:
+        stream = self._streams.get(device)
+        if stream is None:
+            low, _high = torch.cuda.Stream.priority_range()
+            stream = self._streams[device] = torch.cuda.Stream(device, priority=low)
+        return stream
+
+    def _wait_for_open_window(self) -> None:
+        for capture in list(self._windows):
+            capture.wait_captured()
+        self._reap()
+
+    def _reap(self) -> None:
+        """Pop closed windows' trackers on this thread; forget windows fully closed."""
+        for capture in list(self._windows):
+            capture.reap()
+            if capture.window.closed and not _tracker_on_stack(capture):
+                self._windows.remove(capture)
 
     def _ensure_writer(self) -> None:
         if self._writer is None or not self._writer.is_alive():
@@ -171,16 +250,24 @@ class Checkpointer:
 
     def _run_job(self, repo: Repository, job: _SaveJob) -> None:
         pending = job.pending
+        capture = job.concurrent
         try:
-            with repo.begin_write() as txn:
-                entries = write_host_spans(
-                    job.flat,
-                    job.host_spans,
-                    txn,
-                    chunk_size=self.config.chunk_size,
-                    pool=self._pool,
-                    counters=job.counters,
-                )
+            with capture.txn if capture is not None else repo.begin_write() as txn:
+                if capture is not None:
+                    entries = capture.finish()
+                    pending._set_staged()
+                    job.counters.bytes_total = sum(e.nbytes for e in entries)
+                    job.counters.bytes_copied = job.counters.bytes_total
+                    job.counters.add(written=capture.bytes_written, skipped=capture.bytes_skipped)
+                else:
+                    entries = write_host_spans(
+                        job.flat,
+                        job.host_spans,
+                        txn,
+                        chunk_size=self.config.chunk_size,
+                        pool=self._pool,
+                        counters=job.counters,
+                    )
                 job.host_spans.clear()  # release host copies before the commit's fsyncs
                 duration = time.perf_counter() - job.started
                 stats = {
@@ -193,6 +280,9 @@ class Checkpointer:
                     "bytes_skipped": job.counters.bytes_skipped,
                     "validation": "not needed: stop-the-world capture",
                 }
+                if capture is not None:
+                    stats.update(_window_stats(capture))
+                    self._write_order = capture.window.write_order()
                 manifest = Manifest(
                     id=pending.id,
                     tag=pending.tag,
@@ -211,12 +301,15 @@ class Checkpointer:
                     log.info("gpusnap: retention skipped, the root is busy: %s", report.notes)
             pending._finish(info)
         except BaseException as exc:  # the save failed: report it on the handle, commit nothing
+            if capture is not None:
+                capture.window.close(exc)
             log.warning("gpusnap: checkpoint %s failed: %s", pending.id, exc)
             pending._fail(exc)
 
     # -- waiting, listing ---------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> list[CheckpointInfo]:
         """Wait for every pending save; returns their infos (raises the first failure)."""
+        self._reap()
         with self._pending_lock:
             pending = list(self._pending)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -258,6 +351,7 @@ class Checkpointer:
         if lazy:
             raise NotImplementedError("lazy restore is not implemented yet; use lazy=False")
         self.wait()  # a restore of "latest" must see this process's own pending saves
+        self._reap()
         started = time.perf_counter()
         repo = self._repository(create=False)
         manifest = repo.resolve(checkpoint)
@@ -292,6 +386,7 @@ class Checkpointer:
         if self._writer is not None and self._writer.is_alive():
             self._queue.put(None)
             self._writer.join()
+        self._reap()
         self._pool.shutdown(wait=True)
 
     def __enter__(self) -> Checkpointer:
@@ -302,6 +397,28 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.root!r}, keep_last={self.keep_last})"
+
+
+def _tracker_on_stack(capture: ConcurrentSave) -> bool:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return capture.owner == threading.get_ident() and capture.tracker in _get_current_dispatch_mode_stack()
+
+
+def _window_stats(capture: ConcurrentSave) -> dict[str, Any]:
+    w = capture.window
+    closed = w.closed_at if w.closed_at is not None else w.opened
+    return {
+        "bytes_cow": w.stats.bytes_cow,
+        "cow_events": w.stats.cow_events,
+        "waits": w.stats.waits,
+        "wait_s": w.stats.wait_s,
+        "window_s": closed - w.opened,
+        "ops_seen": w.stats.ops_seen,
+        "opaque_launches": w.stats.opaque_launches,
+        "program_copies": w.stats.program_copies,
+        "validation": "not run: writes are speculated from op schemas (see docs/capture.md)",
+    }
 
 
 def _close_at_exit(ref: weakref.WeakMethod) -> None:  # type: ignore[type-arg]

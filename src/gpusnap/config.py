@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 __all__ = ["Config", "MiB"]
 
 MiB = 1 << 20
+_MAY_BE_ZERO = {"cow_budget_bytes", "eager_cpu_bytes"}
 
 
 def _env_int(name: str, default: int) -> int:
@@ -41,14 +42,22 @@ class Config:
     staging_bytes: int = field(default=256 * MiB, metadata={"doc": "pinned host staging pool"})
     max_pending_saves: int = field(default=2, metadata={"doc": "durable writes queued at most"})
     fsync: bool = field(default=True, metadata={"doc": "fsync files and directories on commit"})
+    concurrent: bool = field(default=True, metadata={"doc": "save() captures while the program runs"})
+    cow_budget_bytes: int = field(
+        default=0, metadata={"doc": "copy-on-write shadows at most (0: a quarter of free memory)"}
+    )
+    eager_cpu_bytes: int = field(
+        default=64 * 1024, metadata={"doc": "CPU spans up to this size are copied at save()"}
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, bool):
                 continue
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"Config.{f.name} must be a positive integer, got {value!r}")
+            least = 0 if f.name in _MAY_BE_ZERO else 1
+            if not isinstance(value, int) or value < least:
+                raise ValueError(f"Config.{f.name} must be an integer >= {least}, got {value!r}")
         if self.chunk_size % 512:
             raise ValueError(f"Config.chunk_size must be a multiple of 512, got {self.chunk_size}")
         if self.staging_bytes < self.chunk_size:

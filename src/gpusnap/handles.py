@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,11 @@ class PendingSave:
         self.stats: dict[str, Any] = {}
         self._staged = _Completion()
         self._durable = _Completion()
+        self._on_wait: Callable[[], None] | None = None  # pops a closed window's tracker
+
+    def _reap(self) -> None:
+        if self._on_wait is not None:
+            self._on_wait()
 
     def staged(self) -> bool:
         """True once every byte of the state is captured (or the save failed)."""
@@ -74,7 +80,10 @@ class PendingSave:
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until the state is captured; raises if capturing failed."""
-        self._staged.result(timeout, f"capture of checkpoint {self.id}")
+        try:
+            self._staged.result(timeout, f"capture of checkpoint {self.id}")
+        finally:
+            self._reap()
 
     def done(self) -> bool:
         """True once the save is committed or has failed."""
@@ -82,7 +91,10 @@ class PendingSave:
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo:
         """Block until durable; returns the info, or raises the save's error."""
-        return self._durable.result(timeout, f"checkpoint {self.id}")  # type: ignore[no-any-return]
+        try:
+            return self._durable.result(timeout, f"checkpoint {self.id}")  # type: ignore[no-any-return]
+        finally:
+            self._reap()
 
     def _set_staged(self) -> None:
         self._staged.set(None)

@@ -1,0 +1,125 @@
+"""One concurrent save: the window, the tracker on the saving thread, the copier, the writers.
+
+Call order: ``start()`` on the thread that called ``save()`` (records the consistent point,
+pushes the tracker, starts the copier) -> the program runs on -> ``finish()`` on any thread
+(waits for every chunk to be stored; returns the storage table) -> the saving thread pops the
+tracker at its next gpusnap call (``reap``).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any
+
+import torch
+
+from gpusnap.capture.copier import Copier
+from gpusnap.capture.opaque import open_windows
+from gpusnap.capture.staging import StagingPool
+from gpusnap.capture.tracker import TrackerMode
+from gpusnap.capture.window import CaptureWindow, WindowSpan
+from gpusnap.kernels.hashing import chunk_digest
+from gpusnap.state.flatten import FlatState
+from gpusnap.storage.manifest import StorageEntry
+from gpusnap.storage.repository import WriteTxn
+
+__all__ = ["ConcurrentSave"]
+
+
+class ConcurrentSave:
+    def __init__(
+        self,
+        flat: FlatState,
+        txn: WriteTxn,
+        *,
+        staging: StagingPool,
+        io_pool: ThreadPoolExecutor,
+        streams: dict[torch.device, Any],
+        chunk_size: int,
+        order: list[int],
+        cow_budget: int,
+        eager_cpu_bytes: int,
+    ) -> None:
+        self.flat = flat
+        self.txn = txn
+        self.staging = staging
+        self.io_pool = io_pool
+        self.chunk_size = chunk_size
+        self.window = CaptureWindow(flat, order=order, cow_budget=cow_budget, eager_cpu_bytes=eager_cpu_bytes)
+        self.digests: list[list[str | None]] = [
+            [None] * -(-s.nbytes // chunk_size) for s in flat.spans
+        ]
+        self.bytes_written = 0
+        self.bytes_skipped = 0
+        self._futures: list[Future[None]] = []
+        self._lock = threading.Lock()
+        events = {}
+        for device in streams:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))  # the consistent point, in stream order
+            events[device] = event
+        self.copier = Copier(
+            self.window, staging, self._sink, chunk_size=chunk_size, consistent_events=events, streams=streams
+        )
+        self.tracker = TrackerMode(self.window)
+        self.owner = threading.get_ident()
+
+    def start(self) -> None:
+        self.tracker.__enter__()
+        open_windows.add(self.window)
+        self.copier.start()
+
+    def _sink(self, ws: WindowSpan, k: int, slot: torch.Tensor, n: int, event: Any) -> None:
+        future = self.io_pool.submit(self._store, ws.index, k, slot, n, event)
+        with self._lock:
+            self._futures.append(future)
+
+    def _store(self, index: int, k: int, slot: torch.Tensor, n: int, event: Any) -> None:
+        try:
+            if event is not None:
+                event.synchronize()
+            view = memoryview(slot[:n].numpy()).cast("B")
+            digest = chunk_digest(view)
+            wrote = not self.txn.has_chunk(digest) and self.txn.put_chunk(digest, view)
+            with self._lock:
+                if wrote:
+                    self.bytes_written += n
+                else:
+                    self.bytes_skipped += n
+            self.digests[index][k] = digest
+        except BaseException as exc:
+            self.window.close(exc)  # stop the copier, release the program
+            raise
+        finally:
+            self.staging.release(slot)
+
+    def wait_captured(self, timeout: float | None = None) -> None:
+        self.copier.join(timeout)
+
+    def finish(self) -> tuple[StorageEntry, ...]:
+        """Wait until every chunk is stored; raise the first failure."""
+        self.copier.join()
+        open_windows.remove(self.window)
+        with self._lock:
+            futures = list(self._futures)
+        wait(futures)
+        for f in futures:
+            f.result()
+        if self.window.error is not None:
+            raise self.window.error
+        return tuple(
+            StorageEntry(nbytes=s.nbytes, device=str(s.device), chunks=tuple(d for d in digests if d is not None))
+            for s, digests in zip(self.flat.spans, self.digests)
+        )
+
+    def reap(self) -> bool:
+        """Pop the tracker if the window is closed and this is its thread (top of stack only)."""
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        if threading.get_ident() != self.owner or not self.window.closed:
+            return False
+        if _get_current_dispatch_mode() is self.tracker:
+            self.tracker.__exit__(None, None, None)
+            return True
+        return False

@@ -1,0 +1,66 @@
+"""The tracker: a dispatch mode installed on the saving thread only while a window is open.
+
+For each ATen op it derives the buffers written (``schema.written_tensors``), protects the
+pending ones before the op runs (copy-on-write or wait), logs which window buffers the op
+touched (the DAG log that orders the next save's copies), and notes the program's own
+host<->device copies so that the copier yields to them. It declares
+``ignore_compile_internals`` so that compiled code stays compiled (a plain mode turns every
+compiled function it sees back into eager code for good: docs/notes/dispatcher-research.md
+section 4); compiled regions are therefore opaque to it (see docs/capture.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gpusnap.capture.schema import tensor_args, written_tensors
+from gpusnap.capture.window import CaptureWindow
+
+__all__ = ["TrackerMode"]
+
+_aten = torch.ops.aten
+_COPIES = {_aten.copy_.default, _aten._to_copy.default}
+
+
+def _crosses_host(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> torch.device | None:
+    """The CUDA device of a host<->device copy, or None."""
+    if func not in _COPIES:
+        return None
+    src = args[1] if func is _aten.copy_.default else args[0]
+    dst = args[0] if func is _aten.copy_.default else out
+    if not isinstance(src, torch.Tensor) or not isinstance(dst, torch.Tensor):
+        return None
+    kinds = {src.device.type, dst.device.type}
+    if kinds == {"cpu", "cuda"}:
+        return src.device if src.device.type == "cuda" else dst.device
+    return None
+
+
+class TrackerMode(TorchDispatchMode):
+    """Pass-through mode that keeps the window's captured state consistent."""
+
+    def __init__(self, window: CaptureWindow) -> None:
+        super().__init__()
+        self.window = window
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        window = self.window
+        if window.closed:
+            return func(*args, **kwargs)
+        written = written_tensors(func, args, kwargs)
+        window.touch(tensor_args(args, kwargs), written, func.__name__)
+        out = func(*args, **kwargs)
+        device = _crosses_host(func, args, kwargs, out)
+        if device is not None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            window.program_copy(event)
+        return out
