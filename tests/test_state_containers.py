@@ -2,28 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 from typing import Any
 
 import torch
+from state_support import restore, snapshot
 
-from gpusnap.state import SpanInfo, flatten, plan_restore
-
-Snap = tuple[dict[str, Any], list[SpanInfo], dict[int, torch.Tensor]]
-
-
-def snapshot(app_state: dict[str, Any]) -> Snap:
-    flat = flatten(app_state)
-    tree = json.loads(json.dumps(flat.tree, allow_nan=False))
-    infos = [SpanInfo(s.nbytes, str(s.device)) for s in flat.spans]
-    return tree, infos, {s.index: s.as_bytes().clone() for s in flat.spans}
-
-
-def restore(app_state: dict[str, Any], snap: Snap) -> None:
-    tree, infos, data = snap
-    plan_restore(app_state, tree, infos).apply(data)
+from gpusnap.state import flatten
 
 
 def test_key_paths_join_keys_with_slashes() -> None:

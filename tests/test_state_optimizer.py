@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
 import torch
+from state_support import restore, snapshot
 from torch import nn
-
-from gpusnap.state import SpanInfo, flatten, plan_restore
 
 DEVICES = [
     "cpu",
@@ -17,19 +15,6 @@ DEVICES = [
         "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
     ),
 ]
-Snap = tuple[dict[str, Any], list[SpanInfo], dict[int, torch.Tensor]]
-
-
-def snapshot(app_state: dict[str, Any]) -> Snap:
-    flat = flatten(app_state)
-    tree = json.loads(json.dumps(flat.tree, allow_nan=False))
-    infos = [SpanInfo(s.nbytes, str(s.device)) for s in flat.spans]
-    return tree, infos, {s.index: s.as_bytes().clone() for s in flat.spans}
-
-
-def restore(app_state: dict[str, Any], snap: Snap) -> None:
-    tree, infos, data = snap
-    plan_restore(app_state, tree, infos).apply(data)
 
 
 def make(device: str, seed: int) -> dict[str, Any]:
