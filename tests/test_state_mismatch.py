@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
 import torch
+from state_support import Snap, snapshot
 from torch import nn
 
 from gpusnap.errors import RestoreMismatchError
-from gpusnap.state import SpanInfo, flatten, plan_restore
-
-Snap = tuple[dict[str, Any], list[SpanInfo], dict[int, torch.Tensor]]
-
-
-def snapshot(app_state: dict[str, Any]) -> Snap:
-    flat = flatten(app_state)
-    tree = json.loads(json.dumps(flat.tree, allow_nan=False))
-    infos = [SpanInfo(s.nbytes, str(s.device)) for s in flat.spans]
-    return tree, infos, {s.index: s.as_bytes().clone() for s in flat.spans}
+from gpusnap.state import plan_restore
 
 
 def fails(app_state: dict[str, Any], snap: Snap) -> str:
