@@ -1,1 +1,1 @@
-"""The ``gpusnap`` command line: ls, show, verify, gc, demo."""
+"""The ``gpusnap`` command line: ls, show, verify, gc, demo, bench."""

@@ -9,7 +9,7 @@ from gpusnap.cli.progress import byte_progress
 from gpusnap.cli.render import checkpoint_table, human_bytes, tree_lines
 from gpusnap.storage.repository import Repository
 
-__all__ = ["cmd_ls", "cmd_show", "cmd_verify", "cmd_gc", "cmd_demo"]
+__all__ = ["cmd_bench", "cmd_demo", "cmd_gc", "cmd_ls", "cmd_show", "cmd_verify"]
 
 
 def _open(root: str) -> Repository:
@@ -86,3 +86,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from gpusnap.cli.demo import run_demo
 
     return EXIT_OK if run_demo(args.root, steps=args.steps, every=args.every, device=args.device) else EXIT_FAIL
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from gpusnap.cli.bench import run
+
+    return EXIT_OK if run(args) else EXIT_FAIL

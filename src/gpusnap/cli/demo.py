@@ -81,7 +81,7 @@ def run_demo(root: str | None, *, steps: int = 60, every: int = 10, device: str 
                 pendings.append((run["step"], ckpt.save(run, tag=tag)))
                 at_save[tag] = _tensors(run)
         infos = [(step, p.wait()) for step, p in pendings]
-        mid_step, mid = infos[len(infos) // 2] if len(infos) > 2 else infos[-1]
+        _mid_step, mid = infos[len(infos) // 2] if len(infos) > 2 else infos[-1]
         kept = {i.id for i in ckpt.list()}
 
         # Restore into a fresh, differently initialised model and compare.

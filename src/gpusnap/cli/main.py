@@ -10,6 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from gpusnap.cli.bench import add_parser as add_bench_parser
 from gpusnap.errors import CheckpointError, CheckpointNotFoundError
 
 __all__ = ["main"]
@@ -44,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, default=60)
     s.add_argument("--every", type=int, default=10, help="save every N steps")
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+
+    add_bench_parser(sub)
     return p
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from gpusnap.storage.manifest import Manifest
 
-__all__ = ["human_bytes", "format_time", "checkpoint_table", "tree_lines"]
+__all__ = ["checkpoint_table", "format_time", "human_bytes", "tree_lines"]
 
 
 def human_bytes(n: float) -> str:
