@@ -20,6 +20,7 @@ from gpusnap.errors import (
     ValidationError,
 )
 from gpusnap.handles import CheckpointInfo, PendingSave, RestoreHandle
+from gpusnap.restore.cold import cold_start, empty_model
 from gpusnap.state.rng import RNGState
 
 __version__ = "0.1.0"
@@ -31,6 +32,8 @@ __all__ = [
     "PendingSave",
     "RestoreHandle",
     "RNGState",
+    "cold_start",
+    "empty_model",
     "CheckpointError",
     "CheckpointNotFoundError",
     "IntegrityError",

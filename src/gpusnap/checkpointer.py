@@ -4,7 +4,8 @@ Save, in call order (each step raises before the next starts):
   1. ``flatten(app_state)``: plain values encoded now, tensors grouped by storage.
   2. capture: every span's bytes on the host at the consistent point (the call of ``save``).
   3. background writer: chunks hashed and stored, manifest committed, retention applied.
-Restore: resolve -> plan (all checks, nothing written) -> read and verify -> apply in place.
+Restore: resolve -> plan (all checks, nothing written) -> read, verify and apply in place
+(``restore.Restorer``: verify-first, pipelined, or lazy behind a dispatch-mode gate).
 """
 
 from __future__ import annotations
@@ -27,11 +28,9 @@ from gpusnap.capture import CaptureCounters, snapshot_to_host, write_host_spans
 from gpusnap.capture.concurrent import ConcurrentSave
 from gpusnap.capture.staging import StagingPool
 from gpusnap.config import Config
-from gpusnap.device import synchronize
 from gpusnap.errors import CheckpointError, CheckpointNotFoundError
 from gpusnap.handles import CheckpointInfo, PendingSave, RestoreHandle
-from gpusnap.restore import load_spans
-from gpusnap.state.apply import SpanInfo, plan_restore
+from gpusnap.restore.restorer import Restorer, Verify
 from gpusnap.state.flatten import FlatState, flatten
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.repository import Repository
@@ -108,6 +107,7 @@ class Checkpointer:
         self._write_order: list[str] = []  # key paths, soonest-written first (last window)
         self._staging: StagingPool | None = None
         self._streams: dict[torch.device, Any] = {}
+        self._restorer = Restorer(io_threads=self.config.io_threads, staging_bytes=self.config.staging_bytes)
         self._closed = False
         self._atexit = weakref.WeakMethod(self.close)
         atexit.register(_close_at_exit, self._atexit)
@@ -138,6 +138,7 @@ class Checkpointer:
         if tag is not None and (not isinstance(tag, str) or not tag or "/" in tag):
             raise ValueError(f"tag must be a non-empty string without '/', got {tag!r}")
         started = time.perf_counter()
+        self._restorer.before_save()  # a lazy restore still loading: its bytes first
         self._reap()
         self._wait_for_open_window()  # one window at a time: counted in this save's stall
         flat = flatten(app_state, allow_pickle=self.allow_pickle)
@@ -339,39 +340,39 @@ class Checkpointer:
         checkpoint: str | None = None,
         *,
         lazy: bool = False,
+        verify: Verify = "auto",
     ) -> RestoreHandle:
         """Restore ``app_state`` in place from ``checkpoint`` (an id, a tag, or None: latest).
 
-        Tensors are overwritten in place (data pointers unchanged), Stateful values get
-        ``load_state_dict``, plain values are replaced in the mapping. Every check runs
-        before any byte is written (:class:`~gpusnap.RestoreMismatchError`), and every chunk
-        is verified before any is applied (:class:`~gpusnap.IntegrityError`).
+        Tensors are overwritten in place (data pointers unchanged, so CUDA graphs captured
+        earlier stay valid), Stateful values get ``load_state_dict``, plain values are replaced
+        in the mapping. Every check runs before any byte is written
+        (:class:`~gpusnap.RestoreMismatchError`).
+
+        ``lazy=True`` returns once plain values and Stateful objects are back; tensors load in
+        the background, in the order the program touched them when the checkpoint was taken,
+        and an op on this thread that touches one not yet loaded waits for exactly that one.
+        ``handle.wait()`` waits for all. See docs/restore.md for threads and guarantees.
+
+        ``verify``: ``"upfront"`` checks every chunk before writing any byte (a corrupt
+        checkpoint leaves the targets untouched; holds it in host memory); ``"stream"`` checks
+        each chunk before its bytes are copied, pipelined (on corruption the error names what
+        was already written); ``"off"`` skips the hashes; ``"auto"``: upfront up to 256 MiB,
+        else stream. Both raise :class:`~gpusnap.IntegrityError` naming the tensor.
+
+        >>> h = ckpt.restore(app_state, lazy=True)   # doctest: +SKIP
+        >>> loss = model(batch)                       # waits only for what it touches  # doctest: +SKIP
         """
         self._check_open()
-        if lazy:
-            raise NotImplementedError("lazy restore is not implemented yet; use lazy=False")
+        self._restorer.settle()  # one restore at a time: a lazy one still loading finishes first
         self.wait()  # a restore of "latest" must see this process's own pending saves
         self._reap()
         started = time.perf_counter()
         repo = self._repository(create=False)
         manifest = repo.resolve(checkpoint)
-        handle = RestoreHandle(manifest.id)
-        spans = [SpanInfo(nbytes=e.nbytes, device=e.device) for e in manifest.storages]
-        plan = plan_restore(app_state, manifest.tree, spans, allow_pickle=self.allow_pickle)
-        counters = load_spans(repo, manifest, plan, pool=self._pool)
-        plan.finish()
-        for dev in {torch.device(e.device) for e in manifest.storages}:
-            if dev.type == "cuda" and torch.cuda.is_available():
-                synchronize(dev)
-        elapsed = time.perf_counter() - started
-        handle.stats.update(
-            return_s=elapsed,
-            total_s=elapsed,
-            bytes_read=counters.bytes_read,
-            chunks_read=counters.chunks_read,
+        return self._restorer.restore(
+            repo, manifest, app_state, allow_pickle=self.allow_pickle, lazy=lazy, verify=verify, started=started
         )
-        handle._finish()
-        return handle
 
     # -- life cycle ---------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -387,6 +388,7 @@ class Checkpointer:
             self._queue.put(None)
             self._writer.join()
         self._reap()
+        self._restorer.close()
         self._pool.shutdown(wait=True)
 
     def __enter__(self) -> Checkpointer:

@@ -121,24 +121,50 @@ class PendingSave:
 class RestoreHandle:
     """A restore in progress (eager restores are complete when returned).
 
-    ``stats``: ``checkpoint`` (id), ``return_s`` (time until ``restore()`` returned),
-    ``total_s``, ``bytes_read``, ``chunks_read``.
+    ``stats`` (seconds and bytes): ``checkpoint`` (id), ``mode`` ("eager" or "lazy"),
+    ``verify`` (how chunks were checked), ``threads`` (readers), ``order`` ("access": the
+    order the program touched buffers in the save window; "manifest": storage order),
+    ``return_s`` (until ``restore()`` returned), ``total_s`` (until every byte was in place),
+    ``bytes_read``, ``chunks_read``, ``waits`` / ``wait_s`` (ops that waited for a buffer not
+    yet loaded, and for how long in total), ``opaque_waits`` (CUDA graph replays, Triton or
+    compiled launches that waited for everything), ``first_needed`` (key path -> seconds from
+    ``restore()`` to the program's first touch of it during a lazy restore).
+
+    >>> h = ckpt.restore(app_state, lazy=True)   # doctest: +SKIP
+    >>> out = model(x)                            # doctest: +SKIP
+    >>> h.wait(); h.stats["first_needed"]        # doctest: +SKIP
     """
 
     def __init__(self, checkpoint_id: str) -> None:
         self.checkpoint_id = checkpoint_id
         self.stats: dict[str, Any] = {"checkpoint": checkpoint_id}
         self._done = _Completion()
+        self._on_wait: Callable[[], None] | None = None  # pops a finished lazy restore's gate
+
+    def _reap(self) -> None:
+        if self._on_wait is not None:
+            self._on_wait()
 
     def done(self) -> bool:
-        return self._done.done()
+        """True once every byte is restored (or the restore failed)."""
+        finished = self._done.done()
+        if finished:
+            self._reap()
+        return finished
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every byte is restored; raises the restore's error."""
-        self._done.result(timeout, f"restore of {self.checkpoint_id}")
+        try:
+            self._done.result(timeout, f"restore of {self.checkpoint_id}")
+        finally:
+            self._reap()
 
     def _finish(self) -> None:
         self._done.set(None)
 
     def _fail(self, error: BaseException) -> None:
         self._done.fail(error)
+
+    def __repr__(self) -> str:
+        state = "done" if self._done.done() else "loading"
+        return f"RestoreHandle({self.checkpoint_id!r}, {state})"

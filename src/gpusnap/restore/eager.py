@@ -1,9 +1,10 @@
-"""Eager restore: read every chunk of every span, verify it, then hand the spans to the plan.
+"""Verify-first restore: read and verify every chunk of every span, then hand the spans to the plan.
 
 Chunks are read by a thread pool straight into host buffers, each one checked against its
 digest by the repository. Nothing is applied until every chunk has been verified, so a
 corrupt checkpoint raises ``IntegrityError`` and leaves the targets untouched (at the cost
-of holding the checkpoint in host memory; the pipelined restore streams instead).
+of holding the checkpoint in host memory; ``restore.loader`` streams instead). This is
+``restore(..., verify="upfront")``, and ``verify="auto"`` for small checkpoints.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from gpusnap.device import host_buffer
+from gpusnap.restore.loader import describe_span
 from gpusnap.state.apply import RestorePlan
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.repository import Repository
@@ -25,12 +27,6 @@ __all__ = ["RestoreCounters", "load_spans"]
 class RestoreCounters:
     bytes_read: int = 0
     chunks_read: int = 0
-
-
-def _describe(plan: RestorePlan, index: int) -> str:
-    paths = plan.span_paths.get(index, [])
-    shown = ", ".join(paths[:3]) + (f" (+{len(paths) - 3} more)" if len(paths) > 3 else "")
-    return f"tensor {shown}" if shown else f"storage #{index}"
 
 
 def load_spans(
@@ -49,7 +45,7 @@ def load_spans(
         buf = host_buffer(entry.nbytes, pinned=False)
         buffers.append(buf)
         view = memoryview(buf.numpy()).cast("B")
-        what = _describe(plan, index)
+        what = describe_span(plan, index)
         futures += [
             pool.submit(repo.read_chunk_into, digest, view[k * cs : k * cs + cs], what=what)
             for k, digest in enumerate(entry.chunks)

@@ -4,6 +4,7 @@ Call order::
 
     plan = plan_restore(app_state, manifest_tree, span_infos)   # checks everything, writes nothing
     plan.apply_span(i, data_i)   # any order, once per span, possibly from several threads
+    plan.apply_range(i, off, b)  # or piecewise, for spans where plan.streamable(i)
     plan.finish()                # before or after the spans: load_state_dict, plain values
 
 ``plan_restore`` pairs every checkpoint node with its target and raises one
@@ -39,9 +40,16 @@ from torch import nn
 
 from ..errors import CheckpointError, RestoreMismatchError
 from .flatten import is_stateful, tensor_problem
-from .plain import PLAIN_KINDS, decode_plain, dtype_from_name, dtype_name, join_path, type_name
+from .plain import (
+    PLAIN_KINDS,
+    decode_plain,
+    dtype_from_name,
+    dtype_name,
+    join_path,
+    type_name,
+)
 
-__all__ = ["SpanInfo", "RestorePlan", "plan_restore"]
+__all__ = ["RestorePlan", "SpanInfo", "plan_restore"]
 
 # Copying through an integer dtype of the same width moves bits, never values.
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -79,7 +87,14 @@ def plan_restore(
             f"app_state does not fit the checkpoint ({len(planner.mismatches)} problem(s)); nothing was restored:\n"
             f"{problems}"
         )
-    return RestorePlan(root, planner.copies, [s.nbytes for s in spans], planner.span_paths, planner.stateful_spans)
+    return RestorePlan(
+        root,
+        planner.copies,
+        [s.nbytes for s in spans],
+        planner.span_paths,
+        planner.stateful_spans,
+        planner.read_at_finish,
+    )
 
 
 @dataclass(frozen=True)
@@ -239,9 +254,11 @@ class RestorePlan:
     """Targets paired with checkpoint spans; see the module docstring for the call order.
 
     ``span_paths`` names the key paths filled from each span (for error messages).
-    ``stateful_spans`` are the spans whose tensors are handed to a Stateful's ``load_state_dict``:
-    a lazy restore should load them before :meth:`finish`, since a Stateful may read the values
-    right away (RNGState does; optimizers only keep the tensor objects).
+    ``stateful_spans`` are the spans whose tensors are handed to a Stateful's ``load_state_dict``.
+    ``read_at_finish`` is the subset a lazy restore must load before :meth:`finish`: spans whose
+    values ``load_state_dict`` may read without an ATen op a dispatch mode would see (RNGState
+    does; a module's extra state may). Optimizers are left out: their ``load_state_dict`` only
+    keeps the tensor objects, or converts them with ``Tensor.to``, which the lazy gate sees.
     """
 
     def __init__(
@@ -251,14 +268,18 @@ class RestorePlan:
         span_nbytes: list[int],
         span_paths: dict[int, list[str]],
         stateful_spans: set[int],
+        read_at_finish: set[int] | None = None,
     ) -> None:
         self.span_paths = span_paths
         self.stateful_spans = frozenset(stateful_spans)
+        self.read_at_finish = frozenset(stateful_spans if read_at_finish is None else read_at_finish)
         self._root = root
         self._copies = copies
         self._span_nbytes = span_nbytes
         self._lock = threading.Lock()
         self._applied: set[int] = set()
+        self._filled: dict[int, int] = {}  # bytes given to apply_range so far, per span
+        self._streamable: dict[int, bool] = {}
         self._finished = False
 
     @property
@@ -277,6 +298,48 @@ class RestorePlan:
         for copy in self._copies.get(index, ()):
             try:
                 _copy_into(copy.target, data, copy.spec)
+            except Exception as exc:
+                raise CheckpointError(f"{copy.path}: copying the restored bytes failed: {exc!r}") from exc
+
+    def targets(self, index: int) -> list[torch.Tensor]:
+        """The live tensors span ``index`` fills (a lazy restore gates the program on them)."""
+        return [copy.target for copy in self._copies.get(index, ())]
+
+    def devices(self, index: int) -> set[torch.device]:
+        """Devices of the tensors span ``index`` fills."""
+        return {copy.target.device for copy in self._copies.get(index, ())}
+
+    def streamable(self, index: int) -> bool:
+        """Whether span ``index`` may be applied piecewise with :meth:`apply_range`.
+
+        True when every target's bytes are one run of the span's bytes in the same order:
+        the checkpoint's layout and the target are both row-major contiguous. Transposed,
+        strided or overlapping layouts need the whole span (:meth:`apply_span`).
+        """
+        known = self._streamable.get(index)
+        if known is None:
+            known = self._streamable[index] = all(
+                _byte_contiguous(copy.target, copy.spec) for copy in self._copies.get(index, ())
+            )
+        return known
+
+    def apply_range(self, index: int, offset: int, data: torch.Tensor) -> None:
+        """Fill the targets' bytes that span ``index`` holds in ``[offset, offset + len(data))``.
+
+        Ranges of one span may come in any order and from several threads; once they cover
+        the span it counts as applied. Only for :meth:`streamable` spans. Like
+        :meth:`apply_span`, a copy from pinned memory to a device is queued on the current
+        stream: keep ``data`` unchanged until that stream has passed this point.
+        """
+        self._claim_range(index, offset, data)
+        end = offset + data.numel()
+        for copy in self._copies.get(index, ()):
+            spec = copy.spec
+            lo, hi = max(offset, spec.byte_offset), min(end, spec.byte_offset + spec.extent)
+            if lo >= hi:
+                continue
+            try:
+                _copy_bytes(copy.target, lo - spec.byte_offset, data[lo - offset : hi - offset])
             except Exception as exc:
                 raise CheckpointError(f"{copy.path}: copying the restored bytes failed: {exc!r}") from exc
 
@@ -307,9 +370,29 @@ class RestorePlan:
                 f"{data.dtype} of shape {list(data.shape)}"
             )
         with self._lock:
-            if index in self._applied:
+            if index in self._applied or index in self._filled:
                 raise CheckpointError(f"span {index} was already applied")
             self._applied.add(index)
+
+    def _claim_range(self, index: int, offset: int, data: torch.Tensor) -> None:
+        if not 0 <= index < len(self._span_nbytes):
+            raise CheckpointError(f"span {index} does not exist (the checkpoint has {len(self._span_nbytes)})")
+        nbytes = self._span_nbytes[index]
+        if data.dtype != torch.uint8 or data.dim() != 1 or data.stride(0) != 1:
+            raise CheckpointError(f"span {index}: expected a contiguous 1-D uint8 tensor, got {data.dtype}")
+        if offset < 0 or offset + data.numel() > nbytes:
+            raise CheckpointError(f"span {index}: bytes [{offset}, {offset + data.numel()}) lie outside its {nbytes}")
+        if not self.streamable(index):
+            raise CheckpointError(f"span {index} has targets that need the whole span: use apply_span")
+        with self._lock:
+            if index in self._applied:
+                raise CheckpointError(f"span {index} was already applied")
+            filled = self._filled.get(index, 0) + data.numel()
+            if filled > nbytes:
+                raise CheckpointError(f"span {index}: more bytes applied than it holds ({filled} > {nbytes})")
+            self._filled[index] = filled
+            if filled == nbytes:
+                self._applied.add(index)
 
 
 class _Planner:
@@ -322,8 +405,10 @@ class _Planner:
         self.copies: dict[int, list[_Copy]] = {}
         self.span_paths: dict[int, list[str]] = {i: [] for i in range(len(spans))}
         self.stateful_spans: set[int] = set()
+        self.read_at_finish: set[int] = set()
         self._targets: dict[int, tuple[int, int, str]] = {}  # id(target) -> (span, offset, path)
         self._stateful_depth = 0
+        self._reader_depth = 0  # inside a load_state_dict that may read values unseen by the gate
 
     # -- structure -------------------------------------------------------------------------
 
@@ -440,11 +525,14 @@ class _Planner:
                 path, f"the checkpoint has a Stateful ({node.get('cls')}), app_state has a {type_name(live)}"
             )
         current = _state_dict(live, path)
+        reader = not isinstance(live, torch.optim.Optimizer)
         self._stateful_depth += 1
+        self._reader_depth += reader
         try:
             state = self.in_state(current, _child(node, "state", path), path)
         finally:
             self._stateful_depth -= 1
+            self._reader_depth -= reader
         return _Stateful(live, path, state)
 
     def module(self, module: nn.Module, node: dict[str, Any], path: str) -> _Slot:
@@ -466,7 +554,11 @@ class _Planner:
             elif _kind(entry, entry_path) == "tensor" and not isinstance(live, torch.Tensor):
                 self.mismatch(entry_path, f"the checkpoint has a tensor, the module has a {type_name(live)}")
             else:  # extra state, or a tensor _save_to_state_dict computed: only load_state_dict can take it
-                extra.append((key, self.in_state(live, entry, entry_path)))
+                self._reader_depth += 1
+                try:
+                    extra.append((key, self.in_state(live, entry, entry_path)))
+                finally:
+                    self._reader_depth -= 1
         return _Module(module, path, extra, getattr(current, "_metadata", None))
 
     # -- tensors ---------------------------------------------------------------------------
@@ -498,6 +590,8 @@ class _Planner:
         self.span_paths[spec.storage].append(path)
         if self._stateful_depth:
             self.stateful_spans.add(spec.storage)
+        if self._reader_depth:
+            self.read_at_finish.add(spec.storage)
         seen = self._targets.get(id(target))
         if seen is not None:
             if seen[:2] != (spec.storage, spec.byte_offset):
@@ -643,6 +737,26 @@ def _copy_into(target: torch.Tensor, data: torch.Tensor, spec: _Spec) -> None:
     non_blocking = src.device.type == "cpu" and dst.device.type != "cpu" and src.is_pinned()
     with _write_mode(target):
         dst.copy_(src, non_blocking=non_blocking)
+
+
+def _byte_contiguous(target: torch.Tensor, spec: _Spec) -> bool:
+    """Target and stored layout are both row-major contiguous: byte ``i`` maps to byte ``i``."""
+    if spec.numel == 0:
+        return True
+    expected = 1
+    for n, s in reversed(list(zip(spec.shape, spec.stride))):
+        if n != 1 and s != expected:
+            return False
+        expected *= n
+    return target.is_contiguous()
+
+
+def _copy_bytes(target: torch.Tensor, start: int, data: torch.Tensor) -> None:
+    """``target``'s bytes ``[start, start + len(data))`` = ``data`` (a contiguous target)."""
+    non_blocking = data.device.type == "cpu" and target.device.type != "cpu" and data.is_pinned()
+    with _write_mode(target):
+        dst = _int_view(target.detach()).reshape(-1).view(torch.uint8)
+        dst[start : start + data.numel()].copy_(data, non_blocking=non_blocking)
 
 
 def _int_view(tensor: torch.Tensor) -> torch.Tensor:

@@ -419,8 +419,12 @@ class Repository:
         self._check(digest, data, path, offset, length, what)
         return data
 
-    def read_chunk_into(self, digest: str, out: memoryview, *, what: str = "") -> None:
-        """Read a chunk straight into ``out`` (exactly its length), then verify it in place."""
+    def read_chunk_into(self, digest: str, out: memoryview, *, what: str = "", verify: bool = True) -> None:
+        """Read a chunk straight into ``out`` (exactly its length), then verify it in place.
+
+        ``verify=False`` skips the digest check (never the length check): for callers that
+        chose speed over integrity, e.g. ``restore(..., verify="off")``.
+        """
         view = _byte_view(out)
         if view.readonly:
             raise ValueError("read_chunk_into needs a writable buffer")
@@ -440,7 +444,13 @@ class Repository:
                 continue
             except OSError as exc:
                 raise self._read_error(exc, path, what) from exc
-            self._check(digest, view[:got], path, offset, length, what)
+            if verify:
+                self._check(digest, view[:got], path, offset, length, what)
+            elif got != length:
+                raise IntegrityError(
+                    f"chunk {digest}{_about(what)} in pack {self.backend.describe(path)} is truncated: "
+                    f"{got} of {length} bytes"
+                )
             return
 
     def _read_error(self, exc: OSError, path: str, what: str) -> StorageError:

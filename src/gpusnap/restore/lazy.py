@@ -1,0 +1,158 @@
+"""One lazy restore: the loader in the background, the gate on the calling thread, the handle.
+
+Call order (all on the thread that called ``restore(lazy=True)``, the *owner*)::
+
+    session = LazyRestore(loader, plan, handle, started)
+    session.begin()    # gate pushed, loader started, spans finish() reads loaded, finish() run
+    ...                # the program runs; ops wait only for the spans they touch
+    session.reap()     # at any later gpusnap call: pops the gate once everything is loaded
+
+``begin`` returns as soon as plain values are back and Stateful objects are loaded, which
+needs only the spans ``RestorePlan.read_at_finish`` names (RNG state, module extra state;
+not optimizer state, whose ``load_state_dict`` keeps the tensor objects).
+
+If the load fails after ``begin`` returned, the gate stays: an op touching a span that was
+never loaded raises the error (on every thread the gate sees), and so does the handle. The
+next restore on the same Checkpointer retires the failed session.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Any
+
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from gpusnap.handles import RestoreHandle
+from gpusnap.restore.gate import Gate, GateMode, needs_dynamo
+from gpusnap.restore.loader import Loader
+from gpusnap.restore.opaque import active_gates
+from gpusnap.state.apply import RestorePlan
+
+__all__ = ["LazyRestore", "pop_gate"]
+
+
+def _warm_dynamo() -> None:
+    """Import ``torch._dynamo`` off the critical path when the gate's first op would.
+
+    Only where the gate could not be hidden from TorchDynamo directly (``gate.needs_dynamo``):
+    then torch's wrapper imports torch._dynamo (about a second) on the mode's first op;
+    started here, the import overlaps the loading.
+    """
+    if needs_dynamo() and "torch._dynamo" not in sys.modules:
+        threading.Thread(target=__import__, args=("torch._dynamo",), name="gpusnap-warmup", daemon=True).start()
+
+
+def pop_gate(mode: GateMode, owner: int) -> bool:
+    """Pop ``mode`` if this is its thread and it is the top mode there (a mode pushed later
+    must go first); True if popped. A gate left on the stack only passes ops through."""
+    if threading.get_ident() != owner or _get_current_dispatch_mode() is not mode:
+        return False
+    mode.__exit__(None, None, None)
+    return True
+
+
+class LazyRestore:
+    """The state of one ``restore(lazy=True)``; see the module docstring for the call order."""
+
+    def __init__(self, loader: Loader, plan: RestorePlan, handle: RestoreHandle, started: float) -> None:
+        self.loader = loader
+        self.plan = plan
+        self.handle = handle
+        self.started = started
+        self.gate = Gate(loader.schedule, plan, started)
+        self.mode = GateMode(self.gate)
+        self.owner = threading.get_ident()
+        self.popped = False
+        self.retired = False
+        self._lock = threading.Lock()
+        self._returned = False  # begin() is over: the handle may complete
+        self._outcome: list[BaseException | None] = []  # the loader's result, once known
+        self._settled = False  # the handle is complete
+        loader.on_done = self._on_done
+
+    # -- owner thread --------------------------------------------------------------------------
+    def begin(self) -> None:
+        """Start loading and return once ``finish()`` has run; raises (loading stopped) on failure."""
+        _warm_dynamo()
+        self.mode.__enter__()
+        active_gates.add(self.gate)
+        try:
+            self.loader.start()
+            spans = self.loader.schedule.spans
+            for index in sorted(self.plan.read_at_finish):
+                self.loader.schedule.wait(spans[index])
+            self.plan.finish()  # under the gate: what load_state_dict touches waits for it
+        except BaseException as exc:
+            self.loader.schedule.fail(exc)
+            self.loader.join()
+            self.retire()
+            raise
+        self.handle.stats["return_s"] = time.perf_counter() - self.started
+        with self._lock:
+            self._returned = True
+        self._settle()
+
+    def reap(self) -> bool:
+        """Pop the gate if loading is over and it is this thread's top mode; True once popped."""
+        if not self.popped and (self.gate.complete or self.retired):
+            self.popped = pop_gate(self.mode, self.owner)
+        return self.popped
+
+    def retire(self) -> None:
+        """Stop gating (a later restore takes over, or begin() failed) and pop where possible."""
+        self.retired = True
+        self.gate.complete = True
+        active_gates.remove(self.gate)
+        self.reap()
+
+    # -- any thread ----------------------------------------------------------------------------
+    def done(self) -> bool:
+        return self.loader.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Until the load is over; raises its error."""
+        self.loader.wait(timeout)
+
+    def _on_done(self, error: BaseException | None) -> None:
+        """On the last reader thread, after every copy has run."""
+        if error is None:
+            self.gate.complete = True
+            active_gates.remove(self.gate)
+        with self._lock:
+            self._outcome.append(error)
+        self._settle()
+
+    def refresh(self) -> None:
+        """Bring the handle's stats up to date: a wait still finishing on the program side may
+        end after the loader reported."""
+        if self._settled:
+            self.handle.stats.update(self.stats())
+
+    def _settle(self) -> None:
+        """Complete the handle once both the load is over and ``begin`` has returned."""
+        with self._lock:
+            if not (self._returned and self._outcome) or self._settled:
+                return
+            self._settled = True
+            error = self._outcome[0]
+            self.handle.stats.update(self.stats())
+            if error is None:
+                self.handle._finish()
+            else:
+                self.handle._fail(error)
+
+    def stats(self) -> dict[str, Any]:
+        loader, gate = self.loader, self.gate
+        end = loader.finished if loader.finished is not None else time.perf_counter()
+        return {
+            "total_s": max(end - self.started, self.handle.stats.get("return_s", 0.0)),
+            "bytes_read": loader.bytes_read,
+            "chunks_read": loader.chunks_read,
+            "waits": gate.waits,
+            "wait_s": gate.wait_s,
+            "opaque_waits": gate.opaque_waits,
+            "first_needed": gate.first_needed(self.plan),
+        }

@@ -1,0 +1,264 @@
+"""The restore side of a Checkpointer: picks the path, owns what restores reuse.
+
+Call order, from ``Checkpointer.restore``: ``settle()`` (a lazy restore still loading ends
+first) -> ``restore(repo, manifest, app_state, ...)`` -> ``plan_restore`` (every check, no
+byte written) -> one of
+
+- ``upfront``: read and verify everything, then apply (``restore.eager``); targets untouched
+  if any chunk is corrupt. ``verify="auto"`` picks it for checkpoints up to
+  :data:`AUTO_UPFRONT_BYTES`, where holding them in host memory is cheap;
+- ``stream``/``off``: the pipelined :class:`~gpusnap.restore.loader.Loader`, chunks verified
+  (or not, ``off``) on the way; ``restore`` returns when every copy has run;
+- lazy: the same loader in the background behind the gate (:class:`LazyRestore`).
+
+It keeps, across restores, the host staging slots (pinned when a target is on CUDA) and one
+copy stream per device, and the lazy restore in progress, so that ``save()`` can wait for it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import MutableMapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal
+
+import torch
+
+from gpusnap.device import synchronize
+from gpusnap.errors import CheckpointError
+from gpusnap.handles import RestoreHandle
+from gpusnap.restore.eager import load_spans
+from gpusnap.restore.gate import GateMode
+from gpusnap.restore.lazy import LazyRestore, pop_gate
+from gpusnap.restore.loader import Loader
+from gpusnap.restore.staging import SlotPool
+from gpusnap.state.apply import RestorePlan, SpanInfo, plan_restore
+from gpusnap.storage.manifest import Manifest
+from gpusnap.storage.repository import Repository
+
+__all__ = ["AUTO_UPFRONT_BYTES", "Restorer", "Verify", "load_order", "reader_threads"]
+
+Verify = Literal["auto", "upfront", "stream", "off"]
+VERIFY_MODES: tuple[str, ...] = ("auto", "upfront", "stream", "off")
+AUTO_UPFRONT_BYTES = 256 << 20  # verify="auto": checkpoints up to this size are verified before any write
+
+
+def reader_threads(io_threads: int) -> int:
+    """Readers for a restore: at least ``io_threads``, up to one per core (at most 32).
+
+    Verifying digests is CPU-bound (BLAKE2b, about 1 GB/s per core), so a verified restore
+    scales with cores, and the program is usually waiting for it.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))  # what this process may use, not the whole host
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(io_threads, min(32, cores))
+
+
+def load_order(manifest: Manifest, plan: RestorePlan) -> tuple[list[int], str]:
+    """Span indices, soonest first, and where the order came from.
+
+    Spans ``finish()`` reads come first (restore() waits for them); then the order in which the
+    program touched buffers during the save window (``manifest.stats["access_order"]``, written
+    by the capture layer), then the rest in manifest order, which follows app_state and module
+    registration order (for most models, roughly forward order).
+    """
+    n = len(manifest.storages)
+    recorded = manifest.stats.get("access_order")
+    source = "manifest"
+    order: list[int] = sorted(plan.read_at_finish)
+    if isinstance(recorded, list) and recorded:
+        source = "access"
+        order += [i for i in recorded if type(i) is int and 0 <= i < n]
+    order += range(n)
+    seen: set[int] = set()
+    return [i for i in order if not (i in seen or seen.add(i))], source  # type: ignore[func-returns-value]
+
+
+class Restorer:
+    """Restores for one Checkpointer; see the module docstring."""
+
+    def __init__(self, *, io_threads: int, staging_bytes: int) -> None:
+        self.threads = reader_threads(io_threads)
+        self.staging_bytes = staging_bytes  # 0: automatic
+        self._slots: SlotPool | None = None
+        self._streams: dict[torch.device, Any] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._active: LazyRestore | None = None  # the latest lazy restore, until it is forgotten
+        self._unpopped: list[tuple[GateMode, int]] = []  # gates of finished restores still pushed
+        self._lock = threading.Lock()
+
+    # -- the restore ---------------------------------------------------------------------------
+    def restore(
+        self,
+        repo: Repository,
+        manifest: Manifest,
+        app_state: MutableMapping[str, Any],
+        *,
+        allow_pickle: bool,
+        lazy: bool,
+        verify: str,
+        started: float,
+    ) -> RestoreHandle:
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+        if lazy and verify == "upfront":
+            raise ValueError("verify='upfront' reads everything before writing anything; it cannot be lazy")
+        self.settle()
+        spans = [SpanInfo(nbytes=e.nbytes, device=e.device) for e in manifest.storages]
+        plan = plan_restore(app_state, manifest.tree, spans, allow_pickle=allow_pickle)
+        if verify == "auto":
+            verify = "stream" if lazy or manifest.nbytes > AUTO_UPFRONT_BYTES else "upfront"
+        handle = RestoreHandle(manifest.id)
+        handle._on_wait = self.reap
+        handle.stats.update(mode="lazy" if lazy else "eager", verify=verify, threads=self.threads)
+        if verify == "upfront":
+            self._upfront(repo, manifest, plan, handle, started)
+            return handle
+        order, source = load_order(manifest, plan)
+        handle.stats["order"] = source
+        loader = Loader(
+            repo,
+            manifest,
+            plan,
+            order=order,
+            threads=self.threads,
+            slots=self._slot_pool(manifest.chunk_size, pinned=_any_cuda(plan, len(spans))),
+            streams={d: self._stream(d) for d in _cuda_devices(plan, len(spans))},
+            verify=verify != "off",
+        )
+        if lazy:
+            session = LazyRestore(loader, plan, handle, started)
+            handle._on_wait = lambda: (session.refresh(), self.reap())
+            with self._lock:
+                self._active = session
+            try:
+                session.begin()
+            except BaseException:
+                self._forget(session)  # restore() raised: nothing of it lingers
+                raise
+            return handle
+        loader.start()
+        loader.wait()
+        plan.finish()
+        elapsed = time.perf_counter() - started
+        handle.stats.update(
+            return_s=elapsed,
+            total_s=elapsed,
+            bytes_read=loader.bytes_read,
+            chunks_read=loader.chunks_read,
+            waits=0,
+            wait_s=0.0,
+            first_needed={},
+        )
+        handle._finish()
+        return handle
+
+    def _upfront(
+        self, repo: Repository, manifest: Manifest, plan: RestorePlan, handle: RestoreHandle, started: float
+    ) -> None:
+        counters = load_spans(repo, manifest, plan, pool=self._pool())
+        plan.finish()
+        for dev in {torch.device(e.device) for e in manifest.storages}:
+            if dev.type == "cuda" and torch.cuda.is_available():
+                synchronize(dev)
+        elapsed = time.perf_counter() - started
+        handle.stats.update(
+            return_s=elapsed,
+            total_s=elapsed,
+            bytes_read=counters.bytes_read,
+            chunks_read=counters.chunks_read,
+            waits=0,
+            wait_s=0.0,
+            first_needed={},
+        )
+        handle._finish()
+
+    # -- the lazy restore in progress ----------------------------------------------------------
+    def settle(self) -> None:
+        """Let a lazy restore still loading finish (its error stays with its handle), then retire it."""
+        with self._lock:
+            session = self._active
+        if session is not None:
+            session.loader.join()
+            session.retire()
+            self._forget(session)
+        self.reap()
+
+    def before_save(self) -> None:
+        """Wait until a lazy restore in progress has loaded everything; raise if it failed.
+
+        A failed lazy restore leaves stale bytes in the targets it never loaded: a checkpoint
+        of them would be wrong, so ``save()`` refuses until a new restore succeeds.
+        """
+        with self._lock:
+            session = self._active
+        if session is None:
+            return
+        session.loader.join()
+        error = session.loader.error
+        if error is not None:
+            raise CheckpointError(
+                f"the lazy restore of {session.handle.checkpoint_id} failed, so some tensors hold stale "
+                f"bytes; restore again before saving. The failure: {error}"
+            ) from error
+        self.reap()
+
+    def reap(self) -> None:
+        """Forget a lazy restore that loaded everything; pop finished gates on their own thread."""
+        with self._lock:
+            session = self._active
+        if session is not None and session.done() and session.loader.error is None:
+            self._forget(session)
+        with self._lock:
+            unpopped = list(self._unpopped)
+        for mode, owner in unpopped:
+            if pop_gate(mode, owner):
+                with self._lock:
+                    self._unpopped.remove((mode, owner))
+
+    def _forget(self, session: LazyRestore) -> None:
+        """Drop the session (and through it the targets); keep its gate until it is popped."""
+        with self._lock:
+            if self._active is session:
+                self._active = None
+            if not session.reap():
+                self._unpopped.append((session.mode, session.owner))
+
+    def close(self) -> None:
+        self.settle()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    # -- reused resources ----------------------------------------------------------------------
+    def _slot_pool(self, chunk_size: int, *, pinned: bool) -> SlotPool:
+        pool = self._slots
+        if pool is None or not pool.fits(chunk_size, pinned=pinned):
+            slots = 2 * self.threads
+            if self.staging_bytes:
+                slots = max(2, min(slots, self.staging_bytes // chunk_size))
+            pool = self._slots = SlotPool(slots, chunk_size, pinned=pinned)
+        return pool
+
+    def _stream(self, device: torch.device) -> Any:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        return stream
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="gpusnap-restore-io")
+        return self._executor
+
+
+def _cuda_devices(plan: RestorePlan, n: int) -> set[torch.device]:
+    return {d for i in range(n) for d in plan.devices(i) if d.type == "cuda"}
+
+
+def _any_cuda(plan: RestorePlan, n: int) -> bool:
+    return bool(_cuda_devices(plan, n))

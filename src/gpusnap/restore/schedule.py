@@ -1,0 +1,164 @@
+"""Which chunk loads next, and the life cycle of each span during a restore.
+
+    pending --(a reader takes its first chunk)--> loading --(every chunk applied)--> loaded
+
+Readers take chunks, not spans, so that several threads share one large span. Spans the
+program is waiting for (``urgent``) go before the rest, most recent request first; the rest
+follow ``order``. After a failure no new chunk is handed out; once the readers have stopped,
+:meth:`Schedule.close` wakes every waiter, and those whose span is not loaded get the error.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gpusnap.errors import CheckpointError
+
+__all__ = ["LoadSpan", "Schedule", "SpanState"]
+
+
+class SpanState(enum.Enum):
+    PENDING = "pending"
+    LOADING = "loading"
+    LOADED = "loaded"
+
+
+@dataclass(eq=False)
+class LoadSpan:
+    """One stored span on its way into its targets."""
+
+    index: int
+    nbytes: int
+    chunks: int
+    streamed: bool  # applied chunk by chunk (RestorePlan.apply_range), else as a whole
+    devices: frozenset[torch.device]
+    state: SpanState = SpanState.PENDING
+    next_chunk: int = 0  # the next chunk to hand to a reader
+    left: int = 0  # chunks not yet applied (streamed) or read (whole)
+    applied_bytes: int = 0  # bytes already written into the targets
+    buffer: torch.Tensor | None = field(default=None, repr=False)  # whole span, host
+    ready: tuple[tuple[torch.device, Any], ...] = ()  # (device, CUDA event): copies done once it passes
+    urgent: bool = False
+    first_needed: float | None = None  # perf_counter of the program's first touch
+
+    def __post_init__(self) -> None:
+        self.left = self.chunks
+
+    @property
+    def cuda(self) -> bool:
+        return any(d.type == "cuda" for d in self.devices)
+
+
+class Schedule:
+    """Shared by the readers (``take``/``chunk_done``/``mark_loaded``) and the program (``wait``)."""
+
+    def __init__(self, spans: Sequence[LoadSpan], order: Iterable[int]) -> None:
+        self.spans = list(spans)
+        self.cond = threading.Condition()
+        self.error: BaseException | None = None  # first failure: no new chunk is handed out
+        self.closed = False  # readers stopped (all loaded, or failed)
+        self.final_error: BaseException | None = None
+        self._queue = deque(self.spans[i] for i in order)
+        self._urgent: deque[LoadSpan] = deque()
+        self._loaded = 0
+        for ls in self.spans:
+            if ls.chunks == 0:
+                ls.state = SpanState.LOADED
+                self._loaded += 1
+
+    # -- readers -------------------------------------------------------------------------------
+    def take(self) -> tuple[LoadSpan, int] | None:
+        """The next chunk to load, ``(span, chunk index)``; None when none is left (or failed)."""
+        with self.cond:
+            if self.error is not None:
+                return None
+            for source in (self._urgent, self._queue):
+                while source:
+                    ls = source[0]
+                    if ls.next_chunk >= ls.chunks:
+                        source.popleft()
+                        continue
+                    k = ls.next_chunk
+                    ls.next_chunk += 1
+                    if ls.state is SpanState.PENDING:
+                        ls.state = SpanState.LOADING
+                    return ls, k
+            return None
+
+    def chunk_done(self, ls: LoadSpan, applied: int) -> bool:
+        """One chunk of ``ls`` is through (``applied`` bytes written); True for the last one."""
+        with self.cond:
+            ls.applied_bytes += applied
+            ls.left -= 1
+            return ls.left == 0
+
+    def mark_loaded(self, ls: LoadSpan, ready: Sequence[tuple[torch.device, Any]]) -> None:
+        with self.cond:
+            ls.ready = tuple(ready)
+            ls.state = SpanState.LOADED
+            ls.buffer = None
+            self._loaded += 1
+            self.cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        """Stop handing out chunks; the first error wins."""
+        with self.cond:
+            if self.error is None:
+                self.error = error
+            self.cond.notify_all()
+
+    def close(self, final_error: BaseException | None) -> None:
+        """The readers have stopped: wake every waiter."""
+        with self.cond:
+            self.final_error = final_error
+            self.closed = True
+            self.cond.notify_all()
+
+    # -- program -------------------------------------------------------------------------------
+    @property
+    def all_loaded(self) -> bool:
+        return self._loaded == len(self.spans)
+
+    def wait(self, ls: LoadSpan) -> float:
+        """Block until ``ls`` is loaded, moving it to the head of the queue; returns the seconds
+        waited (0.0 when it already was). Raises the restore's error if it never will be."""
+        if ls.state is SpanState.LOADED:
+            return 0.0
+        started = time.perf_counter()
+        with self.cond:
+            if ls.state is not SpanState.LOADED and not ls.urgent and ls.next_chunk < ls.chunks:
+                ls.urgent = True
+                self._urgent.appendleft(ls)
+            while ls.state is not SpanState.LOADED:
+                if self.closed:
+                    raise self._error_for(ls)
+                self.cond.wait()
+        return time.perf_counter() - started
+
+    def wait_all(self, timeout: float | None = None) -> float:
+        """Block until every span is loaded (raises the error if one never will be)."""
+        started = time.perf_counter()
+        deadline = None if timeout is None else started + timeout
+        with self.cond:
+            while not self.all_loaded:
+                if self.closed:
+                    missing = next(ls for ls in self.spans if ls.state is not SpanState.LOADED)
+                    raise self._error_for(missing)
+                left = None if deadline is None else deadline - time.perf_counter()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"restore still loading after {timeout} s")
+                self.cond.wait(left)
+        return time.perf_counter() - started
+
+    def _error_for(self, ls: LoadSpan) -> BaseException:
+        if self.final_error is not None:
+            return self.final_error
+        return CheckpointError(f"storage #{ls.index} was never loaded (the restore stopped)")

@@ -1,0 +1,100 @@
+"""Restore test support: a backend whose chunk reads can be held back, slowed and logged.
+
+:class:`HeldBackend` gates only ``readinto_range`` (chunk reads); manifests and pack indexes
+read normally, so ``restore()`` can plan while loading is held. A held read waits at most
+``HOLD_LIMIT`` seconds, so a broken test fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from faults import FaultyBackend
+
+from gpusnap.config import Config
+from gpusnap.storage.backend import LocalBackend
+from gpusnap.storage.repository import Repository
+
+__all__ = ["HOLD_LIMIT", "HeldBackend", "held_root", "raw", "release_after", "tiny_config"]
+
+HOLD_LIMIT = 30.0
+
+
+class HeldBackend(FaultyBackend):
+    """Chunk reads wait while held, then sleep ``delay`` (+ random ``jitter``), and are logged."""
+
+    def __init__(self, inner: LocalBackend, *, delay: float = 0.0, jitter: float = 0.0, seed: int = 0) -> None:
+        super().__init__(inner)
+        self.delay = delay
+        self.jitter = jitter
+        self.reads: list[tuple[str, int]] = []
+        self._open = threading.Event()
+        self._open.set()
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+
+    def hold(self) -> None:
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
+
+    def readinto_range(self, path: str, offset: int, out: memoryview) -> int:
+        if not self._open.wait(HOLD_LIMIT):
+            raise TimeoutError("HeldBackend: reads held for too long (the test never released them)")
+        with self._lock:
+            pause = self.delay + self._rng.random() * self.jitter
+        if pause:
+            time.sleep(pause)
+        with self._lock:
+            self.reads.append((path, offset))
+        return super().readinto_range(path, offset, out)
+
+
+@contextmanager
+def held_root(root: Path, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> Iterator[HeldBackend]:
+    """Every Checkpointer opened on ``root`` meanwhile reads chunks through one HeldBackend."""
+    root.mkdir(parents=True, exist_ok=True)
+    backend = HeldBackend(LocalBackend(root), **kwargs)
+    real_open = Repository.open.__func__  # type: ignore[attr-defined]
+
+    def open_held(cls: type[Repository], where: Any, **kw: Any) -> Repository:
+        if Path(str(where)) == root:
+            kw["backend"] = backend
+        return real_open(cls, where, **kw)
+
+    monkeypatch.setattr(Repository, "open", classmethod(open_held))
+    try:
+        yield backend
+    finally:
+        backend.release()
+
+
+def release_after(backend: HeldBackend, seconds: float) -> threading.Timer:
+    timer = threading.Timer(seconds, backend.release)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def tiny_config(**overrides: Any) -> Config:
+    """512-byte chunks: every tensor spans many chunks, so loading takes many steps."""
+    values: dict[str, Any] = {"chunk_size": 512, "pack_size": 1 << 16, "io_threads": 2, "staging_bytes": 16 * 512}
+    values.update(overrides)
+    return Config(**values)
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t``'s bytes taken below every dispatch mode: what memory holds right now."""
+    from torch.utils._mode_utils import no_dispatch
+
+    with no_dispatch():
+        return t.detach().clone()

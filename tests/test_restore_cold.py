@@ -1,0 +1,89 @@
+"""Cold start: a model built without initialisation serves its first forward while loading."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from restore_support import held_root, tiny_config
+from torch import nn
+
+import gpusnap
+
+
+class TinyLM(nn.Module):
+    """Tied embeddings and a non-persistent causal mask, like GPT-2."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, layers: int = 4, ctx: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("mask", torch.tril(torch.ones(ctx, ctx)), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        n = ids.shape[-1]
+        for block in self.blocks:
+            mixed = (self.mask[:n, :n] / self.mask[:n, :n].sum(-1, keepdim=True)) @ h
+            h = h + torch.tanh(block(mixed))
+        return self.head(h)
+
+
+def test_empty_model_keeps_ties_and_builds_buffers(device):
+    model = gpusnap.empty_model(TinyLM, device)
+    assert model.head.weight is model.emb.weight
+    assert all(p.device.type == device.type and not p.is_meta for p in model.parameters())
+    assert torch.equal(model.mask.cpu(), torch.tril(torch.ones(16, 16))), "non-persistent buffer computed"
+    assert all(p.requires_grad for p in model.parameters())
+    assert nn.Module.register_parameter.__qualname__ == "Module.register_parameter", "patch undone"
+
+
+def test_empty_model_undoes_its_patch_on_error():
+    def broken() -> nn.Module:
+        nn.Linear(2, 2)
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        gpusnap.empty_model(broken, "cpu")
+    assert nn.Linear(2, 2).weight.device.type == "cpu"
+
+
+def test_cold_start_serves_before_everything_is_loaded(tmp_path, monkeypatch, device):
+    torch.manual_seed(0)
+    trained = TinyLM(layers=12).to(device)
+    ids = torch.randint(0, 64, (2, 8), device=device)
+    with torch.no_grad():
+        expected = trained(ids)
+    with (
+        held_root(tmp_path / "ck", monkeypatch, delay=0.003),
+        gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config()) as ck,
+    ):
+        ck.save({"model": trained, "served": 0}, blocking=True)
+        state = {"served": -1}
+        model, handle = gpusnap.cold_start(lambda: TinyLM(layers=12), ck, device=device, app_state=state)
+        assert state == {"served": 0, "model": model}
+        with torch.no_grad():
+            out = model(ids)
+        first_forward_done = handle.done()
+        handle.wait()
+    assert torch.equal(out, expected)
+    assert not first_forward_done or handle.stats["waits"] >= 1
+    assert handle.stats["return_s"] < handle.stats["total_s"] / 2
+    assert handle.stats["first_needed"]["model/emb.weight"] < handle.stats["total_s"] / 2, "served while loading"
+    assert model.head.weight is model.emb.weight
+
+
+def test_plain_meta_to_empty_recipe(tmp_path):
+    torch.manual_seed(0)
+    trained = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(3, 8)
+    with gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config()) as ck:
+        ck.save({"model": trained}, blocking=True)
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        model.to_empty(device="cpu")
+        handle = ck.restore({"model": model}, lazy=True)
+        out = model(x)
+        handle.wait()
+    assert torch.equal(out, trained(x))
