@@ -1,9 +1,20 @@
 """Stall per checkpoint of a GPT-2 training loop: gpusnap concurrent vs blocking vs baselines.
 
 Run on a GPU machine from the repository root:
-    PYTHONPATH=src python3 benchmarks/concurrent_stall.py --model gpt2 --steps 30 --every 5
-Prints one table; every checkpoint is restored into a fresh model and compared bitwise with a
-clone taken at its consistent point. CPU runs are smoke tests, not performance figures.
+    PYTHONPATH=src python3 benchmarks/concurrent_stall.py --model gpt2-large --saves 4 --every 5
+
+One process measures, side by side: the median training step at rest (before any checkpointer
+exists, and again after every window has closed), a stop-the-world copy into preallocated
+pinned memory, `torch.save` to tmpfs, gpusnap's blocking save, and gpusnap's concurrent save
+in two placements:
+  * ``after``: save() right after optimizer.step() (the usual place);
+  * ``cow``:   save() between backward() and optimizer.step(), so the step overwrites every
+               buffer at once (the copy-on-write-heavy case).
+Stall per save = (time of the step that contains save()) - (median step at rest), and the
+whole interval's inflation (the steps until the next save) is reported too. Each checkpoint's
+expected bytes are cloned *before* save() (synchronized, outside the timed step), and every
+checkpoint is restored into a fresh model and compared bit for bit.
+CPU runs (``--model tiny``) are smoke tests, not performance figures.
 """
 
 from __future__ import annotations
@@ -14,6 +25,8 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -32,127 +45,205 @@ def build(name: str, device: torch.device, seed: int = 0):
     return model, optim
 
 
-def state_nbytes(model, optim) -> int:
-    n = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+def state_tensors(model, optim) -> list[torch.Tensor]:
+    out = list(model.state_dict().values())
     for s in optim.state.values():
-        n += sum(v.numel() * v.element_size() for v in s.values() if torch.is_tensor(v))
-    return n
+        out += [v for v in s.values() if torch.is_tensor(v)]
+    return out
 
 
 def clone_state(model, optim) -> list[torch.Tensor]:
-    out = [t.detach().clone() for t in model.state_dict().values()]
-    for s in optim.state.values():
-        out += [v.detach().clone() for v in s.values() if torch.is_tensor(v)]
+    return [t.detach().clone() for t in state_tensors(model, optim)]
+
+
+class Loop:
+    def __init__(self, model, optim, data, dev: torch.device) -> None:
+        self.model, self.optim, self.data, self.dev = model, optim, data, dev
+
+    def sync(self) -> None:
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def step(self, hook: Callable[[], None] | None = None, where: str = "after") -> float:
+        """One training step, timed with the device drained on both ends."""
+        self.sync()
+        t0 = time.perf_counter()
+        if hook is not None and where == "after":  # right after the previous optimizer.step()
+            hook()
+        loss = self.model(self.data, labels=self.data).loss
+        loss.backward()
+        if hook is not None and where == "cow":
+            hook()
+        self.optim.step()
+        self.optim.zero_grad(set_to_none=True)
+        self.sync()
+        return time.perf_counter() - t0
+
+
+def timed(loop: Loop, fn: Callable[[], Any]) -> float:
+    loop.sync()
+    t0 = time.perf_counter()
+    fn()
+    loop.sync()
+    return time.perf_counter() - t0
+
+
+def peak_extra(loop: Loop, fn: Callable[[], float]) -> tuple[float, int]:
+    """Run ``fn``; its result and the peak device memory above what was allocated before."""
+    if loop.dev.type != "cuda":
+        return fn(), 0
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    return out, torch.cuda.max_memory_allocated() - base
+
+
+def phase(loop: Loop, ck: gpusnap.Checkpointer, app: dict, where: str, saves: int, every: int,
+          median_rest: float, plain_peak: int) -> dict[str, Any]:
+    """``saves`` concurrent saves, one every ``every`` steps, placed at ``where``."""
+    rows = []
+    for s in range(saves):
+        # forward/backward change no state bytes (grads are not state), so a clone before the
+        # timed step equals the state at either save point, and stays out of the timing
+        expected = clone_state(loop.model, loop.optim)
+        box: dict[str, Any] = {}
+
+        def hook(box: dict[str, Any] = box, tag: str = f"{where}{s}") -> None:
+            box["pending"] = ck.save(app, tag=tag)
+
+        t_save_step, peak = peak_extra(loop, lambda: loop.step(hook, where))
+        interval = [t_save_step] + [loop.step() for _ in range(every - 1)]
+        rows.append({"pending": box["pending"], "expected": expected, "step_s": t_save_step,
+                     "interval_s": sum(interval), "peak_extra": max(0, peak - plain_peak)})
+    ck.wait()
+    infos = [r["pending"].wait() for r in rows]
+    out: dict[str, Any] = {"infos": infos, "rows": rows}
+    out["stalls"] = [max(0.0, r["step_s"] - median_rest) for r in rows]
+    for r in rows:
+        r["interval_stall"] = max(0.0, r["interval_s"] - every * median_rest)
     return out
+
+
+def verify(ck: gpusnap.Checkpointer, args, dev, data, rows, infos) -> bool:
+    exact = True
+    fresh_model, fresh_optim = build(args.model, dev, seed=1)
+    fresh_model(data[:1], labels=data[:1]).loss.backward()
+    fresh_optim.step()
+    target = {"model": fresh_model, "optim": fresh_optim, "step": -1}
+    for r, info in zip(rows, infos):
+        ck.restore(target, info.id)
+        got = state_tensors(fresh_model, fresh_optim)
+        ok = len(got) == len(r["expected"]) and all(torch.equal(a, b) for a, b in zip(got, r["expected"]))
+        exact &= ok
+        r["expected"] = None
+    return exact
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="gpt2")
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--saves", type=int, default=4)
     ap.add_argument("--every", type=int, default=5)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--root", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--skip-baselines", action="store_true")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, optim = build(args.model, dev)
-    vocab = model.config.vocab_size
-    data = torch.randint(0, vocab, (args.batch, args.seq), device=dev)
-
-    def step() -> None:
-        loss = model(data, labels=data).loss
-        loss.backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-
-    def timed(fn) -> float:
-        torch.cuda.synchronize() if dev.type == "cuda" else None
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize() if dev.type == "cuda" else None
-        return time.perf_counter() - t0
-
+    data = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device=dev)
+    loop = Loop(model, optim, data, dev)
     for _ in range(3):
-        step()
-    nbytes = state_nbytes(model, optim)
-    base = [timed(step) for _ in range(10)]
-    median = statistics.median(base)
-    root = args.root or tempfile.mkdtemp(prefix="gpusnap-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    results: dict[str, object] = {"model": args.model, "state_bytes": nbytes, "median_step_s": median,
-                                  "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
+        loop.step()
+    tensors = state_tensors(model, optim)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    rest_before = [loop.step() for _ in range(10)]
+    median_rest = statistics.median(rest_before)
+    _, plain_peak = peak_extra(loop, loop.step)
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    root = args.root or tempfile.mkdtemp(prefix="gpusnap-bench-", dir=shm)
+    res: dict[str, Any] = {
+        "model": args.model, "state_bytes": nbytes, "tensors": len(tensors), "median_step_s": median_rest,
+        "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "date": time.strftime("%Y-%m-%d"), "batch": args.batch, "seq": args.seq,
+    }
+    if not args.skip_baselines:
+        pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=dev.type == "cuda") for t in tensors]
 
-    # Baseline 1: stop-the-world copy into pinned host memory (allocated beforehand).
-    tensors = list(model.state_dict().values()) + [v for s in optim.state.values() for v in s.values() if torch.is_tensor(v)]
-    pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=dev.type == "cuda") for t in tensors]
+        def stw_copy() -> None:
+            for h, t in zip(pinned, tensors):
+                h.copy_(t, non_blocking=True)
 
-    def stw_copy() -> None:
-        for h, t in zip(pinned, tensors):
-            h.copy_(t, non_blocking=True)
-    stw = [timed(stw_copy) for _ in range(3)]
-    results["stw_pinned_copy_s"] = min(stw)
-    del pinned
-
-    # Baseline 2: torch.save to tmpfs.
-    path = os.path.join(root, "torch_save.pt")
-    results["torch_save_s"] = timed(lambda: torch.save({"m": model.state_dict(), "o": optim.state_dict()}, path))
-    os.remove(path)
+        res["stw_pinned_copy_s"] = min(timed(loop, stw_copy) for _ in range(3))
+        del pinned
+        path = os.path.join(root, "torch_save.pt")
+        res["torch_save_s"] = timed(loop, lambda: torch.save({"m": model.state_dict(), "o": optim.state_dict()}, path))
+        os.remove(path)
 
     app = {"model": model, "optim": optim, "step": 0}
     cfg = gpusnap.Config.from_env()
-    with gpusnap.Checkpointer(os.path.join(root, "ck"), config=cfg) as ck:
-        # Baseline 3: gpusnap blocking save.
-        results["gpusnap_blocking_s"] = timed(lambda: ck.save(app, blocking=True))
-        # gpusnap concurrent: stall = step time with a save() before it, minus the median step.
-        checks = []
-        save_steps, plain_steps = [], []
-        for i in range(args.steps):
-            app["step"] = i
-            if i % args.every == 0:
-                def save_then_step() -> None:
-                    pending = ck.save(app, tag=f"s{i}")
-                    checks.append((pending, clone_state(model, optim)))
-                    step()
-                # the clone is part of the measured time: subtract it (measured separately below)
-                save_steps.append(timed(save_then_step))
-            else:
-                plain_steps.append(timed(step))
-        clone_s = statistics.median([timed(lambda: clone_state(model, optim)) for _ in range(3)])
-        infos = [p.wait() for p, _ in checks]
-        exact = True
-        for (p, expected), info in zip(checks, infos):
-            fresh_model, fresh_optim = build(args.model, dev, seed=1)
-            fresh_model(data[:1], labels=data[:1]).loss.backward()
-            fresh_optim.step()
-            target = {"model": fresh_model, "optim": fresh_optim, "step": -1}
-            ck.restore(target, info.id)
-            got = clone_state(fresh_model, fresh_optim)
-            exact &= len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
-            del fresh_model, fresh_optim, target, got
-        med_plain = statistics.median(plain_steps)
-        stalls = [max(0.0, s - clone_s - med_plain) for s in save_steps]
-        results.update(
-            concurrent_stall_median_s=statistics.median(stalls),
-            concurrent_stall_max_s=max(stalls),
-            save_call_s=statistics.median(i.stats["stall_s"] for i in infos),
-            durable_s=statistics.median(i.stats["duration_s"] for i in infos),
-            window_s=statistics.median(i.stats["window_s"] for i in infos),
-            bytes_cow=max(i.stats["bytes_cow"] for i in infos),
-            waits=max(i.stats["waits"] for i in infos),
-            median_plain_step_in_run_s=med_plain,
-            all_checkpoints_bit_exact=exact,
-        )
-    print(json.dumps(results, indent=1))
+    with gpusnap.Checkpointer(os.path.join(root, "ck"), config=cfg, keep_last=None) as ck:
+        if not args.skip_baselines:
+            res["gpusnap_blocking_s"] = timed(loop, lambda: ck.save(app, blocking=True))
+        # the first concurrent save grows the staging arena (pinned memory): measured alone
+        first = phase(loop, ck, app, "after", 1, args.every, median_rest, plain_peak)
+        res["first_save_stall_s"] = first["stalls"][0]
+        res["first_save_staging_grow_s"] = first["infos"][0].stats.get("staging_grow_s")
+        res["first_exact"] = verify(ck, args, dev, data, first["rows"], first["infos"])
+        for where in ("after", "cow"):
+            ph = phase(loop, ck, app, where, args.saves, args.every, median_rest, plain_peak)
+            infos = ph["infos"]
+            st = [i.stats for i in infos]
+            res[where] = {
+                "stall_median_s": statistics.median(ph["stalls"]),
+                "stall_max_s": max(ph["stalls"]),
+                "interval_stall_median_s": statistics.median(r["interval_stall"] for r in ph["rows"]),
+                "save_call_s": statistics.median(s["stall_s"] for s in st),
+                "window_s": statistics.median(s["window_s"] for s in st),
+                "durable_s": statistics.median(s["duration_s"] for s in st),
+                "bytes_cow_max": max(s["bytes_cow"] for s in st),
+                "cow_peak_bytes_max": max(s.get("cow_peak_bytes", 0) for s in st),
+                "waits_max": max(s["waits"] for s in st),
+                "stream_waits_max": max(s.get("stream_waits", 0) for s in st),
+                "peak_extra_device_bytes": max(r["peak_extra"] for r in ph["rows"]),
+                "staging_bytes": max(s.get("staging_bytes", 0) for s in st),
+                "ops_seen_median": statistics.median(s["ops_seen"] for s in st),
+                "bit_exact": verify(ck, args, dev, data, ph["rows"], infos),
+            }
+        ck.wait()
+        ck.list()  # a gpusnap call on this thread: pops any closed window's tracker
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _stack
+        res["modes_at_rest"] = [type(m).__name__ for m in _stack()]  # must be empty
+        rest_after = [loop.step() for _ in range(10)]
+        res["median_step_after_s"] = statistics.median(rest_after)
+        res["at_rest_change"] = res["median_step_after_s"] / median_rest - 1
+        res["step_stdev_s"] = statistics.pstdev(rest_before)
+    print(json.dumps(res, indent=1, default=str))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    print(f"\n{'metric':<32}{'value':>14}")
-    for k in ("state_bytes", "median_step_s", "stw_pinned_copy_s", "torch_save_s", "gpusnap_blocking_s",
-              "save_call_s", "concurrent_stall_median_s", "concurrent_stall_max_s", "window_s", "durable_s",
-              "bytes_cow", "waits", "all_checkpoints_bit_exact"):
-        v = results[k]
-        print(f"{k:<32}{v:>14.4f}" if isinstance(v, float) else f"{k:<32}{v!s:>14}")
+            json.dump(res, f, indent=1, default=str)
+    table(res)
+
+
+def table(res: dict[str, Any]) -> None:
+    ms = lambda v: f"{v * 1e3:.1f} ms" if isinstance(v, (int, float)) else str(v)
+    gb = lambda v: f"{v / 1e9:.2f} GB" if isinstance(v, (int, float)) else str(v)
+    print(f"\n{res['model']}: {gb(res['state_bytes'])} in {res['tensors']} tensors; "
+          f"median step {ms(res['median_step_s'])} (after: {ms(res['median_step_after_s'])}, "
+          f"at-rest change {res['at_rest_change'] * 100:+.2f}%, stdev {ms(res['step_stdev_s'])})")
+    for k in ("stw_pinned_copy_s", "torch_save_s", "gpusnap_blocking_s", "first_save_stall_s"):
+        if k in res:
+            print(f"  {k:<28}{ms(res[k]):>14}")
+    print(f"  {'first save exact':<28}{res['first_exact']!s:>14}")
+    keys = ("stall_median_s", "stall_max_s", "interval_stall_median_s", "save_call_s", "window_s",
+            "durable_s", "bytes_cow_max", "waits_max", "stream_waits_max", "peak_extra_device_bytes",
+            "staging_bytes", "bit_exact")
+    print(f"  {'':<28}{'after step':>14}{'cow-heavy':>14}")
+    for k in keys:
+        a, c = res["after"][k], res["cow"][k]
+        fmt = ms if k.endswith("_s") else (gb if "bytes" in k else str)
+        print(f"  {k:<28}{fmt(a):>14}{fmt(c):>14}")
 
 
 if __name__ == "__main__":

@@ -341,7 +341,8 @@ def run_held(tmp_path: Any, gate: Gate, budget: int, mutate_keys: list[str]) -> 
         tensors = leaves(state)
         before = snapshot(tensors)
         gate.gated = True
-        pending = save(ck, gate, state)
+        gate.hold()  # before save(): the copier must stall with "a" in flight, every time
+        pending = ck.save(state)
         for key in mutate_keys:
             state[key].mul_(-2).add_(1)
         info = finish(pending, gate)

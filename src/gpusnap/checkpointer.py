@@ -26,7 +26,8 @@ import torch
 
 from gpusnap.capture import CaptureCounters, snapshot_to_host, write_host_spans
 from gpusnap.capture.concurrent import ConcurrentSave
-from gpusnap.capture.staging import StagingPool
+from gpusnap.capture.staging import StagingArena
+from gpusnap.capture.trace import Trace
 from gpusnap.config import Config
 from gpusnap.errors import CheckpointError, CheckpointNotFoundError
 from gpusnap.handles import CheckpointInfo, PendingSave, RestoreHandle
@@ -61,6 +62,7 @@ class _SaveJob:
     host_spans: list[torch.Tensor] = field(default_factory=list)  # stop-the-world path
     concurrent: ConcurrentSave | None = None  # concurrent path (its txn is already open)
     stall_s: float = 0.0  # a blocking save's stall is the whole save
+    phases: dict[str, float] = field(default_factory=dict)  # where save() spent its time
 
 
 class Checkpointer:
@@ -105,7 +107,7 @@ class Checkpointer:
         self._writer: threading.Thread | None = None
         self._windows: list[ConcurrentSave] = []
         self._write_order: list[str] = []  # key paths, soonest-written first (last window)
-        self._staging: StagingPool | None = None
+        self._staging: StagingArena | None = None
         self._streams: dict[torch.device, Any] = {}
         self._restorer = Restorer(io_threads=self.config.io_threads, staging_bytes=self.config.staging_bytes)
         self._closed = False
@@ -141,12 +143,15 @@ class Checkpointer:
         self._restorer.before_save()  # a lazy restore still loading: its bytes first
         self._reap()
         self._wait_for_open_window()  # one window at a time: counted in this save's stall
+        waited = time.perf_counter()
         flat = flatten(app_state, allow_pickle=self.allow_pickle)
+        flattened = time.perf_counter()
         repo = self._repository(create=True)
         created = time.time()
         pending = PendingSave(repo.new_id(created), tag)
         pending._on_wait = self._reap
         job = _SaveJob(pending, flat, created, started, blocking, CaptureCounters())
+        job.phases.update(wait_previous=waited - started, flatten=flattened - waited)
         if blocking or not self.config.concurrent:
             job.host_spans, job.counters.bytes_copied = snapshot_to_host(flat, copy_cpu=not blocking)
         if blocking:
@@ -154,33 +159,51 @@ class Checkpointer:
             pending.wait()
             return pending
         if self.config.concurrent:
-            job.concurrent = self._start_window(repo, flat)
+            job.concurrent = self._start_window(repo, flat, pending, job.phases)
         else:
             pending._set_staged()
         with self._pending_lock:
             self._pending.append(pending)
         self._ensure_writer()
+        queued = time.perf_counter()
         self._queue.put(job)  # blocks while max_pending_saves durable writes are queued
         job.stall_s = time.perf_counter() - started
+        job.phases["queue"] = time.perf_counter() - queued
         return pending
 
-    def _start_window(self, repo: Repository, flat: FlatState) -> ConcurrentSave:
+    def _start_window(
+        self, repo: Repository, flat: FlatState, pending: PendingSave, phases: dict[str, float]
+    ) -> ConcurrentSave:
         txn = repo.begin_write()
         try:
             cuda = sorted({s.device for s in flat.spans if s.device.type == "cuda"}, key=str)
             order = self._copy_order(flat)
+            arena = self._staging_arena(pinned=bool(cuda))
+            # Pinned allocation is slow and, measured on the H200, stalls the program while it
+            # runs; so the arena grows here, once, to hold one whole capture (the first save
+            # pays for it, like async_save's first call), never while a window copies.
+            device_bytes = sum(s.nbytes for s in flat.spans if s.device.type != "cpu")
+            if device_bytes:
+                phases["reserve_staging"] = arena.reserve(device_bytes + self.config.piece_bytes())
+            opened = time.perf_counter()
             capture = ConcurrentSave(
                 flat,
                 txn,
-                staging=self._staging_pool(pinned=bool(cuda)),
+                staging=arena,
                 io_pool=self._pool,
                 streams={d: self._copy_stream(d) for d in cuda},
                 chunk_size=self.config.chunk_size,
+                piece_bytes=self.config.piece_bytes(),
+                ahead=self.config.copy_ahead,
                 order=order,
                 cow_budget=self._cow_budget(cuda),
                 eager_cpu_bytes=self.config.eager_cpu_bytes,
+                trace=Trace(pending.id) if self.config.trace_dir else None,
             )
+            window = capture.window
+            window.on_close(lambda: pending._set_staged() if window.error is None else None)
             capture.start()
+            phases["open_window"] = time.perf_counter() - opened
         except BaseException:
             txn.abort()
             raise
@@ -197,19 +220,23 @@ class Checkpointer:
     def _cow_budget(self, cuda: list[torch.device]) -> int:
         if self.config.cow_budget_bytes:
             return self.config.cow_budget_bytes
-        if cuda:
-            return min(torch.cuda.mem_get_info(d)[0] for d in cuda) // 4
+        if cuda:  # free in the driver plus what torch's caching allocator holds unused
+            return min(
+                torch.cuda.mem_get_info(d)[0] + torch.cuda.memory_reserved(d) - torch.cuda.memory_allocated(d)
+                for d in cuda
+            ) // 4
         try:
             return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
         except (ValueError, OSError, AttributeError):
             return 1 << 30
 
-    def _staging_pool(self, *, pinned: bool) -> StagingPool:
-        pool = self._staging
-        if pool is None or (pinned and not pool.pinned):
-            slots = max(2, self.config.staging_bytes // self.config.chunk_size)
-            pool = self._staging = StagingPool(slots, self.config.chunk_size, pinned=pinned)
-        return pool
+    def _staging_arena(self, *, pinned: bool) -> StagingArena:
+        arena = self._staging
+        if arena is None or (pinned and not arena.pinned):
+            capacity = self.config.staging_capacity()
+            slab = min(capacity, max(256 << 20, self.config.piece_bytes()))
+            arena = self._staging = StagingArena(capacity, pinned=pinned, slab_bytes=slab)
+        return arena
 
     def _copy_stream(self, device: torch.device) -> Any:
         stream = self._streams.get(device)
@@ -280,10 +307,15 @@ class Checkpointer:
                     "bytes_cow": 0,
                     "bytes_skipped": job.counters.bytes_skipped,
                     "validation": "not needed: stop-the-world capture",
+                    "save_phases_s": dict(job.phases),
                 }
                 if capture is not None:
                     stats.update(_window_stats(capture))
                     self._write_order = capture.window.write_order()
+                    trace = capture.window.trace
+                    if trace is not None:
+                        path = os.path.join(self.config.trace_dir, f"{pending.id}.trace.json")
+                        stats["trace_path"] = trace.write(path)
                 manifest = Manifest(
                     id=pending.id,
                     tag=pending.tag,
@@ -416,6 +448,11 @@ def _window_stats(capture: ConcurrentSave) -> dict[str, Any]:
         "waits": w.stats.waits,
         "wait_s": w.stats.wait_s,
         "window_s": closed - w.opened,
+        "cow_peak_bytes": w.stats.cow_peak,
+        "stream_waits": w.stats.stream_waits,
+        "staging_bytes": capture.staging.nbytes,
+        "staging_grow_s": capture.staging.grow_s,
+        "access_order": w.access_order(),
         "ops_seen": w.stats.ops_seen,
         "opaque_launches": w.stats.opaque_launches,
         "program_copies": w.stats.program_copies,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 __all__ = ["Config", "MiB"]
 
 MiB = 1 << 20
-_MAY_BE_ZERO = {"cow_budget_bytes", "eager_cpu_bytes"}
+_MAY_BE_ZERO = {"cow_budget_bytes", "eager_cpu_bytes", "staging_bytes"}
 
 
 def _env_int(name: str, default: int) -> int:
@@ -39,7 +39,15 @@ class Config:
     pack_size: int = field(default=256 * MiB, metadata={"doc": "a pack file is closed past this size"})
     io_threads: int = field(default=4, metadata={"doc": "writer/reader threads for pack files"})
     hash_threads: int = field(default=4, metadata={"doc": "threads hashing chunks on the host"})
-    staging_bytes: int = field(default=256 * MiB, metadata={"doc": "pinned host staging pool"})
+    staging_bytes: int = field(
+        default=0,
+        metadata={"doc": "host staging memory at most, pinned for CUDA (0: a quarter of physical RAM); "
+                  "grown on demand, kept across saves"},
+    )
+    copy_piece_bytes: int = field(
+        default=32 * MiB, metadata={"doc": "bytes per device-to-host copy (whole chunks)"}
+    )
+    copy_ahead: int = field(default=3, metadata={"doc": "copy pieces in flight at once per window"})
     max_pending_saves: int = field(default=2, metadata={"doc": "durable writes queued at most"})
     fsync: bool = field(default=True, metadata={"doc": "fsync files and directories on commit"})
     concurrent: bool = field(default=True, metadata={"doc": "save() captures while the program runs"})
@@ -49,19 +57,22 @@ class Config:
     eager_cpu_bytes: int = field(
         default=64 * 1024, metadata={"doc": "CPU spans up to this size are copied at save()"}
     )
+    trace_dir: str = field(
+        default="", metadata={"doc": "write a Chrome trace of each capture window here ('' : off)"}
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, bool):
+            if isinstance(value, (bool, str)):
                 continue
             least = 0 if f.name in _MAY_BE_ZERO else 1
             if not isinstance(value, int) or value < least:
                 raise ValueError(f"Config.{f.name} must be an integer >= {least}, got {value!r}")
         if self.chunk_size % 512:
             raise ValueError(f"Config.chunk_size must be a multiple of 512, got {self.chunk_size}")
-        if self.staging_bytes < self.chunk_size:
-            raise ValueError("Config.staging_bytes must hold at least one chunk")
+        if self.staging_bytes and self.staging_bytes < self.chunk_size:
+            raise ValueError("Config.staging_bytes must hold at least one chunk (or be 0: automatic)")
 
     @classmethod
     def from_env(cls, **overrides: object) -> Config:
@@ -69,10 +80,27 @@ class Config:
         values: dict[str, object] = {}
         for f in dataclasses.fields(cls):
             default = f.default
-            if isinstance(default, bool):
+            if isinstance(default, str):
+                values[f.name] = os.environ.get(f"GPUSNAP_{f.name.upper()}", default)
+            elif isinstance(default, bool):
                 raw = os.environ.get(f"GPUSNAP_{f.name.upper()}")
                 values[f.name] = default if raw in (None, "") else raw.lower() not in ("0", "false", "no")
             else:
                 values[f.name] = _env_int(f.name, default)  # type: ignore[arg-type]
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
+
+    def staging_capacity(self) -> int:
+        """``staging_bytes``, or a quarter of physical RAM when it is 0 (at least one piece)."""
+        if self.staging_bytes:
+            return self.staging_bytes
+        try:
+            ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            ram = 4 << 30
+        return max(ram // 4 // self.chunk_size * self.chunk_size, self.copy_piece_bytes, self.chunk_size)
+
+    def piece_bytes(self) -> int:
+        """Bytes per copy piece: whole chunks, at most the staging capacity."""
+        piece = min(self.copy_piece_bytes, self.staging_capacity())
+        return max(self.chunk_size, piece // self.chunk_size * self.chunk_size)

@@ -4,11 +4,16 @@ Call order: ``start()`` on the thread that called ``save()`` (records the consis
 pushes the tracker, starts the copier) -> the program runs on -> ``finish()`` on any thread
 (waits for every chunk to be stored; returns the storage table) -> the saving thread pops the
 tracker at its next gpusnap call (``reap``).
+
+Each staged piece is split into its chunks; one writer task per chunk waits for the piece's
+copy event, hashes the chunk and stores it; the piece's staging region is released when its
+last chunk is stored.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -16,7 +21,8 @@ import torch
 
 from gpusnap.capture.copier import Copier
 from gpusnap.capture.opaque import open_windows
-from gpusnap.capture.staging import StagingPool
+from gpusnap.capture.staging import Region, StagingArena
+from gpusnap.capture.trace import Trace
 from gpusnap.capture.tracker import TrackerMode
 from gpusnap.capture.window import CaptureWindow, WindowSpan
 from gpusnap.kernels.hashing import chunk_digest
@@ -33,20 +39,25 @@ class ConcurrentSave:
         flat: FlatState,
         txn: WriteTxn,
         *,
-        staging: StagingPool,
+        staging: StagingArena,
         io_pool: ThreadPoolExecutor,
         streams: dict[torch.device, Any],
         chunk_size: int,
+        piece_bytes: int,
+        ahead: int,
         order: list[int],
         cow_budget: int,
         eager_cpu_bytes: int,
+        trace: Trace | None = None,
     ) -> None:
         self.flat = flat
         self.txn = txn
         self.staging = staging
         self.io_pool = io_pool
         self.chunk_size = chunk_size
-        self.window = CaptureWindow(flat, order=order, cow_budget=cow_budget, eager_cpu_bytes=eager_cpu_bytes)
+        self.window = CaptureWindow(
+            flat, order=order, cow_budget=cow_budget, eager_cpu_bytes=eager_cpu_bytes, trace=trace
+        )
         self.digests: list[list[str | None]] = [
             [None] * -(-s.nbytes // chunk_size) for s in flat.spans
         ]
@@ -60,7 +71,14 @@ class ConcurrentSave:
             event.record(torch.cuda.current_stream(device))  # the consistent point, in stream order
             events[device] = event
         self.copier = Copier(
-            self.window, staging, self._sink, chunk_size=chunk_size, consistent_events=events, streams=streams
+            self.window,
+            staging,
+            self._sink,
+            chunk_size=chunk_size,
+            piece_bytes=piece_bytes,
+            ahead=ahead,
+            consistent_events=events,
+            streams=streams,
         )
         self.tracker = TrackerMode(self.window)
         self.owner = threading.get_ident()
@@ -75,16 +93,25 @@ class ConcurrentSave:
         open_windows.add(self.window)
         self.copier.start()
 
-    def _sink(self, ws: WindowSpan, k: int, slot: torch.Tensor, n: int, event: Any) -> None:
-        future = self.io_pool.submit(self._store, ws.index, k, slot, n, event)
+    def _sink(self, ws: WindowSpan, start: int, region: Region, n: int, event: Any) -> None:
+        offsets = range(0, n, self.chunk_size)
+        left = [len(offsets)]  # chunks of this piece not yet stored; the last one frees it
+        futures = [
+            self.io_pool.submit(self._store, ws.index, (start + off) // self.chunk_size, region, off,
+                                min(self.chunk_size, n - off), event, left)
+            for off in offsets
+        ]
         with self._lock:
-            self._futures.append(future)
+            self._futures.extend(futures)
 
-    def _store(self, index: int, k: int, slot: torch.Tensor, n: int, event: Any) -> None:
+    def _store(
+        self, index: int, k: int, region: Region, off: int, n: int, event: Any, left: list[int]
+    ) -> None:
+        started = time.perf_counter()
         try:
             if event is not None:
                 event.synchronize()
-            view = memoryview(slot[:n].numpy()).cast("B")
+            view = memoryview(region.data[off : off + n].numpy()).cast("B")
             digest = chunk_digest(view)
             wrote = not self.txn.has_chunk(digest) and self.txn.put_chunk(digest, view)
             with self._lock:
@@ -97,7 +124,13 @@ class ConcurrentSave:
             self.window.close(exc)  # stop the copier, release the program
             raise
         finally:
-            self.staging.release(slot)
+            with self._lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                self.staging.release(region)
+            if self.window.trace is not None:
+                self.window.trace.span("store", f"chunk {index}:{k}", started, time.perf_counter())
 
     def wait_captured(self, timeout: float | None = None) -> None:
         self.copier.join(timeout)
@@ -105,6 +138,7 @@ class ConcurrentSave:
     def finish(self) -> tuple[StorageEntry, ...]:
         """Wait until every chunk is stored; raise the first failure."""
         self.copier.join()
+        self.window.settle()
         open_windows.remove(self.window)
         with self._lock:
             futures = list(self._futures)

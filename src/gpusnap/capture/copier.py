@@ -1,48 +1,63 @@
-"""The copy engine: moves every span of a window off its device, chunk by chunk.
+"""The copy engine: moves every span of a window off its device, piece by piece.
 
-One named thread per window walks the spans in priority order (``CaptureWindow.take_next``),
-copies each chunk into a staging slot (on CUDA: on a low-priority stream, after the
-consistent-point event, as an async copy followed by an event), and hands the slot to the
-``sink`` (hash + store, on writer threads), which releases it. While the program has a
-host<->device copy of its own in flight, no new chunk is issued.
+One named thread per window walks the spans in priority order (``CaptureWindow.take_next``)
+and copies each piece (``Config.copy_piece_bytes`` on CUDA; one chunk on CPU) into a region of
+the staging arena, then hands the region to the ``sink`` (hash + store, on writer threads),
+which releases it.
+
+On CUDA each piece is an async copy on a low-priority stream (ordered after the consistent
+point's event) followed by an event. At most ``ahead`` pieces are in flight at once: a
+program write to a span only ever waits (on the device) for pieces already issued, so keeping
+few in flight keeps that wait short, while two or more keep the copy engine busy. The window
+closes only when every copy has completed. While the program has its own host<->device copy
+in flight, no new piece is issued (the program's copies go first).
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from gpusnap.capture.staging import StagingPool
+from gpusnap.capture.staging import Region, StagingArena
 from gpusnap.capture.window import CaptureWindow, WindowSpan
 
-__all__ = ["Copier", "ChunkSink"]
+__all__ = ["Copier", "PieceSink"]
 
-# sink(span, chunk_index, slot, nbytes, event_or_None); must release the slot to the pool.
-ChunkSink = Callable[[WindowSpan, int, torch.Tensor, int, Any], None]
+# sink(span, start_byte, region, nbytes, event_or_None); must release the region to the arena.
+PieceSink = Callable[[WindowSpan, int, Region, int, Any], None]
 
 
 class Copier:
     def __init__(
         self,
         window: CaptureWindow,
-        pool: StagingPool,
-        sink: ChunkSink,
+        arena: StagingArena,
+        sink: PieceSink,
         *,
         chunk_size: int,
+        piece_bytes: int,
+        ahead: int,
         consistent_events: dict[torch.device, Any],
         streams: dict[torch.device, Any],
     ) -> None:
-        if chunk_size > pool.slot_bytes:
-            raise ValueError("a staging slot must hold a whole chunk")
+        if piece_bytes % chunk_size or piece_bytes > arena.max_region():
+            raise ValueError("a copy piece must be whole chunks and fit in one staging region")
         self.window = window
-        self.pool = pool
+        self.arena = arena
         self.sink = sink
         self.chunk_size = chunk_size
+        self.piece_bytes = piece_bytes
+        self.ahead = max(1, ahead)
         self.events = consistent_events
         self.streams = streams
+        self.trace = window.trace
+        self.bytes_copied = 0
+        self._inflight: deque[tuple[Any, float, str]] = deque()
         self.thread = threading.Thread(target=self._run, name="gpusnap-copier", daemon=True)
 
     def start(self) -> None:
@@ -55,42 +70,79 @@ class Copier:
 
     def _run(self) -> None:
         try:
+            for stream in self.streams.values():
+                torch.cuda.set_stream(stream)  # this thread's copies go to the copy streams
             while (ws := self.window.take_next()) is not None:
                 self._copy_span(ws)
                 self.window.mark_captured(ws)
+            self._drain(0)
             self.window.close()
         except BaseException as exc:  # the save fails; the program must not wait forever
             self.window.close(exc)
 
     def _copy_span(self, ws: WindowSpan) -> None:
-        src = ws.shadow if ws.shadow is not None else ws.span.as_bytes()
         stream = self.streams.get(ws.device) if ws.device.type == "cuda" else None
-        if stream is not None and ws.shadow_event is not None:
-            stream.wait_event(ws.shadow_event)
-        event = None
-        for k, start in enumerate(range(0, ws.nbytes, self.chunk_size)):
+        piece = self.piece_bytes if stream is not None else self.chunk_size
+        held: set[str] = set()  # which sources (live, shadow) were recorded on the copy stream
+        for start in range(0, ws.nbytes, piece):
             if self.window.error is not None:
                 raise self.window.error
-            n = min(self.chunk_size, ws.nbytes - start)
-            self._yield_to_program_copy()
-            slot = self.pool.acquire()
+            n = min(piece, ws.nbytes - start)
+            if stream is not None:
+                self._drain(self.ahead - 1)
+                self._yield_to_program_copy()
+            region = self.arena.allocate(n)
             try:
-                if stream is None:
-                    slot[:n].copy_(src[start : start + n])
-                else:
-                    with torch.cuda.stream(stream):
-                        slot[:n].copy_(src[start : start + n], non_blocking=True)
-                        event = torch.cuda.Event()
-                        event.record(stream)
+                event = self._issue(ws, start, n, region, stream, held)
             except BaseException:
-                self.pool.release(slot)
+                self.arena.release(region)
                 raise
-            self.sink(ws, k, slot, n, event)
-        if stream is not None:
-            src.record_stream(stream)  # its memory is not reused before the copies ran
-            ws.done_event = event
+            self.bytes_copied += n
+            self.sink(ws, start, region, n, event)
+
+    def _issue(
+        self, ws: WindowSpan, start: int, n: int, region: Region, stream: Any, held: set[str]
+    ) -> Any:
+        """Copy one piece; atomic with ``protect`` (see ``CaptureWindow.source``)."""
+        issued_at = time.perf_counter()
+        with self.window.cond:
+            src, from_shadow = self.window.source(ws, start, n)
+            if stream is None:
+                region.data.copy_(src)  # CPU: done before the lock is released
+                ws.issued = start + n
+                if self.trace is not None:
+                    self.trace.span("copy", _label(ws, start, n), issued_at, time.perf_counter())
+                return None
+            kind = "shadow" if from_shadow else "live"
+            if kind not in held:
+                if from_shadow and ws.shadow_event is not None:
+                    stream.wait_event(ws.shadow_event)  # the shadow copy ran on the writer's stream
+                src.record_stream(stream)  # its memory is not reused before our copies ran
+                held.add(kind)
+            region.data.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+            if not from_shadow:
+                ws.live_event = event
+                ws.waited.clear()  # a newer event: writers must wait again
+            ws.issued = start + n
+        self._inflight.append((event, issued_at, _label(ws, start, n)))
+        return event
+
+    def _drain(self, keep: int) -> None:
+        """Wait (GIL released) until at most ``keep`` pieces are in flight."""
+        while len(self._inflight) > keep:
+            event, issued_at, label = self._inflight.popleft()
+            event.synchronize()
+            if self.trace is not None:
+                self.trace.span("copy", label, issued_at, time.perf_counter())
 
     def _yield_to_program_copy(self) -> None:
         event = self.window.program_copy_event()
         if event is not None and not event.query():
             event.synchronize()
+
+
+def _label(ws: WindowSpan, start: int, n: int) -> str:
+    name = ws.span.paths[0] if ws.span.paths else f"storage #{ws.index}"
+    return f"{name} [{start}:{start + n}]"

@@ -1,17 +1,23 @@
 """A capture window: the life cycle of every storage span of one concurrent save.
 
-    pending --(copier takes it)--> in_flight --(bytes copied off)--> captured
-       \\--(program writes first)--> shadowed (copy-on-write) --(copier copies the shadow)--> captured
+    pending --(copier issues its first piece)--> in flight --(last piece issued)--> captured
+       \\--(program writes first)--> shadowed (copy-on-write) --(copier reads the shadow)--/
 
-Protection of a pending span before a write (``protect``), in order of preference:
-  1. already captured: on CUDA the writing stream waits for the span's copy event;
-  2. already shadowed: nothing to do, the copier reads the shadow;
-  3. pending and the copy-on-write budget allows: shadow it now, in the writer's stream order;
-  4. otherwise (over budget, or its chunks are in flight): move it to the head of the queue
-     and wait until its bytes are copied off (the CPU waits for the copier to *issue* the
-     copies; the writing stream then waits for them on the device).
-The window is open until every span is captured; then the tracker passes ops through and is
-removed at the next gpusnap call on its thread.
+A span is copied in *pieces* (``Config.copy_piece_bytes``); ``issued`` counts the bytes whose
+copies are enqueued (on CUDA: on the copy stream, each piece followed by an event; on CPU:
+already copied, under the window's lock). A shadow covers only ``[shadow_from, nbytes)``, the
+bytes not issued when the program first wrote the span.
+
+Protection of a span before the program writes it (``protect``), in order of preference:
+  1. captured, or the rest already shadowed: on CUDA the writing stream waits (on the device,
+     not the CPU) for the event of the last piece issued from the live bytes;
+  2. pending or in flight, and the copy-on-write budget allows the rest: shadow the bytes not
+     yet issued, in the writer's stream order, and wait as in 1 for the issued pieces;
+  3. otherwise (over budget): move it to the head of the queue and wait until every piece is
+     issued (the CPU waits for the copier to *issue*; the writing stream then waits on the
+     device for the copies).
+The window closes once every copy has *completed* (not just been issued): after that the
+tracker passes ops through and is removed at the next gpusnap call on its thread.
 """
 
 from __future__ import annotations
@@ -19,12 +25,13 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from gpusnap.capture.trace import Trace
 from gpusnap.state.flatten import FlatState, StorageSpan
 
 __all__ = ["SpanState", "WindowSpan", "CaptureWindow", "WindowStats"]
@@ -42,11 +49,14 @@ class WindowSpan:
     span: StorageSpan
     key: int
     state: SpanState = SpanState.PENDING
-    shadow: torch.Tensor | None = None  # copy-on-write (or eagerly captured) bytes
+    issued: int = 0  # bytes whose copies are enqueued (CPU: done)
+    shadow: torch.Tensor | None = None  # bytes [shadow_from, nbytes) as they were at save()
+    shadow_from: int = 0
     shadow_event: Any = None  # CUDA event after the shadow copy, on the writer's stream
-    done_event: Any = None  # CUDA event after the span's last chunk copy, on the copy stream
+    live_event: Any = None  # CUDA event after the last piece copied from the live bytes
+    waited: set[int] = field(default_factory=set)  # streams already waiting on live_event
     urgent: bool = False
-    cow: bool = False  # the shadow counts against the copy-on-write budget
+    cow: int = 0  # shadow bytes counted against the copy-on-write budget
     first_write: float | None = None
     first_touch: float | None = None
 
@@ -63,8 +73,10 @@ class WindowSpan:
 class WindowStats:
     bytes_cow: int = 0
     cow_events: int = 0
+    cow_peak: int = 0
     waits: int = 0
     wait_s: float = 0.0
+    stream_waits: int = 0
     ops_seen: int = 0
     opaque_launches: int = 0
     program_copies: int = 0
@@ -80,6 +92,7 @@ class CaptureWindow:
         order: Sequence[int],
         cow_budget: int,
         eager_cpu_bytes: int,
+        trace: Trace | None = None,
     ) -> None:
         self.flat = flat
         self.spans = [WindowSpan(i, s, s.storage._cdata) for i, s in enumerate(flat.spans)]
@@ -88,12 +101,15 @@ class CaptureWindow:
         self.cow_budget = cow_budget
         self.cow_used = 0
         self.stats = WindowStats()
+        self.trace = trace
         self.opened = time.perf_counter()
         self.closed_at: float | None = None
         self.error: BaseException | None = None
         self._queue = [self.spans[i] for i in order]
         self._urgent: list[WindowSpan] = []
         self._program_copy: Any = None  # CUDA event of the program's latest host<->device copy
+        self._on_close: list[Callable[[], None]] = []
+        self._waiting = 0  # program threads inside _wait_captured
         self.op_log: list[tuple[float, str, tuple[int, ...]]] = []
         for ws in self.spans:  # small CPU spans: captured at the consistent point (cheaper)
             if ws.device.type == "cpu" and ws.nbytes <= eager_cpu_bytes:
@@ -117,55 +133,104 @@ class CaptureWindow:
         self.stats.ops_seen += 1
         if hit:
             self.op_log.append((now - self.opened, op, tuple(hit)))
+        if self.trace is not None:
+            self.trace.instant("program", op, now)
+        targets = []
         for t in written:
             ws = self.by_key.get(t.untyped_storage()._cdata)
             if ws is not None:
                 if ws.first_write is None:
                     ws.first_write = now
-                self.protect(ws)
+                targets.append(ws)
+        if targets:
+            self.protect_many(targets)
 
     def protect_all(self) -> None:
         """An opaque launch (CUDA graph replay, hand-launched kernel) may write anything."""
         self.stats.opaque_launches += 1
-        for ws in self.spans:
-            self.protect(ws)
+        self.protect_many(self.spans)
 
     def protect(self, ws: WindowSpan) -> None:
-        with self.cond:
-            if ws.state is SpanState.CAPTURED or ws.shadow is not None:
-                pass
-            elif ws.state is SpanState.PENDING and self.cow_used + ws.nbytes <= self.cow_budget:
-                self._shadow(ws)
-                return
-            else:
-                self._wait_captured(ws)
-        if ws.done_event is not None and ws.device.type == "cuda":
-            torch.cuda.current_stream(ws.device).wait_event(ws.done_event)
+        """Make the program's coming write to ``ws`` safe for the checkpoint."""
+        self.protect_many([ws])
 
-    def _shadow(self, ws: WindowSpan) -> None:
-        src = ws.span.as_bytes()
-        ws.shadow = src.clone()  # on the writer's current stream: ordered before the write
-        if ws.device.type == "cuda":
-            ws.shadow_event = torch.cuda.Event()
-            ws.shadow_event.record(torch.cuda.current_stream(ws.device))
-        ws.cow = True
-        self.cow_used += ws.nbytes
-        self.stats.bytes_cow += ws.nbytes
-        self.stats.cow_events += 1
+    def protect_many(self, targets: Sequence[WindowSpan]) -> None:
+        """Make the program's coming writes to ``targets`` safe (one batched shadow copy)."""
+        with self.cond:
+            to_shadow: list[WindowSpan] = []
+            to_wait: list[WindowSpan] = []
+            seen: set[int] = set()
+            for ws in targets:
+                if ws.state is SpanState.CAPTURED or ws.shadow is not None or ws.index in seen:
+                    continue
+                seen.add(ws.index)
+                rest = ws.nbytes - ws.issued
+                if self.cow_used + rest <= self.cow_budget:
+                    to_shadow.append(ws)
+                    self.cow_used += rest
+                    ws.cow = rest
+                else:
+                    to_wait.append(ws)
+            if to_shadow:  # first, while no lock release can let the copier move on
+                self._shadow_many(to_shadow)
+            for ws in to_wait:
+                self._wait_captured(ws)
+            events = [(ws, ws.live_event) for ws in targets if ws.live_event is not None]
+        for ws, event in events:
+            stream = torch.cuda.current_stream(ws.device)
+            if stream.stream_id not in ws.waited:  # one device-side wait per stream is enough
+                stream.wait_event(event)
+                ws.waited.add(stream.stream_id)
+                self.stats.stream_waits += 1
+
+    def _shadow_many(self, spans: list[WindowSpan]) -> None:
+        """Copy the bytes not yet issued of each span, on the writer's stream (so before its
+        write); spans on one device share one buffer and one multi-tensor copy kernel."""
+        started = time.perf_counter()
+        by_device: dict[torch.device, list[WindowSpan]] = {}
+        for ws in spans:
+            by_device.setdefault(ws.device, []).append(ws)
+        for device, group in by_device.items():
+            sources = [ws.span.as_bytes()[ws.issued :] for ws in group]
+            if len(group) == 1:
+                shadows = [src.clone() for src in sources]
+            else:
+                buffer = torch.empty(sum(src.numel() for src in sources), dtype=torch.uint8, device=device)
+                shadows = list(buffer.split([src.numel() for src in sources]))
+                torch._foreach_copy_(shadows, sources)
+            event = None
+            if device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
+            for ws, shadow in zip(group, shadows):
+                ws.shadow, ws.shadow_from, ws.shadow_event = shadow, ws.issued, event
+                self.stats.bytes_cow += ws.cow
+                self.stats.cow_events += 1
+        self.stats.cow_peak = max(self.stats.cow_peak, self.cow_used)
+        if self.trace is not None:
+            nbytes = sum(ws.cow for ws in spans)
+            self.trace.span("cow", f"shadow {len(spans)} spans ({nbytes} B)", started, time.perf_counter())
 
     def _wait_captured(self, ws: WindowSpan) -> None:
         started = time.perf_counter()
-        if ws.state is SpanState.PENDING and not ws.urgent:
+        if ws.state is not SpanState.CAPTURED and not ws.urgent:
             ws.urgent = True
             self._urgent.append(ws)
             self.cond.notify_all()
-        while ws.state is not SpanState.CAPTURED:
-            self.cond.wait()
-        self.stats.waits += 1
-        self.stats.wait_s += time.perf_counter() - started
+        self._waiting += 1
+        try:
+            while ws.state is not SpanState.CAPTURED:
+                self.cond.wait()
+        finally:
+            self._waiting -= 1
+            self.stats.waits += 1
+            self.stats.wait_s += time.perf_counter() - started
+            self.cond.notify_all()
+        if self.trace is not None:
+            self.trace.span("wait", f"wait {_name(ws)}", started, time.perf_counter())
 
     def program_copy(self, event: Any) -> None:
-        """The program issued its own host<->device copy: no new chunk until it is done."""
+        """The program issued its own host<->device copy: no new piece until it is done."""
         self.stats.program_copies += 1
         self._program_copy = event
 
@@ -187,27 +252,52 @@ class CaptureWindow:
     def program_copy_event(self) -> Any:
         return self._program_copy
 
+    def source(self, ws: WindowSpan, start: int, n: int) -> tuple[torch.Tensor, bool]:
+        """Bytes ``[start, start+n)`` of ``ws`` as of save(); True when read from the shadow.
+
+        Call with ``cond`` held, and enqueue the copy before releasing it: ``protect`` decides
+        what to shadow from ``issued``, so issuing must be atomic with the decision.
+        """
+        if ws.shadow is not None and start >= ws.shadow_from:
+            off = start - ws.shadow_from
+            return ws.shadow[off : off + n], True
+        return ws.span.as_bytes()[start : start + n], False
+
     def mark_captured(self, ws: WindowSpan) -> None:
         with self.cond:
             ws.state = SpanState.CAPTURED
-            if ws.cow:
-                self.cow_used -= ws.nbytes  # the shadow's memory goes back to the budget
-                ws.cow = False
+            self.cow_used -= ws.cow  # the shadow's memory goes back to the budget
+            ws.cow = 0
             ws.shadow = None
             ws.span.tensors.clear()  # the live storage may be freed now (copies hold the stream)
             self.cond.notify_all()
 
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` (once, on the closing thread) when the window closes."""
+        self._on_close.append(callback)
+
     def close(self, error: BaseException | None = None) -> None:
-        """Every span captured (or the save failed): release every waiter."""
+        """Every copy completed (or the save failed): release every waiter."""
         with self.cond:
             if error is not None and self.error is None:
                 self.error = error
+            if self.closed_at is not None:
+                return
             for ws in self.spans:
                 if ws.state is not SpanState.CAPTURED:
                     ws.state = SpanState.CAPTURED
                     ws.shadow = None
             self.closed_at = time.perf_counter()
             self.cond.notify_all()
+        for callback in self._on_close:
+            callback()
+
+    def settle(self) -> None:
+        """After close: wait until no program thread is still leaving a wait (so that the
+        stats read next are complete)."""
+        with self.cond:
+            while self._waiting:
+                self.cond.wait()
 
     def write_order(self) -> list[str]:
         """Key paths of written spans, soonest first: the next save copies these first."""
@@ -215,5 +305,10 @@ class CaptureWindow:
         return [ws.span.paths[0] for ws in written if ws.span.paths]
 
     def access_order(self) -> list[int]:
+        """Span indices in the order the program first touched them during the window."""
         touched = sorted((ws for ws in self.spans if ws.first_touch is not None), key=lambda w: w.first_touch)
         return [ws.index for ws in touched]
+
+
+def _name(ws: WindowSpan) -> str:
+    return ws.span.paths[0] if ws.span.paths else f"storage #{ws.index}"

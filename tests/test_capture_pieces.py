@@ -1,0 +1,184 @@
+"""Piece-level capture: the staging arena, partial shadows of in-flight spans, the captured
+moment before durability, and the window trace."""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import pytest
+import torch
+import torch._dynamo  # noqa: F401  (imported lazily by the tracker's first op otherwise)
+
+import gpusnap
+from gpusnap.capture import concurrent as _concurrent
+from gpusnap.capture.staging import StagingArena
+from gpusnap.capture.window import CaptureWindow
+
+CHUNK = 512
+
+
+# -- the arena -----------------------------------------------------------------------------------
+def test_arena_reuses_space_released_out_of_order() -> None:
+    arena = StagingArena(4096, pinned=False, slab_bytes=4096)
+    a, b, c = arena.allocate(1024), arena.allocate(1024), arena.allocate(2048)
+    assert (a.start, b.start, c.start) == (0, 1024, 2048)
+    assert arena.nbytes == 4096
+    arena.release(b)  # b is free but a, older, is not: no space comes back yet
+    got: list[Any] = []
+    t = threading.Thread(target=lambda: got.append(arena.allocate(1024)))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive(), "allocate must block while the only free bytes sit behind a live region"
+    arena.release(a)  # now [0, 2048) is free
+    t.join(5)
+    assert got and got[0].start == 0 and got[0].data.numel() == 1024
+    arena.release(c)
+    arena.release(got[0])
+    assert arena.in_use() == 0
+
+
+def test_arena_grows_by_slabs_up_to_capacity() -> None:
+    arena = StagingArena(3000, pinned=False, slab_bytes=1000)
+    regions = [arena.allocate(1000) for _ in range(3)]
+    assert arena.nbytes == 3000 and len({id(r.slab) for r in regions}) == 3
+    with pytest.raises(ValueError, match="cannot stage"):
+        arena.allocate(1001)
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (arena.allocate(500), done.set()))
+    t.start()
+    assert not done.wait(0.2), "at capacity: allocate must wait for a release"
+    arena.release(regions[1])
+    assert done.wait(5)
+    assert arena.nbytes == 3000  # reused, not grown
+
+
+def test_arena_regions_are_disjoint_under_random_use() -> None:
+    import random
+
+    rng = random.Random(7)
+    arena = StagingArena(8192, pinned=False, slab_bytes=4096)
+    live: list[Any] = []
+    for _ in range(2000):
+        if live and rng.random() < 0.5:
+            arena.release(live.pop(rng.randrange(len(live))))
+            continue
+        r = arena.try_allocate(rng.choice([1, 100, 512, 1500, 4096]))
+        if r is None:
+            continue
+        for other in live:
+            if other.slab is r.slab:
+                assert r.end <= other.start or other.end <= r.start, "overlapping staging regions"
+        live.append(r)
+    assert arena.nbytes == 8192
+
+
+# -- piece-level protection ------------------------------------------------------------------
+def _config(**kw: Any) -> gpusnap.Config:
+    base: dict[str, Any] = dict(chunk_size=CHUNK, staging_bytes=4 * CHUNK, pack_size=1 << 16,
+                                io_threads=2, eager_cpu_bytes=0, fsync=False)
+    base.update(kw)
+    return gpusnap.Config(**base)
+
+
+@pytest.fixture
+def held(monkeypatch: pytest.MonkeyPatch):
+    """Holds every chunk store until released, so the copier stalls with a span in flight."""
+    gate = threading.Event()
+    store = _concurrent.ConcurrentSave._store
+    wait_captured = CaptureWindow._wait_captured
+
+    def gated_store(self: Any, *args: Any, **kwargs: Any) -> Any:
+        gate.wait(30)
+        return store(self, *args, **kwargs)
+
+    def opening_wait(self: Any, ws: Any) -> Any:
+        gate.set()
+        return wait_captured(self, ws)
+
+    monkeypatch.setattr(_concurrent.ConcurrentSave, "_store", gated_store)
+    monkeypatch.setattr(CaptureWindow, "_wait_captured", opening_wait)
+    yield gate
+    gate.set()
+
+
+def _wait_issued(pending_window: CaptureWindow, name: str, nbytes: int) -> None:
+    ws = next(w for w in pending_window.spans if name in w.span.paths)
+    for _ in range(1000):
+        if ws.issued >= nbytes:
+            return
+        threading.Event().wait(0.005)
+    raise AssertionError(f"{name}: {ws.issued} bytes issued, expected {nbytes}")
+
+
+def test_write_to_a_span_in_flight_shadows_only_the_rest(tmp_path: Any, held: threading.Event) -> None:
+    state = {"a": torch.randn(2048)}  # 8 KiB = 16 chunks; the arena holds 4
+    before = state["a"].clone()
+    with gpusnap.Checkpointer(tmp_path / "ck", config=_config(cow_budget_bytes=1 << 20)) as ck:
+        pending = ck.save(state)
+        window = ck._windows[-1].window
+        _wait_issued(window, "a", 4 * CHUNK)  # 4 chunks copied, then the arena is full
+        state["a"].mul_(-3)  # must shadow the 12 chunks not yet copied, and only those
+        held.set()
+        info = pending.wait()
+        ck.restore(state, info.id)
+    assert torch.equal(state["a"], before)
+    assert info.stats["bytes_cow"] == 8192 - 4 * CHUNK
+    assert info.stats["cow_events"] == 1 and info.stats["waits"] == 0
+
+
+def test_in_flight_over_budget_waits_for_the_whole_span(tmp_path: Any, held: threading.Event) -> None:
+    state = {"a": torch.randn(2048)}
+    before = state["a"].clone()
+    with gpusnap.Checkpointer(tmp_path / "ck", config=_config(cow_budget_bytes=CHUNK)) as ck:
+        pending = ck.save(state)
+        _wait_issued(ck._windows[-1].window, "a", 4 * CHUNK)
+        state["a"].fill_(1)  # 12 chunks left > budget: the write waits until all are copied
+        info = pending.wait()
+        ck.restore(state, info.id)
+    assert torch.equal(state["a"], before)
+    assert info.stats["bytes_cow"] == 0 and info.stats["waits"] == 1, info.stats
+
+
+def test_staged_comes_before_durable(tmp_path: Any, held: threading.Event) -> None:
+    state = {"a": torch.randn(256), "b": torch.randn(256)}
+    before = {k: v.clone() for k, v in state.items()}
+    with gpusnap.Checkpointer(tmp_path / "ck", config=_config(staging_bytes=1 << 20)) as ck:
+        pending = ck.save(state)
+        pending.wait_staged(10)  # every byte copied into staging; stores are still held
+        assert not pending.done()
+        for t in state.values():
+            t.zero_()  # free to mutate: no tracker interference needed any more
+        held.set()
+        info = pending.wait()
+        ck.restore(state, info.id)
+    for k in state:
+        assert torch.equal(state[k], before[k])
+
+
+def test_trace_records_the_window(tmp_path: Any) -> None:
+    state = {"a": torch.randn(4096), "b": torch.randn(100)}
+    with gpusnap.Checkpointer(tmp_path / "ck", config=_config(trace_dir=str(tmp_path / "tr"))) as ck:
+        pending = ck.save(state)
+        state["b"].add_(1)
+        info = pending.wait()
+    path = info.stats["trace_path"]
+    assert path.endswith(f"{info.id}.trace.json")
+    with open(path, encoding="utf-8") as f:
+        events = json.load(f)["traceEvents"]
+    tracks = {e["args"]["name"]: e["tid"] for e in events if e.get("name") == "thread_name"}
+    copies = [e for e in events if e.get("tid") == tracks["copy"] and e["ph"] == "X"]
+    stores = [e for e in events if e.get("tid") == tracks["store"] and e["ph"] == "X"]
+    assert sum(1 for e in copies if e["name"].startswith("a ")) == 4096 * 4 // CHUNK
+    assert len(stores) == (4096 + 100) * 4 // CHUNK + 1
+    assert all(e["dur"] >= 0 for e in copies)
+
+
+def test_trace_dir_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUSNAP_TRACE_DIR", "/tmp/somewhere")
+    monkeypatch.setenv("GPUSNAP_STAGING_BYTES", "0")
+    cfg = gpusnap.Config.from_env()
+    assert cfg.trace_dir == "/tmp/somewhere"
+    assert cfg.staging_capacity() >= cfg.copy_piece_bytes
+    assert cfg.piece_bytes() % cfg.chunk_size == 0
