@@ -124,6 +124,46 @@ def phase(loop: Loop, ck: gpusnap.Checkpointer, app: dict, where: str, saves: in
     return out
 
 
+def summarize(ck, args, dev, data, ph: dict[str, Any]) -> dict[str, Any]:
+    infos = ph["infos"]
+    st = [i.stats for i in infos]
+    return {
+        "stall_median_s": statistics.median(ph["stalls"]),
+        "stall_max_s": max(ph["stalls"]),
+        "interval_stall_median_s": statistics.median(r["interval_stall"] for r in ph["rows"]),
+        "save_call_s": statistics.median(s["stall_s"] for s in st),
+        "window_s": statistics.median(s["window_s"] for s in st),
+        "durable_s": statistics.median(s["duration_s"] for s in st),
+        "bytes_cow_max": max(s["bytes_cow"] for s in st),
+        "cow_peak_bytes_max": max(s.get("cow_peak_bytes", 0) for s in st),
+        "waits_max": max(s["waits"] for s in st),
+        "stream_waits_max": max(s.get("stream_waits", 0) for s in st),
+        "peak_extra_device_bytes": max(r["peak_extra"] for r in ph["rows"]),
+        "staging_bytes": max(s.get("staging_bytes", 0) for s in st),
+        "ops_seen_median": statistics.median(s["ops_seen"] for s in st),
+        "bit_exact": verify(ck, args, dev, data, ph["rows"], infos),
+        "stats": [{k: v for k, v in s.items() if k != "access_order"} for s in st],
+    }
+
+
+def tracker_overhead(loop: Loop) -> dict[str, float]:
+    """Median step with the tracker installed over a window that never closes (no spans, so
+    nothing to protect): the pure cost of intercepting every op, with and without read logs."""
+    from gpusnap.capture.tracker import TrackerMode
+    from gpusnap.capture.window import CaptureWindow
+    from gpusnap.state.flatten import FlatState
+
+    out = {}
+    for log_reads in (False, True):
+        window = CaptureWindow(FlatState({"t": "dict", "items": []}, []), order=[], cow_budget=0,
+                               eager_cpu_bytes=0, log_reads=log_reads)
+        with TrackerMode(window):
+            steps = [loop.step() for _ in range(6)]
+        out["log_reads" if log_reads else "writes_only"] = statistics.median(steps[1:])
+        out[("log_reads" if log_reads else "writes_only") + "_ops_per_step"] = window.stats.ops_seen / 6
+    return out
+
+
 def verify(ck: gpusnap.Checkpointer, args, dev, data, rows, infos) -> bool:
     exact = True
     fresh_model, fresh_optim = build(args.model, dev, seed=1)
@@ -149,6 +189,8 @@ def main() -> None:
     ap.add_argument("--root", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip-baselines", action="store_true")
+    ap.add_argument("--configs", default=None,
+                    help="Config variants measured one after another, e.g. 'io_threads=6;io_threads=12,copy_ahead=8'")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, optim = build(args.model, dev)
@@ -161,12 +203,14 @@ def main() -> None:
     rest_before = [loop.step() for _ in range(10)]
     median_rest = statistics.median(rest_before)
     _, plain_peak = peak_extra(loop, loop.step)
+    res_tracker = tracker_overhead(loop)
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     root = args.root or tempfile.mkdtemp(prefix="gpusnap-bench-", dir=shm)
     res: dict[str, Any] = {
         "model": args.model, "state_bytes": nbytes, "tensors": len(tensors), "median_step_s": median_rest,
         "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
         "date": time.strftime("%Y-%m-%d"), "batch": args.batch, "seq": args.seq,
+        "tracker_step_s": res_tracker,
     }
     if not args.skip_baselines:
         pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=dev.type == "cuda") for t in tensors]
@@ -182,43 +226,34 @@ def main() -> None:
         os.remove(path)
 
     app = {"model": model, "optim": optim, "step": 0}
-    cfg = gpusnap.Config.from_env()
-    with gpusnap.Checkpointer(os.path.join(root, "ck"), config=cfg, keep_last=None) as ck:
-        if not args.skip_baselines:
-            res["gpusnap_blocking_s"] = timed(loop, lambda: ck.save(app, blocking=True))
-        # the first concurrent save grows the staging arena (pinned memory): measured alone
-        first = phase(loop, ck, app, "after", 1, args.every, median_rest, plain_peak)
-        res["first_save_stall_s"] = first["stalls"][0]
-        res["first_save_staging_grow_s"] = first["infos"][0].stats.get("staging_grow_s")
-        res["first_exact"] = verify(ck, args, dev, data, first["rows"], first["infos"])
-        for where in ("after", "cow"):
-            ph = phase(loop, ck, app, where, args.saves, args.every, median_rest, plain_peak)
-            infos = ph["infos"]
-            st = [i.stats for i in infos]
-            res[where] = {
-                "stall_median_s": statistics.median(ph["stalls"]),
-                "stall_max_s": max(ph["stalls"]),
-                "interval_stall_median_s": statistics.median(r["interval_stall"] for r in ph["rows"]),
-                "save_call_s": statistics.median(s["stall_s"] for s in st),
-                "window_s": statistics.median(s["window_s"] for s in st),
-                "durable_s": statistics.median(s["duration_s"] for s in st),
-                "bytes_cow_max": max(s["bytes_cow"] for s in st),
-                "cow_peak_bytes_max": max(s.get("cow_peak_bytes", 0) for s in st),
-                "waits_max": max(s["waits"] for s in st),
-                "stream_waits_max": max(s.get("stream_waits", 0) for s in st),
-                "peak_extra_device_bytes": max(r["peak_extra"] for r in ph["rows"]),
-                "staging_bytes": max(s.get("staging_bytes", 0) for s in st),
-                "ops_seen_median": statistics.median(s["ops_seen"] for s in st),
-                "bit_exact": verify(ck, args, dev, data, ph["rows"], infos),
-            }
-        ck.wait()
-        ck.list()  # a gpusnap call on this thread: pops any closed window's tracker
+    variants = [v for v in (args.configs or "").split(";") if v] or [""]
+    for n, variant in enumerate(variants):
+        overrides = {k: int(v) for k, v in (kv.split("=") for kv in variant.split(",") if kv)}
+        cfg = gpusnap.Config.from_env(**overrides)
+        key = variant or "gpusnap"
+        out: dict[str, Any] = {"io_threads": cfg.io_threads, "copy_ahead": cfg.copy_ahead,
+                               "copy_piece_bytes": cfg.copy_piece_bytes}
+        res.setdefault("configs", []).append(key)
+        res[key] = out
+        with gpusnap.Checkpointer(os.path.join(root, f"ck{n}"), config=cfg, keep_last=2) as ck:
+            if not args.skip_baselines and n == 0:
+                res["gpusnap_blocking_s"] = timed(loop, lambda ck=ck: ck.save(app, blocking=True))
+            # the first concurrent save grows the staging arena (pinned memory): measured alone
+            first = phase(loop, ck, app, "after", 1, args.every, median_rest, plain_peak)
+            out["first_save_stall_s"] = first["stalls"][0]
+            out["first_save_phases_s"] = first["infos"][0].stats.get("save_phases_s")
+            out["first_exact"] = verify(ck, args, dev, data, first["rows"], first["infos"])
+            for where in ("after", "cow"):
+                out[where] = summarize(ck, args, dev, data, phase(loop, ck, app, where, args.saves, args.every,
+                                                                  median_rest, plain_peak))
+            ck.wait()
+            ck.list()  # a gpusnap call on this thread: pops any closed window's tracker
         from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _stack
         res["modes_at_rest"] = [type(m).__name__ for m in _stack()]  # must be empty
-        rest_after = [loop.step() for _ in range(10)]
-        res["median_step_after_s"] = statistics.median(rest_after)
-        res["at_rest_change"] = res["median_step_after_s"] / median_rest - 1
-        res["step_stdev_s"] = statistics.pstdev(rest_before)
+    rest_after = [loop.step() for _ in range(10)]
+    res["median_step_after_s"] = statistics.median(rest_after)
+    res["at_rest_change"] = res["median_step_after_s"] / median_rest - 1
+    res["step_stdev_s"] = statistics.pstdev(rest_before)
     print(json.dumps(res, indent=1, default=str))
     if args.json:
         with open(args.json, "w") as f:
@@ -232,18 +267,26 @@ def table(res: dict[str, Any]) -> None:
     print(f"\n{res['model']}: {gb(res['state_bytes'])} in {res['tensors']} tensors; "
           f"median step {ms(res['median_step_s'])} (after: {ms(res['median_step_after_s'])}, "
           f"at-rest change {res['at_rest_change'] * 100:+.2f}%, stdev {ms(res['step_stdev_s'])})")
-    for k in ("stw_pinned_copy_s", "torch_save_s", "gpusnap_blocking_s", "first_save_stall_s"):
+    for k in ("stw_pinned_copy_s", "torch_save_s", "gpusnap_blocking_s"):
         if k in res:
             print(f"  {k:<28}{ms(res[k]):>14}")
-    print(f"  {'first save exact':<28}{res['first_exact']!s:>14}")
+    t = res["tracker_step_s"]
+    print(f"  tracker installed, step: writes only {ms(t['writes_only'])}, logging reads {ms(t['log_reads'])}, "
+          f"{t['writes_only_ops_per_step']:.0f} ops/step")
     keys = ("stall_median_s", "stall_max_s", "interval_stall_median_s", "save_call_s", "window_s",
             "durable_s", "bytes_cow_max", "waits_max", "stream_waits_max", "peak_extra_device_bytes",
             "staging_bytes", "bit_exact")
-    print(f"  {'':<28}{'after step':>14}{'cow-heavy':>14}")
-    for k in keys:
-        a, c = res["after"][k], res["cow"][k]
-        fmt = ms if k.endswith("_s") else (gb if "bytes" in k else str)
-        print(f"  {k:<28}{fmt(a):>14}{fmt(c):>14}")
+    for key in res["configs"]:
+        c = res[key]
+        print(f"  [{key}] first save stall {ms(c['first_save_stall_s'])}, exact {c['first_exact']}")
+        for where in ("after", "cow"):
+            ph = c[where]["stats"][-1].get("save_phases_s", {})
+            print(f"  [{key}] save() phases, {where}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in ph.items()))
+        print(f"  {'[' + key + ']':<28}{'after step':>14}{'cow-heavy':>14}")
+        for k in keys:
+            a, b = c["after"][k], c["cow"][k]
+            fmt = ms if k.endswith("_s") else (gb if "bytes" in k else str)
+            print(f"  {k:<28}{fmt(a):>14}{fmt(b):>14}")
 
 
 if __name__ == "__main__":

@@ -61,7 +61,11 @@ def test_lazy_restore_then_train_matches_eager(tmp_path, monkeypatch, device):
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     _train_step(model, optim, x)
     app = {"model": model, "optim": optim, "rng": gpusnap.RNGState(), "step": 3}
-    slow = held_root(tmp_path / "ck", monkeypatch, delay=0.002)  # training runs ahead of the loader
+    # training runs ahead of the loader: slow reads, and two readers however many cores the
+    # machine has (a 16-core GPU host loaded everything before the first op otherwise)
+    monkeypatch.setattr("gpusnap.restore.restorer.os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr("gpusnap.restore.restorer.os.cpu_count", lambda: 2)
+    slow = held_root(tmp_path / "ck", monkeypatch, delay=0.005)
     with slow, gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config()) as ck:
         ck.save(app, blocking=True)
         expect_rand = torch.rand(3)

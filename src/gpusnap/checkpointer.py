@@ -107,6 +107,7 @@ class Checkpointer:
         self._writer: threading.Thread | None = None
         self._windows: list[ConcurrentSave] = []
         self._write_order: list[str] = []  # key paths, soonest-written first (last window)
+        self._access_paths: list[str] | None = None  # key paths in the first window's read order
         self._staging: StagingArena | None = None
         self._streams: dict[torch.device, Any] = {}
         self._restorer = Restorer(io_threads=self.config.io_threads, staging_bytes=self.config.staging_bytes)
@@ -199,6 +200,7 @@ class Checkpointer:
                 cow_budget=self._cow_budget(cuda),
                 eager_cpu_bytes=self.config.eager_cpu_bytes,
                 trace=Trace(pending.id) if self.config.trace_dir else None,
+                log_reads=self._access_paths is None,
             )
             window = capture.window
             window.on_close(lambda: pending._set_staged() if window.error is None else None)
@@ -209,6 +211,17 @@ class Checkpointer:
             raise
         self._windows.append(capture)
         return capture
+
+    def _access_order(self, capture: ConcurrentSave) -> list[int]:
+        """Span indices in the order the program first touched them (lazy restore loads in
+        this order). Logged by the first window only; later saves map its key paths."""
+        window = capture.window
+        if window.log_reads:
+            order = window.access_order()
+            self._access_paths = [window.spans[i].span.paths[0] for i in order if window.spans[i].span.paths]
+            return order
+        index = {p: s.index for s in capture.flat.spans for p in s.paths}
+        return list(dict.fromkeys(index[p] for p in self._access_paths or () if p in index))
 
     def _copy_order(self, flat: FlatState) -> list[int]:
         """Spans the previous window saw written go first, soonest first; then the rest."""
@@ -312,6 +325,7 @@ class Checkpointer:
                 if capture is not None:
                     stats.update(_window_stats(capture))
                     self._write_order = capture.window.write_order()
+                    stats["access_order"] = self._access_order(capture)
                     trace = capture.window.trace
                     if trace is not None:
                         path = os.path.join(self.config.trace_dir, f"{pending.id}.trace.json")
@@ -452,7 +466,6 @@ def _window_stats(capture: ConcurrentSave) -> dict[str, Any]:
         "stream_waits": w.stats.stream_waits,
         "staging_bytes": capture.staging.nbytes,
         "staging_grow_s": capture.staging.grow_s,
-        "access_order": w.access_order(),
         "ops_seen": w.stats.ops_seen,
         "opaque_launches": w.stats.opaque_launches,
         "program_copies": w.stats.program_copies,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["is_accelerator", "host_buffer", "to_host", "synchronize", "device_exists"]
+__all__ = ["device_exists", "host_buffer", "is_accelerator", "synchronize", "to_host", "waitable_event"]
 
 
 def is_accelerator(device: torch.device) -> bool:
@@ -46,3 +46,13 @@ def synchronize(device: torch.device) -> None:
     """Wait for all work on ``device`` (a no-op on CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def waitable_event() -> torch.cuda.Event:
+    """A CUDA event that a host thread may wait on, sleeping rather than spinning.
+
+    Default events spin in ``synchronize()``; a dozen gpusnap threads spinning on events
+    compete with the program's own kernel launches for the CPU and the driver, which slowed a
+    training step down while a capture ran. Use this for every event a thread waits on.
+    """
+    return torch.cuda.Event(blocking=True)

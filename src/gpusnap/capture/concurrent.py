@@ -5,9 +5,9 @@ pushes the tracker, starts the copier) -> the program runs on -> ``finish()`` on
 (waits for every chunk to be stored; returns the storage table) -> the saving thread pops the
 tracker at its next gpusnap call (``reap``).
 
-Each staged piece is split into its chunks; one writer task per chunk waits for the piece's
-copy event, hashes the chunk and stores it; the piece's staging region is released when its
-last chunk is stored.
+The copier hands over each piece once its copy has completed (only the copier thread waits
+on CUDA events: a dozen threads blocked in the driver slowed the program's launches); one
+writer task per piece then hashes and stores its chunks and releases its staging region.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class ConcurrentSave:
         cow_budget: int,
         eager_cpu_bytes: int,
         trace: Trace | None = None,
+        log_reads: bool = True,
     ) -> None:
         self.flat = flat
         self.txn = txn
@@ -56,7 +57,8 @@ class ConcurrentSave:
         self.io_pool = io_pool
         self.chunk_size = chunk_size
         self.window = CaptureWindow(
-            flat, order=order, cow_budget=cow_budget, eager_cpu_bytes=eager_cpu_bytes, trace=trace
+            flat, order=order, cow_budget=cow_budget, eager_cpu_bytes=eager_cpu_bytes, trace=trace,
+            log_reads=log_reads,
         )
         self.digests: list[list[str | None]] = [
             [None] * -(-s.nbytes // chunk_size) for s in flat.spans
@@ -93,44 +95,34 @@ class ConcurrentSave:
         open_windows.add(self.window)
         self.copier.start()
 
-    def _sink(self, ws: WindowSpan, start: int, region: Region, n: int, event: Any) -> None:
-        offsets = range(0, n, self.chunk_size)
-        left = [len(offsets)]  # chunks of this piece not yet stored; the last one frees it
-        futures = [
-            self.io_pool.submit(self._store, ws.index, (start + off) // self.chunk_size, region, off,
-                                min(self.chunk_size, n - off), event, left)
-            for off in offsets
-        ]
+    def _sink(self, ws: WindowSpan, start: int, region: Region, n: int) -> None:
+        # one task per piece (not per chunk): fewer Python task switches competing with the
+        # program for the GIL; the bytes are already on the host (the copier waited for them)
+        future = self.io_pool.submit(self._store, ws.index, start, region, n)
         with self._lock:
-            self._futures.extend(futures)
+            self._futures.append(future)
 
-    def _store(
-        self, index: int, k: int, region: Region, off: int, n: int, event: Any, left: list[int]
-    ) -> None:
+    def _store(self, index: int, start: int, region: Region, n: int) -> None:
         started = time.perf_counter()
         try:
-            if event is not None:
-                event.synchronize()
-            view = memoryview(region.data[off : off + n].numpy()).cast("B")
-            digest = chunk_digest(view)
-            wrote = not self.txn.has_chunk(digest) and self.txn.put_chunk(digest, view)
-            with self._lock:
-                if wrote:
-                    self.bytes_written += n
-                else:
-                    self.bytes_skipped += n
-            self.digests[index][k] = digest
+            data = memoryview(region.data[:n].numpy()).cast("B")
+            for off in range(0, n, self.chunk_size):
+                view = data[off : off + self.chunk_size]
+                digest = chunk_digest(view)
+                wrote = not self.txn.has_chunk(digest) and self.txn.put_chunk(digest, view)
+                with self._lock:
+                    if wrote:
+                        self.bytes_written += len(view)
+                    else:
+                        self.bytes_skipped += len(view)
+                self.digests[index][(start + off) // self.chunk_size] = digest
         except BaseException as exc:
             self.window.close(exc)  # stop the copier, release the program
             raise
         finally:
-            with self._lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                self.staging.release(region)
+            self.staging.release(region)
             if self.window.trace is not None:
-                self.window.trace.span("store", f"chunk {index}:{k}", started, time.perf_counter())
+                self.window.trace.span("store", f"piece {index}:{start}", started, time.perf_counter())
 
     def wait_captured(self, timeout: float | None = None) -> None:
         self.copier.join(timeout)

@@ -2,8 +2,8 @@
 
 One named thread per window walks the spans in priority order (``CaptureWindow.take_next``)
 and copies each piece (``Config.copy_piece_bytes`` on CUDA; one chunk on CPU) into a region of
-the staging arena, then hands the region to the ``sink`` (hash + store, on writer threads),
-which releases it.
+the staging arena; once the copy has completed it hands the region to the ``sink`` (hash +
+store, on writer threads), which releases it. Only this thread waits on CUDA events.
 
 On CUDA each piece is an async copy on a low-priority stream (ordered after the consistent
 point's event) followed by an event. At most ``ahead`` pieces are in flight at once: a
@@ -23,13 +23,16 @@ from typing import Any
 
 import torch
 
+
 from gpusnap.capture.staging import Region, StagingArena
 from gpusnap.capture.window import CaptureWindow, WindowSpan
+from gpusnap.device import waitable_event
 
 __all__ = ["Copier", "PieceSink"]
 
-# sink(span, start_byte, region, nbytes, event_or_None); must release the region to the arena.
-PieceSink = Callable[[WindowSpan, int, Region, int, Any], None]
+# sink(span, start_byte, region, nbytes): the piece's bytes are on the host; the sink must
+# release the region to the arena.
+PieceSink = Callable[[WindowSpan, int, Region, int], None]
 
 
 class Copier:
@@ -57,7 +60,7 @@ class Copier:
         self.streams = streams
         self.trace = window.trace
         self.bytes_copied = 0
-        self._inflight: deque[tuple[Any, float, str]] = deque()
+        self._inflight: deque[tuple[Any, float, WindowSpan, int, Region, int]] = deque()
         self.thread = threading.Thread(target=self._run, name="gpusnap-copier", daemon=True)
 
     def start(self) -> None:
@@ -78,6 +81,9 @@ class Copier:
             self._drain(0)
             self.window.close()
         except BaseException as exc:  # the save fails; the program must not wait forever
+            for *_, region, _n in self._inflight:
+                self.arena.release(region)
+            self._inflight.clear()
             self.window.close(exc)
 
     def _copy_span(self, ws: WindowSpan) -> None:
@@ -98,7 +104,10 @@ class Copier:
                 self.arena.release(region)
                 raise
             self.bytes_copied += n
-            self.sink(ws, start, region, n, event)
+            if event is None:
+                self.sink(ws, start, region, n)  # CPU: already copied
+            else:
+                self._inflight.append((event, time.perf_counter(), ws, start, region, n))
 
     def _issue(
         self, ws: WindowSpan, start: int, n: int, region: Region, stream: Any, held: set[str]
@@ -120,27 +129,40 @@ class Copier:
                 src.record_stream(stream)  # its memory is not reused before our copies ran
                 held.add(kind)
             region.data.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
+            event = waitable_event()
             event.record(stream)
             if not from_shadow:
                 ws.live_event = event
                 ws.waited.clear()  # a newer event: writers must wait again
             ws.issued = start + n
-        self._inflight.append((event, issued_at, _label(ws, start, n)))
         return event
 
     def _drain(self, keep: int) -> None:
-        """Wait (GIL released) until at most ``keep`` pieces are in flight."""
+        """Wait until at most ``keep`` pieces are in flight; hand each finished piece to the
+        sink (so that only this thread ever waits on copy events)."""
         while len(self._inflight) > keep:
-            event, issued_at, label = self._inflight.popleft()
-            event.synchronize()
+            event, issued_at, ws, start, region, n = self._inflight.popleft()
+            wait_event(event)
             if self.trace is not None:
-                self.trace.span("copy", label, issued_at, time.perf_counter())
+                self.trace.span("copy", _label(ws, start, n), issued_at, time.perf_counter())
+            self.sink(ws, start, region, n)
 
     def _yield_to_program_copy(self) -> None:
         event = self.window.program_copy_event()
         if event is not None and not event.query():
             event.synchronize()
+
+
+POLL_S: float | None = None  # None: wait with event.synchronize(); else poll with query()
+
+
+def wait_event(event: Any) -> None:
+    """Wait (without the GIL) until ``event`` has completed."""
+    if POLL_S is None:
+        event.synchronize()
+        return
+    while not event.query():
+        time.sleep(POLL_S)
 
 
 def _label(ws: WindowSpan, start: int, n: int) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["written_tensors", "tensor_args", "leaf_tensors"]
+__all__ = ["leaf_tensors", "tensor_args", "writes_nothing", "written_tensors"]
 
 # (position, name, kwarg_only) of each written argument, per OpOverload.
 _Slot = tuple[int, str, bool]
@@ -77,6 +77,14 @@ def tensor_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch
     """Every tensor an op receives."""
     yield from leaf_tensors(args)
     yield from leaf_tensors(tuple(kwargs.values()))
+
+
+def writes_nothing(func: Any) -> bool:
+    """True when ``func``'s schema writes no argument (most ops: they only make new tensors).
+
+    The tracker's hot path: one dict lookup once ``func`` has been seen.
+    """
+    return _slots(func) == ()
 
 
 def written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:

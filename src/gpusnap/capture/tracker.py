@@ -2,7 +2,9 @@
 
 For each ATen op it derives the buffers written (``schema.written_tensors``), protects the
 pending ones before the op runs (copy-on-write or wait), logs which window buffers the op
-touched (the DAG log that orders the next save's copies), and notes the program's own
+touched when the window asks for it (the DAG log: the access order that lazy restore loads
+in; the first window of a Checkpointer logs it, later ones reuse it, because reading every
+op's arguments in Python is the tracker's main cost), and notes the program's own
 host<->device copies so that the copier yields to them. It declares
 ``ignore_compile_internals`` so that compiled code stays compiled (a plain mode turns every
 compiled function it sees back into eager code for good: docs/notes/dispatcher-research.md
@@ -14,10 +16,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gpusnap.capture.schema import tensor_args, written_tensors
+from gpusnap.capture.schema import tensor_args, writes_nothing, written_tensors
 from gpusnap.capture.window import CaptureWindow
+from gpusnap.device import waitable_event
 
 __all__ = ["TrackerMode"]
 
@@ -55,12 +59,18 @@ class TrackerMode(TorchDispatchMode):
         window = self.window
         if window.closed:
             return func(*args, **kwargs)
-        written = written_tensors(func, args, kwargs)
-        window.touch(tensor_args(args, kwargs), written, func.__name__)
+        # Hot path (most ops): nothing written and no read log wanted: one dict lookup.
+        if window.log_reads or not writes_nothing(func):
+            written = written_tensors(func, args, kwargs)
+            reads = tensor_args(args, kwargs) if window.log_reads else ()
+            window.touch(reads, written, func.__name__)
+        else:
+            window.stats.ops_seen += 1
         out = func(*args, **kwargs)
-        device = _crosses_host(func, args, kwargs, out)
-        if device is not None:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(device))
-            window.program_copy(event)
+        if func in _COPIES:
+            device = _crosses_host(func, args, kwargs, out)
+            if device is not None:
+                event = waitable_event()
+                event.record(torch.cuda.current_stream(device))
+                window.program_copy(event)
         return out

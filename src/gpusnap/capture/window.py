@@ -93,6 +93,7 @@ class CaptureWindow:
         cow_budget: int,
         eager_cpu_bytes: int,
         trace: Trace | None = None,
+        log_reads: bool = True,
     ) -> None:
         self.flat = flat
         self.spans = [WindowSpan(i, s, s.storage._cdata) for i, s in enumerate(flat.spans)]
@@ -102,6 +103,7 @@ class CaptureWindow:
         self.cow_used = 0
         self.stats = WindowStats()
         self.trace = trace
+        self.log_reads = log_reads or trace is not None  # every op's reads: costly, see tracker.py
         self.opened = time.perf_counter()
         self.closed_at: float | None = None
         self.error: BaseException | None = None
@@ -121,7 +123,7 @@ class CaptureWindow:
         return self.closed_at is not None
 
     def touch(self, tensors: Iterable[torch.Tensor], written: Sequence[torch.Tensor], op: str) -> None:
-        """Log the op (first touch per span) and protect the spans it writes."""
+        """Log the op (first touch per span of ``tensors``) and protect the spans it writes."""
         now = time.perf_counter()
         hit: list[int] = []
         for t in tensors:
@@ -141,6 +143,8 @@ class CaptureWindow:
             if ws is not None:
                 if ws.first_write is None:
                     ws.first_write = now
+                    if ws.first_touch is None:
+                        ws.first_touch = now
                 targets.append(ws)
         if targets:
             self.protect_many(targets)

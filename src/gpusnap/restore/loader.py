@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from gpusnap.device import host_buffer
+from gpusnap.device import host_buffer, waitable_event
 from gpusnap.errors import CheckpointError
 from gpusnap.restore.schedule import LoadSpan, Schedule, SpanState
 from gpusnap.restore.staging import SlotPool
@@ -194,7 +194,7 @@ class Loader:
         events = []
         for device in ls.devices:
             if device.type == "cuda":
-                event = torch.cuda.Event()
+                event = waitable_event()
                 event.record(self.streams[device])
                 events.append((device, event))
         return events

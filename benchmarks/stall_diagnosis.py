@@ -1,0 +1,78 @@
+"""Where does a concurrent save's stall come from? (GPU diagnostic, not a benchmark)
+
+GPT-2 large training with a concurrent save every ``--every`` steps, in variants that switch
+parts of the save's background work off (the checkpoints of variants 2-3 are NOT valid):
+  full      the real thing
+  poll      the copier waits for copies by polling event.query() (sleeping 50 us) instead of
+            event.synchronize()
+  no-hash   chunk digests replaced by random ids (still copied, still written to tmpfs)
+  no-store  pieces copied off the device, then dropped (no hashing, no writing)
+Prints, per variant, the median stall of the step containing save() and of the whole interval.
+Run: PYTHONPATH=src python3 benchmarks/stall_diagnosis.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import concurrent_stall as cs  # noqa: E402
+
+import gpusnap  # noqa: E402
+from gpusnap.capture import concurrent as _concurrent  # noqa: E402
+from gpusnap.capture import copier as _copier  # noqa: E402
+
+
+def drop_store(self, index, start, region, n) -> None:  # noqa: ANN001
+    self.staging.release(region)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="gpt2-large")
+    ap.add_argument("--every", type=int, default=20)
+    ap.add_argument("--saves", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=4)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    model, optim = cs.build(args.model, dev)
+    data = torch.randint(0, model.config.vocab_size, (args.batch, 512), device=dev)
+    loop = cs.Loop(model, optim, data, dev)
+    for _ in range(3):
+        loop.step()
+    median = statistics.median(loop.step() for _ in range(8))
+    app = {"model": model, "optim": optim}
+    root = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    real_store, real_digest = _concurrent.ConcurrentSave._store, _concurrent.chunk_digest
+    rows = []
+    for variant in ("full", "poll", "no-store"):
+        _copier.POLL_S = 50e-6 if variant == "poll" else None
+        _concurrent.ConcurrentSave._store = drop_store if variant == "no-store" else real_store
+        _concurrent.chunk_digest = (lambda view: os.urandom(16).hex()) if variant == "no-hash" else real_digest
+        with gpusnap.Checkpointer(os.path.join(root, f"{variant}-{len(rows)}"), keep_last=1) as ck:
+            ck.save(app).wait()  # grows the staging arena; not measured
+            steps, intervals, windows = [], [], []
+            for _ in range(args.saves):
+                box = {}
+                t = loop.step(lambda: box.setdefault("p", ck.save(app)), "after")
+                rest = [loop.step() for _ in range(args.every - 1)]
+                info = box["p"].wait()
+                steps.append(t - median)
+                intervals.append(t + sum(rest) - args.every * median)
+                windows.append(info.stats["window_s"])
+        rows.append((variant, statistics.median(steps), statistics.median(intervals), statistics.median(windows)))
+    _concurrent.ConcurrentSave._store, _concurrent.chunk_digest = real_store, real_digest
+    print(f"median step {median * 1e3:.1f} ms")
+    print(f"{'variant':<10}{'save step +ms':>15}{'interval +ms':>14}{'window ms':>11}")
+    for v, s, i, w in rows:
+        print(f"{v:<10}{s * 1e3:>15.1f}{i * 1e3:>14.1f}{w * 1e3:>11.1f}")
+
+
+if __name__ == "__main__":
+    main()
