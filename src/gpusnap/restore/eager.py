@@ -1,7 +1,8 @@
 """Verify-first restore: read and verify every chunk of every span, then hand the spans to the plan.
 
-Chunks are read by a thread pool straight into host buffers, each one checked against its
-digest by the repository. Nothing is applied until every chunk has been verified, so a
+Pieces of consecutive chunks are read by a thread pool straight into host buffers (one
+system call per run the packs store back to back), each chunk checked against its digest by
+the repository. Nothing is applied until every chunk has been verified, so a
 corrupt checkpoint raises ``IntegrityError`` and leaves the targets untouched (at the cost
 of holding the checkpoint in host memory; ``restore.loader`` streams instead). This is
 ``restore(..., verify="upfront")``, and ``verify="auto"`` for small checkpoints.
@@ -22,6 +23,8 @@ from gpusnap.storage.repository import Repository
 
 __all__ = ["RestoreCounters", "load_spans"]
 
+_PIECE_BYTES = 16 << 20
+
 
 @dataclass
 class RestoreCounters:
@@ -39,6 +42,7 @@ def load_spans(
     """Read, verify and apply every span of ``manifest`` through ``plan``."""
     counters = RestoreCounters()
     cs = manifest.chunk_size
+    per = max(1, _PIECE_BYTES // cs)  # chunks per read task: one system call per run stored back to back
     buffers: list[torch.Tensor] = []
     futures = []
     for index, entry in enumerate(manifest.storages):
@@ -47,8 +51,8 @@ def load_spans(
         view = memoryview(buf.numpy()).cast("B")
         what = describe_span(plan, index)
         futures += [
-            pool.submit(repo.read_chunk_into, digest, view[k * cs : k * cs + cs], what=what)
-            for k, digest in enumerate(entry.chunks)
+            pool.submit(repo.read_chunks_into, entry.chunks[k : k + per], view[k * cs : (k + per) * cs], cs, what=what)
+            for k in range(0, len(entry.chunks), per)
         ]
         counters.bytes_read += entry.nbytes
         counters.chunks_read += len(entry.chunks)

@@ -117,7 +117,7 @@ class LazyRestore:
         self.loader.wait(timeout)
 
     def _on_done(self, error: BaseException | None) -> None:
-        """On the last reader thread, after every copy has run."""
+        """On the copy thread, after every copy has run."""
         if error is None:
             self.gate.complete = True
             active_gates.remove(self.gate)
@@ -148,9 +148,8 @@ class LazyRestore:
         loader, gate = self.loader, self.gate
         end = loader.finished if loader.finished is not None else time.perf_counter()
         return {
+            **loader.stats.as_dict(),
             "total_s": max(end - self.started, self.handle.stats.get("return_s", 0.0)),
-            "bytes_read": loader.bytes_read,
-            "chunks_read": loader.chunks_read,
             "waits": gate.waits,
             "wait_s": gate.wait_s,
             "opaque_waits": gate.opaque_waits,

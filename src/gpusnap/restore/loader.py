@@ -1,41 +1,49 @@
-"""The pipelined loader: reader threads move chunks from storage into the targets, in place.
+"""The pipelined loader: reader threads stage pieces, one copy thread moves them into the targets.
 
-Per chunk, on one reader thread::
+    readers (N):  take a piece (Schedule) -> a host region (SlotPool) -> read its chunks, one
+                  system call per run stored back to back -> verify each chunk's BLAKE2b
+                  digest (host path) -> hand the region to the copy thread
+    copy thread:  H2D copy into the targets (or into a device scratch slot, checked there
+                  against the manifest's device hashes: ``restore.device_check``) -> span
+                  loaded once its last piece is copied -> regions back after their events
 
-    take (Schedule) -> read into a host slot -> verify its digest -> copy into the targets
-                    -> release the slot (with the copy's CUDA event) -> chunk_done
-
-On CUDA the copy is an async host-to-device copy on a per-device copy stream, so reading the
-next chunk overlaps it; the slot is reused only after the copy's event (``SlotPool``). A span
-is *loaded* once its last chunk's copy is queued: an event recorded then on the copy stream
-covers all of its copies, since a stream runs them in the order they were queued.
+Readers do only file I/O and hashing, which release the GIL; every CUDA call and every wait
+on a CUDA event happens on the copy thread (``restore.copier``). A span is *loaded* once its
+last piece's copy is queued: an event recorded then on the copy stream covers all of its
+copies, since a stream runs them in the order they were queued, and the lazy gate makes an
+op's stream wait for that event (per span, not per batch).
 
 Spans whose targets are not byte-for-byte contiguous (transposed, strided, overlapping) are
-read whole into a host buffer and applied at once (``RestorePlan.apply_span``), so no tensor
-of theirs is ever half-written. Streamed spans are verified chunk by chunk before each chunk
-is copied: a corrupt chunk never lands, but chunks before it in the same span may have; the
-error then names those tensors (see docs/restore.md, "Guarantees").
+read whole into a host buffer (verified on the host) and applied at once
+(``RestorePlan.apply_span``), so no tensor of theirs is ever half-written. Streamed spans are
+verified piece by piece before each piece is copied into its targets: a corrupt chunk never
+lands, but pieces before it in the same span may have; the error then names those tensors
+(see docs/restore.md, "Guarantees").
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from gpusnap.device import host_buffer, waitable_event
+from gpusnap.device import host_buffer
 from gpusnap.errors import CheckpointError
-from gpusnap.restore.schedule import LoadSpan, Schedule, SpanState
+from gpusnap.restore.copier import Copier
+from gpusnap.restore.device_check import DeviceCheck
+from gpusnap.restore.schedule import LoadSpan, Piece, Schedule, SpanState
 from gpusnap.restore.staging import SlotPool
+from gpusnap.restore.stats import LoadStats
 from gpusnap.state.apply import RestorePlan
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.repository import Repository
 
-__all__ = ["Loader", "describe_span"]
+__all__ = ["SCRATCH_SLOTS", "Loader", "describe_span"]
+
+SCRATCH_SLOTS = 3  # device scratch slots per device when checking on the device (one region each)
 
 
 def describe_span(plan: RestorePlan, index: int) -> str:
@@ -46,11 +54,15 @@ def describe_span(plan: RestorePlan, index: int) -> str:
 
 
 class Loader:
-    """Loads every span of ``manifest`` into ``plan``'s targets on ``threads`` reader threads.
+    """Loads every span of ``manifest`` into ``plan``'s targets: ``threads`` readers, one copier.
 
     Call order: ``Loader(...)`` -> ``start()`` (on the thread whose CUDA streams the restore
     must follow) -> ``schedule.wait(span)`` / ``wait()`` from anywhere -> ``on_done(error)`` is
-    called once, on a reader thread, after every copy has completed (or the load failed).
+    called once, on the copy thread, after every copy has completed (or the load failed).
+
+    ``verify_on_device``: check spans against ``StorageEntry.hashes`` on their device instead
+    of BLAKE2b on the host. None (default): for streamed spans on one CUDA device whose entry
+    has hashes; True: also CPU targets (the same code with CPU tensors, for tests); False: never.
     """
 
     def __init__(
@@ -64,6 +76,7 @@ class Loader:
         slots: SlotPool,
         streams: dict[torch.device, Any],
         verify: bool,
+        verify_on_device: bool | None = None,
         on_done: Callable[[BaseException | None], None] | None = None,
     ) -> None:
         if slots.slot_bytes < manifest.chunk_size:
@@ -76,20 +89,30 @@ class Loader:
         self.verify = verify
         self.on_done = on_done
         self.chunk_size = manifest.chunk_size
-        spans = [
-            LoadSpan(
-                index=i,
-                nbytes=e.nbytes,
-                chunks=len(e.chunks),
-                streamed=plan.streamable(i),
-                devices=frozenset(plan.devices(i)),
+        spans = []
+        for i, e in enumerate(manifest.storages):
+            devices = frozenset(plan.devices(i))
+            streamed = plan.streamable(i)
+            spans.append(
+                LoadSpan(
+                    index=i,
+                    nbytes=e.nbytes,
+                    chunks=len(e.chunks),
+                    streamed=streamed,
+                    devices=devices,
+                    device_check=verify and streamed and _checkable(e.hashes, devices, verify_on_device),
+                )
             )
-            for i, e in enumerate(manifest.storages)
-        ]
-        self.schedule = Schedule(spans, order)
-        self.threads = max(1, min(threads, sum(ls.chunks for ls in spans) or 1))
-        self.bytes_read = 0
-        self.chunks_read = 0
+        piece_chunks = slots.slot_bytes // self.chunk_size
+        self.schedule = Schedule(spans, order, chunk_size=self.chunk_size, piece_chunks=piece_chunks)
+        self.check = (
+            DeviceCheck(manifest, spans, slot_bytes=piece_chunks * self.chunk_size, slots=SCRATCH_SLOTS)
+            if any(ls.device_check for ls in spans)
+            else None
+        )
+        pieces = sum(-(-ls.chunks // piece_chunks) for ls in spans)
+        self.threads = max(1, min(threads, pieces or 1))
+        self.stats = LoadStats()
         self.started = 0.0
         self.finished: float | None = None
         self.error: BaseException | None = None
@@ -97,13 +120,32 @@ class Loader:
         self._alive = 0
         self._launched = False
         self._done = threading.Event()
+        self.copier = Copier(
+            manifest,
+            plan,
+            self.schedule,
+            slots,
+            streams,
+            self.check,
+            self.stats,
+            lambda index: describe_span(plan, index),
+            self._close,
+        )
+
+    @property
+    def bytes_read(self) -> int:
+        return self.stats.bytes_read
+
+    @property
+    def chunks_read(self) -> int:
+        return self.stats.chunks_read
 
     # -- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:
         self.started = time.perf_counter()
         for device, stream in self.streams.items():
             # Copies follow the work the program already queued: a kernel still reading a target
-            # must not see the restored bytes early.
+            # must not see the restored bytes early. (Queued, not waited for: no host sync.)
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
             stream.wait_event(event)
@@ -112,6 +154,7 @@ class Loader:
                 self.plan.apply_span(ls.index, torch.empty(0, dtype=torch.uint8))
         self._alive = self.threads
         self._launched = True
+        self.copier.start()
         for i in range(self.threads):
             threading.Thread(target=self._run, name=f"gpusnap-restore-{i}", daemon=True).start()
 
@@ -119,7 +162,7 @@ class Loader:
         return self._done.is_set()
 
     def join(self, timeout: float | None = None) -> bool:
-        """Until the readers have stopped and every copy has run; True if they have (or never ran)."""
+        """Until the load has stopped and every copy has run; True if it has (or never ran)."""
         return not self._launched or self._done.wait(timeout)
 
     def wait(self, timeout: float | None = None) -> None:
@@ -132,8 +175,8 @@ class Loader:
     # -- reader threads ------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while (item := self.schedule.take()) is not None:
-                self._load(*item)
+            while (piece := self.schedule.take()) is not None:
+                self._read(piece)
         except BaseException as exc:  # noqa: BLE001 (any failure stops the load; waiters must not hang)
             self.schedule.fail(exc)
         finally:
@@ -141,73 +184,65 @@ class Loader:
                 self._alive -= 1
                 last = self._alive == 0
             if last:
-                self._close()
+                self.copier.put_end()
 
-    def _load(self, ls: LoadSpan, k: int) -> None:
-        start = k * self.chunk_size
-        n = min(self.chunk_size, ls.nbytes - start)
-        digest = self.manifest.storages[ls.index].chunks[k]
-        what = describe_span(self.plan, ls.index)
-        applied = 0
+    def _read(self, piece: Piece) -> None:
+        ls = piece.span
         if ls.streamed:
-            slot = self.slots.acquire()
-            events: list[tuple[torch.device, Any]] = []
+            started = time.perf_counter()
+            region = self.slots.acquire()
+            self.stats.add(region_wait_s=time.perf_counter() - started)
+            if ls.device_check or any(Copier._evented(d) for d in ls.devices):
+                try:
+                    self._read_into(piece, region[: piece.nbytes], host_verify=self.verify and not ls.device_check)
+                except BaseException:
+                    self.slots.release(region)  # never handed over: no copy reads it
+                    raise
+                self.copier.put_piece(piece, region)
+                return
+            # Host targets only: the copy is a memcpy done on return, no CUDA involved, so each
+            # reader does its own rather than queueing every byte behind one copy thread.
             try:
-                data = slot[:n]
-                self.repo.read_chunk_into(digest, memoryview(data.numpy()), what=what, verify=self.verify)
-                with self._on_copy_streams(ls):
-                    self.plan.apply_range(ls.index, start, data)
-                    events = self._record(ls)
-                applied = n
+                self._read_into(piece, region[: piece.nbytes], host_verify=self.verify)
+                self.plan.apply_range(ls.index, piece.offset, region[: piece.nbytes])
             finally:
-                self.slots.release(slot, [event for _, event in events])
-        else:
-            with self._lock:
-                if ls.buffer is None:
-                    ls.buffer = host_buffer(ls.nbytes, pinned=False)
-                buffer = ls.buffer
-            self.repo.read_chunk_into(
-                digest, memoryview(buffer[start : start + n].numpy()), what=what, verify=self.verify
-            )
+                self.slots.release(region)
+            if self.schedule.piece_done(piece, piece.nbytes):
+                self.schedule.mark_loaded(ls, ())
+            return
         with self._lock:
-            self.bytes_read += n
-            self.chunks_read += 1
-        if self.schedule.chunk_done(ls, applied):
-            with self._on_copy_streams(ls):
-                if not ls.streamed:
-                    assert ls.buffer is not None
-                    self.plan.apply_span(ls.index, ls.buffer)  # pageable source: copied before it returns
-                    ls.applied_bytes = ls.nbytes
-                ready = self._record(ls)
-            self.schedule.mark_loaded(ls, ready)
+            if ls.buffer is None:
+                ls.buffer = host_buffer(ls.nbytes, pinned=False)
+            buffer = ls.buffer
+        self._read_into(piece, buffer[piece.offset : piece.offset + piece.nbytes], host_verify=self.verify)
+        if self.schedule.piece_done(piece, 0):
+            self.copier.put_whole(ls)
 
-    @contextlib.contextmanager
-    def _on_copy_streams(self, ls: LoadSpan) -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            for device in ls.devices:
-                if device.type == "cuda":
-                    stack.enter_context(torch.cuda.stream(self.streams[device]))
-            yield
+    def _read_into(self, piece: Piece, out: torch.Tensor, *, host_verify: bool) -> None:
+        digests = self.manifest.storages[piece.span.index].chunks[piece.first : piece.first + piece.count]
+        cost = self.repo.read_chunks_into(
+            digests,
+            memoryview(out.numpy()),
+            self.chunk_size,
+            what=describe_span(self.plan, piece.span.index),
+            verify=host_verify,
+        )
+        verified = piece.nbytes if self.verify else 0
+        self.stats.add(
+            bytes_read=piece.nbytes,
+            chunks_read=piece.count,
+            pieces=1,
+            reads=cost.reads,
+            read_s=cost.read_s,
+            verify_s=cost.verify_s,
+            host_verified_bytes=verified if host_verify else 0,
+            device_verified_bytes=0 if host_verify else verified,
+        )
 
-    def _record(self, ls: LoadSpan) -> list[tuple[torch.device, Any]]:
-        """An event after the copies queued so far, on each of the span's copy streams."""
-        events = []
-        for device in ls.devices:
-            if device.type == "cuda":
-                event = waitable_event()
-                event.record(self.streams[device])
-                events.append((device, event))
-        return events
-
-    def _close(self) -> None:
-        """Last reader out: wait for the copies, then publish the outcome."""
-        error = self.schedule.error
-        try:
-            for stream in self.streams.values():
-                stream.synchronize()
-            self.slots.drain()
-        except BaseException as exc:  # noqa: BLE001 (reported through the handle)
-            error = error or exc
+    # -- copy thread, at the end ---------------------------------------------------------------
+    def _close(self, error: BaseException | None) -> None:
+        """Every copy has run (or the load failed): publish the outcome."""
+        error = self.schedule.error or error
         if error is None and not self.schedule.all_loaded:
             error = CheckpointError("restore stopped before every storage was loaded")
         self.error = None if error is None else self._explain(error)
@@ -239,3 +274,11 @@ class Loader:
             explained = CheckpointError(message)
         explained.__cause__ = error
         return explained
+
+
+def _checkable(hashes: tuple[str, ...] | None, devices: frozenset[torch.device], on_device: bool | None) -> bool:
+    """Whether a span can be checked on its device: hashes stored, one target device, allowed."""
+    if hashes is None or on_device is False or len(devices) != 1:
+        return False
+    (device,) = devices
+    return device.type == "cuda" or (on_device is True and device.type == "cpu")

@@ -43,6 +43,9 @@ __all__ = ["AUTO_UPFRONT_BYTES", "Restorer", "Verify", "load_order", "reader_thr
 Verify = Literal["auto", "upfront", "stream", "off"]
 VERIFY_MODES: tuple[str, ...] = ("auto", "upfront", "stream", "off")
 AUTO_UPFRONT_BYTES = 256 << 20  # verify="auto": checkpoints up to this size are verified before any write
+PIECE_BYTES = 16 << 20  # a piece: one read run, one host region, one device copy (whole chunks)
+EXTRA_REGIONS = 4  # host regions beyond one per reader: pieces queued or in flight on the copy stream
+VERIFY_ON_DEVICE: bool | None = None  # Loader's verify_on_device: None = where device hashes allow
 
 
 def reader_threads(io_threads: int) -> int:
@@ -129,6 +132,7 @@ class Restorer:
             slots=self._slot_pool(manifest.chunk_size, pinned=_any_cuda(plan, len(spans))),
             streams={d: self._stream(d) for d in _cuda_devices(plan, len(spans))},
             verify=verify != "off",
+            verify_on_device=VERIFY_ON_DEVICE,
         )
         if lazy:
             session = LazyRestore(loader, plan, handle, started)
@@ -145,11 +149,10 @@ class Restorer:
         loader.wait()
         plan.finish()
         elapsed = time.perf_counter() - started
+        handle.stats.update(loader.stats.as_dict())
         handle.stats.update(
             return_s=elapsed,
             total_s=elapsed,
-            bytes_read=loader.bytes_read,
-            chunks_read=loader.chunks_read,
             waits=0,
             wait_s=0.0,
             first_needed={},
@@ -236,12 +239,16 @@ class Restorer:
 
     # -- reused resources ----------------------------------------------------------------------
     def _slot_pool(self, chunk_size: int, *, pinned: bool) -> SlotPool:
+        """Host regions of about :data:`PIECE_BYTES` (whole chunks), one per reader plus
+        :data:`EXTRA_REGIONS`, within ``staging_bytes`` when it is set; kept across restores."""
+        regions = self.threads + EXTRA_REGIONS
+        piece = max(chunk_size, PIECE_BYTES // chunk_size * chunk_size)
+        if self.staging_bytes:
+            piece = max(chunk_size, min(piece, self.staging_bytes // regions // chunk_size * chunk_size))
+            regions = max(2, min(regions, self.staging_bytes // piece))
         pool = self._slots
         if pool is None or not pool.fits(chunk_size, pinned=pinned):
-            slots = 2 * self.threads
-            if self.staging_bytes:
-                slots = max(2, min(slots, self.staging_bytes // chunk_size))
-            pool = self._slots = SlotPool(slots, chunk_size, pinned=pinned)
+            pool = self._slots = SlotPool(regions, piece, pinned=pinned)
         return pool
 
     def _stream(self, device: torch.device) -> Any:

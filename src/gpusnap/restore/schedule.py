@@ -1,10 +1,13 @@
-"""Which chunk loads next, and the life cycle of each span during a restore.
+"""Which piece loads next, and the life cycle of each span during a restore.
 
-    pending --(a reader takes its first chunk)--> loading --(every chunk applied)--> loaded
+    pending --(a reader takes its first piece)--> loading --(every piece applied)--> loaded
 
-Readers take chunks, not spans, so that several threads share one large span. Spans the
-program is waiting for (``urgent``) go before the rest, most recent request first; the rest
-follow ``order``. After a failure no new chunk is handed out; once the readers have stopped,
+A *piece* is up to ``piece_chunks`` consecutive chunks of one span: read with as few system
+calls as the pack layout allows, staged in one host region and copied with one device copy,
+so the per-piece Python work is paid per tens of MiB rather than per chunk. Readers take
+pieces, not spans, so that several threads share one large span. Spans the program is
+waiting for (``urgent``) go before the rest, most recent request first; the rest follow
+``order``. After a failure no new piece is handed out; once the loader has stopped,
 :meth:`Schedule.close` wakes every waiter, and those whose span is not loaded get the error.
 """
 
@@ -22,7 +25,7 @@ import torch
 
 from gpusnap.errors import CheckpointError
 
-__all__ = ["LoadSpan", "Schedule", "SpanState"]
+__all__ = ["LoadSpan", "Piece", "Schedule", "SpanState"]
 
 
 class SpanState(enum.Enum):
@@ -38,10 +41,11 @@ class LoadSpan:
     index: int
     nbytes: int
     chunks: int
-    streamed: bool  # applied chunk by chunk (RestorePlan.apply_range), else as a whole
+    streamed: bool  # applied piece by piece (RestorePlan.apply_range), else as a whole
     devices: frozenset[torch.device]
+    device_check: bool = False  # verified on the device against StorageEntry.hashes (restore.device_check)
     state: SpanState = SpanState.PENDING
-    next_chunk: int = 0  # the next chunk to hand to a reader
+    next_chunk: int = 0  # the first chunk of the next piece to hand to a reader
     left: int = 0  # chunks not yet applied (streamed) or read (whole)
     applied_bytes: int = 0  # bytes already written into the targets
     buffer: torch.Tensor | None = field(default=None, repr=False)  # whole span, host
@@ -57,14 +61,30 @@ class LoadSpan:
         return any(d.type == "cuda" for d in self.devices)
 
 
-class Schedule:
-    """Shared by the readers (``take``/``chunk_done``/``mark_loaded``) and the program (``wait``)."""
+@dataclass(frozen=True, eq=False)
+class Piece:
+    """Chunks ``[first, first + count)`` of ``span``: bytes ``[offset, offset + nbytes)`` of it."""
 
-    def __init__(self, spans: Sequence[LoadSpan], order: Iterable[int]) -> None:
+    span: LoadSpan
+    first: int
+    count: int
+    offset: int
+    nbytes: int
+
+
+class Schedule:
+    """Shared by the readers (``take``), the copy thread (``piece_done``/``mark_loaded``) and
+    the program (``wait``)."""
+
+    def __init__(self, spans: Sequence[LoadSpan], order: Iterable[int], *, chunk_size: int, piece_chunks: int) -> None:
+        if piece_chunks < 1:
+            raise ValueError("a piece holds at least one chunk")
         self.spans = list(spans)
+        self.chunk_size = chunk_size
+        self.piece_chunks = piece_chunks
         self.cond = threading.Condition()
-        self.error: BaseException | None = None  # first failure: no new chunk is handed out
-        self.closed = False  # readers stopped (all loaded, or failed)
+        self.error: BaseException | None = None  # first failure: no new piece is handed out
+        self.closed = False  # loader stopped (all loaded, or failed)
         self.final_error: BaseException | None = None
         self._queue = deque(self.spans[i] for i in order)
         self._urgent: deque[LoadSpan] = deque()
@@ -75,8 +95,8 @@ class Schedule:
                 self._loaded += 1
 
     # -- readers -------------------------------------------------------------------------------
-    def take(self) -> tuple[LoadSpan, int] | None:
-        """The next chunk to load, ``(span, chunk index)``; None when none is left (or failed)."""
+    def take(self) -> Piece | None:
+        """The next piece to load; None when none is left (or the load failed)."""
         with self.cond:
             if self.error is not None:
                 return None
@@ -87,17 +107,20 @@ class Schedule:
                         source.popleft()
                         continue
                     k = ls.next_chunk
-                    ls.next_chunk += 1
+                    count = min(self.piece_chunks, ls.chunks - k)
+                    ls.next_chunk += count
                     if ls.state is SpanState.PENDING:
                         ls.state = SpanState.LOADING
-                    return ls, k
+                    offset = k * self.chunk_size
+                    return Piece(ls, k, count, offset, min(ls.nbytes, offset + count * self.chunk_size) - offset)
             return None
 
-    def chunk_done(self, ls: LoadSpan, applied: int) -> bool:
-        """One chunk of ``ls`` is through (``applied`` bytes written); True for the last one."""
+    def piece_done(self, piece: Piece, applied: int) -> bool:
+        """``piece`` is through (``applied`` bytes written); True when it was its span's last."""
         with self.cond:
+            ls = piece.span
             ls.applied_bytes += applied
-            ls.left -= 1
+            ls.left -= piece.count
             return ls.left == 0
 
     def mark_loaded(self, ls: LoadSpan, ready: Sequence[tuple[torch.device, Any]]) -> None:
@@ -109,14 +132,14 @@ class Schedule:
             self.cond.notify_all()
 
     def fail(self, error: BaseException) -> None:
-        """Stop handing out chunks; the first error wins."""
+        """Stop handing out pieces; the first error wins."""
         with self.cond:
             if self.error is None:
                 self.error = error
             self.cond.notify_all()
 
     def close(self, final_error: BaseException | None) -> None:
-        """The readers have stopped: wake every waiter."""
+        """The loader has stopped: wake every waiter."""
         with self.cond:
             self.final_error = final_error
             self.closed = True

@@ -22,7 +22,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import TracebackType
@@ -35,13 +35,22 @@ from gpusnap.storage.backend import Backend, BackendLock, open_backend
 from gpusnap.storage.manifest import FORMAT, VERSION, Manifest, canonical_json
 from gpusnap.storage.pack import PACK_MAGIC, PackIndex, PackWriter, pack_path, read_pack_index
 
-__all__ = ["GcReport", "Repository", "VerifyReport", "WriteTxn"]
+__all__ = ["ChunkReads", "GcReport", "Repository", "VerifyReport", "WriteTxn"]
 
 ROOT_FILE = "gpusnap.json"
 PACKS, MANIFESTS, TMP = "packs", "manifests", "tmp"
 _LAYOUT = frozenset({PACKS, MANIFESTS, TMP, "lock"})
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _INTACT = "this checkpoint was not committed; earlier checkpoints are intact"
+
+
+@dataclass(frozen=True)
+class ChunkReads:
+    """What one :meth:`Repository.read_chunks_into` cost: system reads, seconds reading and verifying."""
+
+    reads: int
+    read_s: float
+    verify_s: float
 
 
 @dataclass(frozen=True)
@@ -452,6 +461,65 @@ class Repository:
                     f"{got} of {length} bytes"
                 )
             return
+
+    def read_chunks_into(
+        self, digests: Sequence[str], out: memoryview, chunk_size: int, *, what: str = "", verify: bool = True
+    ) -> ChunkReads:
+        """Read consecutive chunks of one span into ``out`` (chunk ``j`` at ``j * chunk_size``).
+
+        Chunks that sit back to back in one pack (a capture writes a span's chunks mostly in
+        order) are read with one call per run, so a restore pays one system call per run rather
+        than per chunk; the rest (deduplicated chunks, chunks of older packs) are read one by
+        one. Each chunk is then checked against its digest (``verify``) or only for its
+        length. ``out`` must be exactly the chunks' total length.
+        """
+        view = _byte_view(out)
+        if view.readonly:
+            raise ValueError("read_chunks_into needs a writable buffer")
+        runs: builtins.list[tuple[str, int, int, int]] = []  # (path, pack offset, first chunk, chunks)
+        for j, digest in enumerate(digests):
+            path, offset, length = self._locate(digest, what)
+            start = j * chunk_size
+            want = min(chunk_size, len(view) - start)
+            if length != want:
+                raise IntegrityError(
+                    f"chunk {digest}{_about(what)} in pack {self.backend.describe(path)} is {length} bytes, "
+                    f"the checkpoint expects {want}"
+                )
+            if runs:
+                p, o, first, n = runs[-1]
+                if p == path and o + (j - first) * chunk_size == offset and j == first + n:
+                    runs[-1] = (p, o, first, n + 1)
+                    continue
+            runs.append((path, offset, j, 1))
+        started = time.perf_counter()
+        for path, offset, first, n in runs:
+            lo, hi = first * chunk_size, min(len(view), (first + n) * chunk_size)
+            try:
+                got = self.backend.readinto_range(path, offset, view[lo:hi])
+            except FileNotFoundError:
+                # Deleted by a gc elsewhere: read chunk by chunk, which looks each one up again.
+                self._forget_pack(path)
+                for j in range(first, first + n):
+                    self.read_chunk_into(
+                        digests[j], view[j * chunk_size : min(len(view), (j + 1) * chunk_size)], what=what, verify=False
+                    )
+                continue
+            except OSError as exc:
+                raise self._read_error(exc, path, what) from exc
+            if got != hi - lo:
+                j = first + min(got // chunk_size, n - 1)
+                raise IntegrityError(
+                    f"chunk {digests[j]}{_about(what)} in pack {self.backend.describe(path)} is truncated "
+                    f"(read {got} of {hi - lo} bytes of its run)"
+                )
+        read_s = time.perf_counter() - started
+        if verify:
+            for path, offset, first, n in runs:
+                for j in range(first, first + n):
+                    lo, hi = j * chunk_size, min(len(view), (j + 1) * chunk_size)
+                    self._check(digests[j], view[lo:hi], path, offset + (j - first) * chunk_size, hi - lo, what)
+        return ChunkReads(reads=len(runs), read_s=read_s, verify_s=time.perf_counter() - started - read_s)
 
     def _read_error(self, exc: OSError, path: str, what: str) -> StorageError:
         doing = f"reading chunk for {what} from pack" if what else "reading chunk from pack"

@@ -1,0 +1,288 @@
+"""The copy thread: the one thread of a restore that issues device copies and waits on CUDA.
+
+Readers only read files and hash (both release the GIL) and hand over filled host regions;
+this thread, in the order pieces arrive::
+
+    piece -> H2D copy into the targets (host-verified)           -> region in flight (event)
+          or H2D into a scratch slot, hash, flags D2H (device-checked) -> region in flight;
+             later, when the slot comes round: flags -> D2D copy into the targets
+    whole span (non-contiguous targets) -> apply_span from its host buffer
+    a span's last piece issued -> event on the copy stream -> span loaded (the gate may let
+                                   ops through: their streams wait for that event)
+
+A region goes back to the pool once the event after its copy has completed; the thread polls
+events between pieces and blocks on the oldest only when it has nothing else to do. Keeping
+every CUDA call and wait on one thread avoids a dozen threads spinning in the driver, and
+the GIL ping-pong of per-chunk CUDA calls from every reader. Events are ``waitable_event``
+(the host sleeps rather than spins).
+
+After a failure the thread keeps releasing the regions readers hand over, without copying
+them, until the readers have stopped; then it waits for the copies already queued and
+reports (``on_close``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpusnap.device import waitable_event
+from gpusnap.errors import IntegrityError
+from gpusnap.restore.device_check import DeviceCheck, ScratchSlot
+from gpusnap.restore.schedule import LoadSpan, Piece, Schedule
+from gpusnap.restore.staging import SlotPool
+from gpusnap.restore.stats import LoadStats
+from gpusnap.state.apply import RestorePlan
+from gpusnap.storage.manifest import DEVICE_HASH, Manifest
+
+__all__ = ["Copier"]
+
+
+@dataclass(frozen=True, eq=False)
+class _PieceItem:
+    piece: Piece
+    region: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class _WholeItem:
+    span: LoadSpan
+
+
+_END = object()
+
+
+class Copier:
+    """Copies what the readers staged into the targets; see the module docstring.
+
+    Call order: ``start()`` -> readers ``put_piece``/``put_whole`` -> the last reader
+    ``put_end()`` -> ``on_close(error)`` runs on this thread once every copy has completed.
+    """
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        plan: RestorePlan,
+        schedule: Schedule,
+        slots: SlotPool,
+        streams: dict[torch.device, Any],
+        check: DeviceCheck | None,
+        stats: LoadStats,
+        describe: Callable[[int], str],
+        on_close: Callable[[BaseException | None], None],
+    ) -> None:
+        self.manifest = manifest
+        self.plan = plan
+        self.schedule = schedule
+        self.slots = slots
+        self.streams = streams
+        self.check = check
+        self.stats = stats
+        self.describe = describe
+        self.on_close = on_close
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._in_flight: deque[tuple[torch.Tensor, Any]] = deque()  # (region, event after its copy)
+        self._checking: deque[ScratchSlot] = deque()  # staged on the device, flags not yet read
+        self._timing: dict[torch.device, Any] = {}  # timing event before each stream's first copy
+        self._holding: torch.Tensor | None = None  # the region being handled, until it is held
+        self.thread: threading.Thread | None = None
+
+    # -- readers -------------------------------------------------------------------------------
+    def put_piece(self, piece: Piece, region: torch.Tensor) -> None:
+        self._queue.put(_PieceItem(piece, region))
+
+    def put_whole(self, ls: LoadSpan) -> None:
+        self._queue.put(_WholeItem(ls))
+
+    def put_end(self) -> None:
+        self._queue.put(_END)
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._run, name="gpusnap-restore-copy", daemon=True)
+        self.thread.start()
+
+    # -- this thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        error: BaseException | None = None
+        try:
+            while (item := self._next()) is not _END:
+                self._handle(item)
+                self._reap()
+            while self._checking:
+                self._resolve(self._checking[0])
+        except BaseException as exc:  # noqa: BLE001 (any failure stops the load; waiters must not hang)
+            error = exc
+            self.schedule.fail(exc)
+            self._drain()
+        try:
+            self._finish()
+        except BaseException as exc:  # noqa: BLE001 (reported through the handle)
+            error = error or exc
+        self.on_close(error)
+
+    def _next(self) -> object:
+        """The next item; while none is there, finish the oldest work in flight."""
+        while True:
+            try:
+                return self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            if self._checking:
+                self._resolve(self._checking[0])
+            elif self._in_flight:
+                self._release_oldest()
+            else:
+                started = time.perf_counter()
+                item = self._queue.get()
+                self.stats.add(copy_idle_s=time.perf_counter() - started)
+                return item
+
+    def _handle(self, item: object) -> None:
+        if isinstance(item, _WholeItem):
+            ls = item.span
+            assert ls.buffer is not None
+            with self._on_copy_streams(ls):
+                self.plan.apply_span(ls.index, ls.buffer)  # pageable source: copied before it returns
+            ls.applied_bytes = ls.nbytes
+            self._loaded(ls)
+            return
+        assert isinstance(item, _PieceItem)
+        piece, region = item.piece, item.region
+        self._holding = region  # given back in _finish if this raises
+        ls = piece.span
+        data = region[: piece.nbytes]
+        if ls.device_check:
+            assert self.check is not None
+            (device,) = ls.devices
+            slot = self.check.next_slot(device)
+            if slot.piece is not None:
+                self._resolve(slot)
+            with self._on_copy_streams(ls):
+                self.check.stage(slot, piece, data)
+                slot.event = self._event(device) if self._evented(device) else None
+            self._checking.append(slot)
+            self._hold(region, [slot.event] if slot.event is not None else [])
+            return
+        with self._on_copy_streams(ls):
+            self.plan.apply_range(ls.index, piece.offset, data)
+            events = [self._event(d) for d in ls.devices if self._evented(d)]
+        self._hold(region, events)
+        self._piece_done(piece)
+
+    def _resolve(self, slot: ScratchSlot) -> None:
+        """Read ``slot``'s flags (after its event) and copy its piece into the targets, or raise."""
+        piece = slot.piece
+        assert piece is not None and self.check is not None
+        self._wait(slot.event)
+        bad = self.check.mismatch(slot)
+        self._checking.remove(slot)
+        if bad is not None:
+            slot.piece = None
+            digest = self.manifest.storages[piece.span.index].chunks[bad]
+            raise IntegrityError(
+                f"chunk {digest} (#{bad}) of {self.describe(piece.span.index)} does not match its device hash "
+                f"({DEVICE_HASH}) after the copy to {slot.device} (corrupt); it was not written to the target"
+            )
+        ls = piece.span
+        with self._on_copy_streams(ls):
+            self.plan.apply_range(ls.index, piece.offset, slot.data[: piece.nbytes])
+        slot.piece = None  # the next stage() of this slot queues after this copy on the same stream
+        self._piece_done(piece)
+
+    def _piece_done(self, piece: Piece) -> None:
+        if self.schedule.piece_done(piece, piece.nbytes):
+            self._loaded(piece.span)
+
+    def _loaded(self, ls: LoadSpan) -> None:
+        """``ls``'s last copy is queued: ops may use it once their stream passed this event."""
+        with self._on_copy_streams(ls):
+            ready = [(d, self._event(d)) for d in ls.devices if self._evented(d)]
+        self.schedule.mark_loaded(ls, ready)
+
+    # -- regions and events --------------------------------------------------------------------
+    @staticmethod
+    def _evented(device: torch.device) -> bool:
+        """Whether copies to ``device`` are asynchronous (need an event); CPU copies are done on return."""
+        return device.type == "cuda"
+
+    def _event(self, device: torch.device) -> Any:
+        event = waitable_event()
+        event.record(self.streams[device])
+        return event
+
+    def _hold(self, region: torch.Tensor, events: list[Any]) -> None:
+        """Keep ``region`` until the copies reading it have run (none on CPU: give it back now)."""
+        self._holding = None
+        for extra in events[:-1]:
+            self._wait(extra)  # rare: one span's targets on several devices
+        if events:
+            self._in_flight.append((region, events[-1]))
+        else:
+            self.slots.release(region)
+
+    def _reap(self) -> None:
+        """Give back the regions whose copies have completed, without waiting."""
+        while self._in_flight and self._in_flight[0][1].query():
+            self.slots.release(self._in_flight.popleft()[0])
+
+    def _release_oldest(self) -> None:
+        region, event = self._in_flight.popleft()
+        self._wait(event)
+        self.slots.release(region)
+
+    def _wait(self, event: Any) -> None:
+        if event is None:
+            return
+        started = time.perf_counter()
+        event.synchronize()
+        self.stats.add(copy_wait_s=time.perf_counter() - started)
+
+    def _drain(self) -> None:
+        """After a failure: give back every region handed over until the readers have stopped."""
+        for slot in self._checking:
+            slot.piece = None
+        self._checking.clear()
+        while True:
+            item = self._queue.get()
+            if item is _END:
+                return
+            if isinstance(item, _PieceItem):
+                self.slots.release(item.region)
+
+    def _finish(self) -> None:
+        """Wait for every queued copy, give back the regions, measure the streams."""
+        for stream in self.streams.values():
+            stream.synchronize()
+        while self._in_flight:
+            self.slots.release(self._in_flight.popleft()[0])
+        if self._holding is not None:
+            self.slots.release(self._holding)
+            self._holding = None
+        spans = []
+        for device, start in self._timing.items():
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(self.streams[device])
+            end.synchronize()
+            spans.append(start.elapsed_time(end) / 1000.0)
+        if spans:
+            self.stats.copy_stream_s = max(spans)
+
+    @contextlib.contextmanager
+    def _on_copy_streams(self, ls: LoadSpan) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for device in ls.devices:
+                if device.type == "cuda":
+                    stream = self.streams[device]
+                    stack.enter_context(torch.cuda.stream(stream))
+                    if device not in self._timing:
+                        start = self._timing[device] = torch.cuda.Event(enable_timing=True)
+                        start.record(stream)
+            yield

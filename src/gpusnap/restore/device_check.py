@@ -1,0 +1,142 @@
+"""Verification on the device: a piece's chunks are checked after the copy, not hashed on the host.
+
+When the manifest carries device hashes (``StorageEntry.hashes``, :data:`DEVICE_HASH`,
+computed at the consistent point by :func:`~gpusnap.kernels.chunk_hash.chunk_hashes`), a
+piece bound for one CUDA device is copied host-to-device into a *scratch* slot, hashed there
+on the copy stream and compared with the expected rows; the per-chunk mismatch flags come
+back with one small device-to-host copy. The copy thread reads them (after the piece's event)
+before it copies scratch into the targets, device to device: a corrupt chunk never lands in a
+target, the same guarantee as ``verify="stream"`` on the host, without the host's BLAKE2b
+pass (about 1 GB/s per core against 55 GB/s of host-to-device bandwidth).
+
+Each device has a ring of ``slots`` scratch slots used in turn, so the copy thread checks a
+piece while the next ones are already being copied: the host waits for a piece only when its
+slot comes round again, and the copy engine never idles for the check.
+
+Device-agnostic: on CPU the same code runs with CPU tensors (the tests force it on), so the
+mismatch handling is exercised without a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpusnap.errors import CheckpointError
+from gpusnap.kernels.chunk_hash import HASH_WORDS, chunk_hashes
+from gpusnap.restore.schedule import LoadSpan, Piece
+from gpusnap.storage.manifest import Manifest
+
+__all__ = ["DeviceCheck", "ScratchSlot", "hex_to_hashes"]
+
+_HEX_DIGITS = 16 * HASH_WORDS  # 32: two 64-bit words
+
+
+def hex_to_hashes(hexes: Sequence[str]) -> torch.Tensor:
+    """The inverse of :func:`~gpusnap.kernels.chunk_hash.hashes_to_hex`: an (n, 2) int64 tensor.
+
+    Each word is written as the 16 hex digits of its unsigned value (``v & (2**64 - 1)``);
+    read back big-endian as a *signed* int64 it is the word ``chunk_hashes`` computed.
+
+    >>> hex_to_hashes(["ffffffffffffffff0000000000000001"]).tolist()
+    [[-1, 1]]
+    """
+    for h in hexes:
+        if len(h) != _HEX_DIGITS:
+            raise CheckpointError(f"a device hash must be {_HEX_DIGITS} hex digits, got {h!r}")
+    try:
+        raw = bytearray.fromhex("".join(hexes))
+    except ValueError as exc:
+        raise CheckpointError(f"malformed device hash in the manifest: {exc}") from None
+    if not raw:
+        return torch.empty((0, HASH_WORDS), dtype=torch.int64)
+    big_endian = torch.frombuffer(raw, dtype=torch.uint8).view(-1, 8)
+    native = big_endian.flip(1) if _LITTLE_ENDIAN else big_endian
+    return native.contiguous().view(torch.int64).view(-1, HASH_WORDS)
+
+
+_LITTLE_ENDIAN = torch.tensor([1], dtype=torch.int16).view(torch.uint8)[0].item() == 1
+
+
+@dataclass(eq=False)
+class ScratchSlot:
+    """One piece's room on the device, and its check until the copy thread resolves it."""
+
+    device: torch.device
+    data: torch.Tensor  # uint8 on ``device``, one region long
+    flags: torch.Tensor  # bool on the host, one per chunk of a piece: True where it mismatched
+    piece: Piece | None = None  # the piece in this slot, checked but not yet applied
+    event: Any = None  # after the piece's hash and flags copy (None on CPU)
+
+
+class DeviceCheck:
+    """Expected hashes of the spans checked on the device, and each device's scratch ring.
+
+    Only the copy thread uses it. Call order: :meth:`next_slot` (resolve the slot's previous
+    piece first if it has one) -> :meth:`stage` on the device's copy stream -> later
+    :meth:`mismatch` once the slot's event has completed -> apply ``slot.data`` -> ``slot.piece = None``.
+    """
+
+    def __init__(self, manifest: Manifest, spans: Sequence[LoadSpan], *, slot_bytes: int, slots: int) -> None:
+        self.chunk_size = manifest.chunk_size
+        self.slot_bytes = slot_bytes
+        self.slots = max(1, slots)
+        self._rows: dict[int, int] = {}  # span index -> its first row in the table
+        hexes: list[str] = []
+        for ls in spans:
+            if ls.device_check:
+                hashes = manifest.storages[ls.index].hashes
+                assert hashes is not None
+                self._rows[ls.index] = len(hexes)
+                hexes += hashes
+        self._host_table = hex_to_hashes(hexes)
+        self._tables: dict[torch.device, torch.Tensor] = {}
+        self._rings: dict[torch.device, list[ScratchSlot]] = {}
+        self._turn: dict[torch.device, int] = {}
+
+    def next_slot(self, device: torch.device) -> ScratchSlot:
+        """The slot the next piece for ``device`` goes into (its ``piece`` must be resolved first)."""
+        ring = self._rings.get(device)
+        if ring is None:
+            ring = self._rings[device] = [self._new_slot(device) for _ in range(self.slots)]
+            self._turn[device] = 0
+        turn = self._turn[device]
+        self._turn[device] = (turn + 1) % len(ring)
+        return ring[turn]
+
+    def _new_slot(self, device: torch.device) -> ScratchSlot:
+        pinned = device.type == "cuda"
+        flags = torch.zeros(self.slot_bytes // self.chunk_size, dtype=torch.bool, pin_memory=pinned)
+        return ScratchSlot(device, torch.empty(self.slot_bytes, dtype=torch.uint8, device=device), flags)
+
+    def stage(self, slot: ScratchSlot, piece: Piece, data: torch.Tensor) -> None:
+        """Queue, on the current stream: copy ``data`` (the piece's bytes) into ``slot``, hash
+        its chunks, compare, and copy the mismatch flags back to the host."""
+        assert slot.piece is None, "resolve the slot's previous piece first"
+        dst = slot.data[: piece.nbytes]
+        dst.copy_(data, non_blocking=data.device.type == "cpu" and data.is_pinned())
+        got = chunk_hashes(dst, self.chunk_size)
+        table = self._tables.get(slot.device)
+        if table is None:  # on the current (copy) stream, so ordered before every comparison
+            table = self._tables[slot.device] = self._host_table.to(slot.device)
+        row = self._rows[piece.span.index] + piece.first
+        want = table[row : row + piece.count]
+        bad = (got != want).any(dim=1)
+        slot.flags[: piece.count].copy_(bad, non_blocking=slot.flags.is_pinned())
+        slot.piece = piece
+
+    def spans_checked(self) -> frozenset[int]:
+        return frozenset(self._rows)
+
+    @staticmethod
+    def mismatch(slot: ScratchSlot) -> int | None:
+        """Index (in the span) of the first chunk of ``slot.piece`` that failed; None if all passed."""
+        piece = slot.piece
+        assert piece is not None
+        flags = slot.flags[: piece.count]
+        if not bool(flags.any()):
+            return None
+        return piece.first + int(torch.nonzero(flags)[0, 0])

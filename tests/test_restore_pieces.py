@@ -1,0 +1,272 @@
+"""Restore in pieces: one read per stored run, one copy thread, checks on the device, per-span readiness."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from restore_support import held_root, tiny_config
+
+import gpusnap
+from gpusnap import IntegrityError
+from gpusnap.kernels.chunk_hash import chunk_hashes, hashes_to_hex
+from gpusnap.restore import restorer as restorer_mod
+from gpusnap.restore.copier import Copier
+from gpusnap.restore.device_check import hex_to_hashes
+from gpusnap.restore.loader import Loader
+from gpusnap.restore.schedule import Schedule
+from gpusnap.restore.staging import SlotPool
+from gpusnap.state import SpanInfo, plan_restore
+from gpusnap.storage.repository import Repository
+
+CS = 512  # tiny_config's chunk size
+
+
+def _save(root: Path, state: dict, **config: Any) -> str:
+    with gpusnap.Checkpointer(root, config=tiny_config(**config)) as ck:
+        return ck.save(state, blocking=True).wait().id
+
+
+def _add_device_hashes(root: Path, checkpoint_id: str) -> None:
+    """Rewrite the manifest with each chunk's device hash, as a capture on a GPU writes it."""
+    repo = Repository.open(root)
+    manifest = repo.load_manifest(checkpoint_id)
+    entries = []
+    for e in manifest.storages:
+        data = bytearray(b"".join(repo.read_chunk(d) for d in e.chunks))
+        t = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        entries.append(dataclasses.replace(e, hashes=tuple(hashes_to_hex(chunk_hashes(t, manifest.chunk_size)))))
+    new = dataclasses.replace(manifest, storages=tuple(entries))
+    (root / "manifests" / f"{manifest.id}.json").write_bytes(new.to_json())
+
+
+def _corrupt(root: Path, needle: bytes, at: int) -> None:
+    for pack in (root / "packs").rglob("*.pack"):
+        data = bytearray(pack.read_bytes())
+        where = data.find(needle)
+        if where >= 0:
+            data[where + at] ^= 0x10
+            pack.write_bytes(bytes(data))
+            return
+    raise AssertionError("chunk not found in any pack")
+
+
+def _runs(repo: Repository, digests: tuple[str, ...]) -> int:
+    """Runs of chunks stored back to back in one pack, from the pack indexes (the expected reads)."""
+    runs, last = 0, None
+    for d in digests:
+        path, offset, length = repo._locate(d, "")
+        if last is None or last != (path, offset):
+            runs += 1
+        last = (path, offset + length)
+    return runs
+
+
+# -- piece reads ---------------------------------------------------------------------------------
+def test_piece_read_is_one_call_per_stored_run(tmp_path, monkeypatch):
+    root = tmp_path / "ck"
+    g = torch.Generator().manual_seed(0)
+    mixed = torch.randn(128 * 300, generator=g)  # 300 chunks over several 64 KiB packs
+    mixed[128 * 10 : 128 * 12] = 0  # two zero chunks...
+    mixed[128 * 50 : 128 * 51] = 0  # ...and a third: deduplicated, so the runs break there
+    source = {"plain": torch.randn(128 * 40, generator=g), "mixed": mixed}
+    with held_root(root, monkeypatch) as backend:
+        checkpoint = _save(root, source)
+        repo = Repository.open(root)
+        repo.backend = backend
+        manifest = repo.load_manifest(checkpoint)
+        for entry, name in zip(manifest.storages, ("plain", "mixed")):
+            expected = _runs(repo, entry.chunks)
+            out = bytearray(entry.nbytes)
+            backend.reads.clear()
+            cost = repo.read_chunks_into(entry.chunks, memoryview(out), CS, what=name)
+            assert cost.reads == len(backend.reads) == expected, name
+            assert bytes(out) == source[name].numpy().tobytes()
+        plain, mixed_entry = manifest.storages
+        assert _runs(repo, plain.chunks) <= 4, "a span is written mostly in order: a few runs, not 40"
+        assert 3 < _runs(repo, mixed_entry.chunks) < 20, "dedup and pack ends break the runs, not every chunk"
+
+
+def test_piece_read_verifies_every_chunk(tmp_path):
+    root = tmp_path / "ck"
+    source = {"t": torch.arange(128 * 16.0)}
+    checkpoint = _save(root, source)
+    _corrupt(root, source["t"][128 * 9 : 128 * 10].numpy().tobytes(), 7)
+    repo = Repository.open(root)
+    entry = repo.load_manifest(checkpoint).storages[0]
+    with pytest.raises(IntegrityError, match="does not match its digest"):
+        repo.read_chunks_into(entry.chunks, memoryview(bytearray(entry.nbytes)), CS, what="t")
+    out = bytearray(entry.nbytes)
+    repo.read_chunks_into(entry.chunks, memoryview(out), CS, what="t", verify=False)  # length checks only
+    with pytest.raises(IntegrityError, match="expects"):
+        repo.read_chunks_into(entry.chunks, memoryview(bytearray(entry.nbytes - 4)), CS)
+
+
+def test_restore_in_many_chunk_pieces(tmp_path, monkeypatch):
+    root = tmp_path / "ck"
+    g = torch.Generator().manual_seed(1)
+    big = torch.randn(128 * 200, generator=g)
+    big[128 * 30 : 128 * 33] = 0  # deduplicated chunks inside a piece
+    source = {"big": big, "small": torch.randn(100, generator=g), "t": torch.randn(40, 30, generator=g).t()}
+    checkpoint = _save(root, source)
+    with gpusnap.Checkpointer(root, config=tiny_config(staging_bytes=64 * 1024)) as ck:
+        target = {"big": torch.zeros_like(big), "small": torch.zeros(100), "t": torch.zeros(40, 30).t()}
+        handle = ck.restore(target, checkpoint, verify="stream")
+        piece_chunks = ck._restorer._slots.slot_bytes // CS
+    assert piece_chunks >= 8, "the test needs pieces of many chunks"
+    for k, v in source.items():
+        assert torch.equal(target[k], v), k
+    stats = handle.stats
+    assert stats["chunks_read"] == 200 + 1 + 10
+    assert stats["pieces"] < stats["chunks_read"] / 4
+    assert stats["reads"] < stats["chunks_read"] / 4
+    assert stats["verify_path"] == "host" and stats["host_verified_bytes"] == stats["bytes_read"]
+
+
+def test_hex_to_hashes_inverts_hashes_to_hex():
+    g = torch.Generator().manual_seed(2)
+    rows = torch.randint(-(2**63), 2**63 - 1, (50, 2), generator=g, dtype=torch.int64)
+    rows[0] = torch.tensor([-1, 0])
+    rows[1] = torch.tensor([-(2**63), 2**63 - 1])
+    assert torch.equal(hex_to_hashes(hashes_to_hex(rows)), rows)
+    assert hex_to_hashes([]).shape == (0, 2)
+    with pytest.raises(gpusnap.CheckpointError):
+        hex_to_hashes(["zz" * 16])
+    with pytest.raises(gpusnap.CheckpointError):
+        hex_to_hashes(["00" * 15])
+
+
+# -- verification on the device ------------------------------------------------------------------
+def test_device_check_restores_without_host_hashing(tmp_path, monkeypatch):
+    root = tmp_path / "ck"
+    source = {"big": torch.randn(128 * 64), "t": torch.randn(8, 9).t(), "step": 4}
+    checkpoint = _save(root, source)
+    _add_device_hashes(root, checkpoint)
+    monkeypatch.setattr(restorer_mod, "VERIFY_ON_DEVICE", True)  # CPU targets take the device path
+    with gpusnap.Checkpointer(root, config=tiny_config()) as ck:
+        target = {"big": torch.zeros(128 * 64), "t": torch.zeros(8, 9).t(), "step": 0}
+        handle = ck.restore(target, verify="stream")
+    assert torch.equal(target["big"], source["big"]) and torch.equal(target["t"], source["t"])
+    stats = handle.stats
+    assert stats["device_verified_bytes"] == 128 * 64 * 4, "the streamed span was checked on the device"
+    assert stats["host_verified_bytes"] == 8 * 9 * 4, "a whole-span target keeps BLAKE2b on the host"
+    assert stats["verify_path"] == "mixed"
+
+
+def test_device_check_mismatch_raises_and_the_corrupt_piece_never_lands(tmp_path, monkeypatch):
+    root = tmp_path / "ck"
+    source = {"big": torch.arange(128 * 64.0)}  # 64 chunks; #40 is corrupt
+    checkpoint = _save(root, source)
+    _add_device_hashes(root, checkpoint)
+    _corrupt(root, source["big"][128 * 40 : 128 * 41].numpy().tobytes(), 9)
+    monkeypatch.setattr(restorer_mod, "VERIFY_ON_DEVICE", True)
+    with gpusnap.Checkpointer(root, config=tiny_config()) as ck:
+        target = {"big": torch.zeros(128 * 64)}
+        with pytest.raises(IntegrityError, match="big") as err:
+            ck.restore(target, verify="stream")
+        piece = ck._restorer._slots.slot_bytes // CS
+        assert "device hash" in str(err.value) and "#40" in str(err.value)
+        assert "partly written: tensor big" in str(err.value) or "no tensor was written" in str(err.value)
+        first = 40 // piece * piece
+        assert target["big"][128 * first : 128 * (first + piece)].eq(0).all(), "the corrupt piece never landed"
+        # the same corruption is not seen without checking, and BLAKE2b sees it on the host path
+        ck.restore(target, verify="off")
+        assert not torch.equal(target["big"], source["big"])
+        monkeypatch.setattr(restorer_mod, "VERIFY_ON_DEVICE", False)
+        with pytest.raises(IntegrityError, match="does not match its digest"):
+            ck.restore(target, verify="stream")
+
+
+# -- per-span readiness --------------------------------------------------------------------------
+@pytest.mark.parametrize("on_device", [False, True])
+def test_a_span_is_loaded_right_after_its_last_piece(tmp_path, on_device):
+    root = tmp_path / "ck"
+    source = {f"t{i}": torch.full((128 * 6,), float(i)) for i in range(5)}  # 6 chunks: 3 pieces of 2
+    checkpoint = _save(root, source)
+    _add_device_hashes(root, checkpoint)
+    repo = Repository.open(root)
+    manifest = repo.load_manifest(checkpoint)
+    target = {k: torch.zeros(128 * 6) for k in source}
+    plan = plan_restore(target, manifest.tree, [SpanInfo(e.nbytes, e.device) for e in manifest.storages])
+    log: list[tuple[str, int]] = []
+    real_apply, real_loaded = plan.apply_range, Schedule.mark_loaded
+    plan.apply_range = lambda i, off, data: (log.append(("copy", i)), real_apply(i, off, data))[1]  # type: ignore[method-assign]
+    order = [3, 0, 4, 1, 2]
+    loader = Loader(
+        repo, manifest, plan, order=order, threads=1, slots=SlotPool(4, 2 * CS, pinned=False), streams={},
+        verify=True, verify_on_device=on_device,
+    )
+    loader.schedule.mark_loaded = lambda ls, ready: (log.append(("loaded", ls.index)), real_loaded(loader.schedule, ls, ready))[1]  # type: ignore[method-assign]
+    loader.start()
+    loader.wait()
+    assert log == [e for i in order for e in [("copy", i)] * 3 + [("loaded", i)]]
+    assert loader.stats.verify_path() == ("device" if on_device else "host")
+
+
+def test_lazy_wait_ends_when_the_span_is_copied_not_when_the_load_is(tmp_path, monkeypatch):
+    source = {f"t{i}": torch.full((128 * 8,), float(i)) for i in range(8)}
+    monkeypatch.setattr("gpusnap.restore.restorer.os.sched_getaffinity", lambda pid: {0}, raising=False)
+    with (
+        held_root(tmp_path / "ck", monkeypatch, delay=0.01),
+        gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config(io_threads=1)) as ck,
+    ):
+        ck.save(source, blocking=True)
+        target = {k: torch.zeros(128 * 8) for k in source}
+        handle = ck.restore(target, lazy=True)
+        assert target["t0"].sum().item() == 0 * 128 * 8  # waits for t0 alone
+        session = ck._restorer._active
+        assert session is not None
+        states = [ls.state.value for ls in session.loader.schedule.spans]
+        assert states[0] == "loaded" and states.count("loaded") <= 2, states
+        handle.wait()
+    for k, v in source.items():
+        assert torch.equal(target[k], v)
+
+
+# -- one thread waits on CUDA ---------------------------------------------------------------------
+class _FakeEvent:
+    """Stands in for a CUDA event on CPU: records which thread waits on it; completes late."""
+
+    calls: ClassVar[list[tuple[str, str]]] = []
+    lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.polls = 0
+
+    def _note(self, what: str) -> None:
+        with self.lock:
+            self.calls.append((threading.current_thread().name, what))
+
+    def query(self) -> bool:
+        self._note("query")
+        self.polls += 1
+        return self.polls > 2  # not done at first: the copy thread must poll or block
+
+    def synchronize(self) -> None:
+        self._note("synchronize")
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_only_the_copy_thread_waits_on_events(tmp_path, monkeypatch, on_device):
+    root = tmp_path / "ck"
+    source = {f"t{i}": torch.randn(128 * 20, generator=torch.Generator().manual_seed(i)) for i in range(6)}
+    checkpoint = _save(root, source)
+    _add_device_hashes(root, checkpoint)
+    _FakeEvent.calls = []
+    monkeypatch.setattr(Copier, "_evented", staticmethod(lambda device: True))  # CPU copies "asynchronous"
+    monkeypatch.setattr(Copier, "_event", lambda self, device: _FakeEvent())
+    monkeypatch.setattr(restorer_mod, "VERIFY_ON_DEVICE", on_device)
+    monkeypatch.setattr("gpusnap.restore.restorer.os.sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    with gpusnap.Checkpointer(root, config=tiny_config(io_threads=4)) as ck:
+        target = {k: torch.zeros_like(v) for k, v in source.items()}
+        handle = ck.restore(target, verify="stream")
+    for k, v in source.items():
+        assert torch.equal(target[k], v), k
+    assert handle.stats["threads"] >= 4
+    waiters = {name for name, _ in _FakeEvent.calls}
+    assert waiters == {"gpusnap-restore-copy"}, waiters
+    assert any(what == "synchronize" for _, what in _FakeEvent.calls), "regions were recycled after their events"
