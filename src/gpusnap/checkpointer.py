@@ -28,8 +28,9 @@ from gpusnap.capture import CaptureCounters, snapshot_to_host, write_host_spans
 from gpusnap.capture.concurrent import ConcurrentSave
 from gpusnap.capture.staging import StagingArena
 from gpusnap.capture.trace import Trace
+from gpusnap.capture.validation import known_chunks
 from gpusnap.config import Config
-from gpusnap.errors import CheckpointError, CheckpointNotFoundError
+from gpusnap.errors import CheckpointError, CheckpointNotFoundError, ValidationError
 from gpusnap.handles import CheckpointInfo, PendingSave, RestoreHandle
 from gpusnap.restore.restorer import Restorer, Verify
 from gpusnap.state.flatten import FlatState, flatten
@@ -60,9 +61,13 @@ class _SaveJob:
     blocking: bool
     counters: CaptureCounters
     host_spans: list[torch.Tensor] = field(default_factory=list)  # stop-the-world path
+    hashes: list[list[str] | None] = field(default_factory=list)  # device hashes (stop-the-world)
     concurrent: ConcurrentSave | None = None  # concurrent path (its txn is already open)
     stall_s: float = 0.0  # a blocking save's stall is the whole save
     phases: dict[str, float] = field(default_factory=dict)  # where save() spent its time
+    app_state: Any = None  # kept for one retry after a validation failure
+    owner: int = 0  # thread that called save(): a retry starts on that thread only
+    retry_note: str | None = None  # why this save is a retry
 
 
 class Checkpointer:
@@ -108,6 +113,9 @@ class Checkpointer:
         self._windows: list[ConcurrentSave] = []
         self._write_order: list[str] = []  # key paths, soonest-written first (last window)
         self._access_paths: list[str] | None = None  # key paths in the first window's read order
+        self._previous: dict[str, str] | None = None  # latest checkpoint: device hash -> digest
+        self._eager_paths: set[str] = set()  # written unseen once: captured at save() from now on
+        self._retries: list[_SaveJob] = []  # failed validation; retried at the owner's next call
         self._staging: StagingArena | None = None
         self._streams: dict[torch.device, Any] = {}
         self._restorer = Restorer(io_threads=self.config.io_threads, staging_bytes=self.config.staging_bytes)
@@ -140,6 +148,15 @@ class Checkpointer:
         self._check_open()
         if tag is not None and (not isinstance(tag, str) or not tag or "/" in tag):
             raise ValueError(f"tag must be a non-empty string without '/', got {tag!r}")
+        return self._save(app_state, tag, blocking)
+
+    def _save(
+        self,
+        app_state: MutableMapping[str, Any],
+        tag: str | None,
+        blocking: bool,
+        retry_of: _SaveJob | None = None,
+    ) -> PendingSave:
         started = time.perf_counter()
         self._restorer.before_save()  # a lazy restore still loading: its bytes first
         self._reap()
@@ -149,12 +166,17 @@ class Checkpointer:
         flattened = time.perf_counter()
         repo = self._repository(create=True)
         created = time.time()
-        pending = PendingSave(repo.new_id(created), tag)
+        pending = PendingSave(repo.new_id(created), tag) if retry_of is None else retry_of.pending
         pending._on_wait = self._reap
         job = _SaveJob(pending, flat, created, started, blocking, CaptureCounters())
+        job.app_state, job.owner = app_state, threading.get_ident()
+        if retry_of is not None:
+            job.retry_note = retry_of.retry_note
         job.phases.update(wait_previous=waited - started, flatten=flattened - waited)
         if blocking or not self.config.concurrent:
-            job.host_spans, job.counters.bytes_copied = snapshot_to_host(flat, copy_cpu=not blocking)
+            job.host_spans, job.counters.bytes_copied, job.hashes = snapshot_to_host(
+                flat, copy_cpu=not blocking, chunk_size=self.config.chunk_size
+            )
         if blocking:
             self._run_job(repo, job)
             pending.wait()
@@ -164,7 +186,8 @@ class Checkpointer:
         else:
             pending._set_staged()
         with self._pending_lock:
-            self._pending.append(pending)
+            if pending not in self._pending:
+                self._pending.append(pending)
         self._ensure_writer()
         queued = time.perf_counter()
         self._queue.put(job)  # blocks while max_pending_saves durable writes are queued
@@ -175,6 +198,9 @@ class Checkpointer:
     def _start_window(
         self, repo: Repository, flat: FlatState, pending: PendingSave, phases: dict[str, float]
     ) -> ConcurrentSave:
+        # read before the transaction opens: its view of stored chunks must include every
+        # chunk the previous checkpoint committed (a later commit may replace _previous)
+        previous = self._previous_spans(repo) if self.config.incremental else None
         txn = repo.begin_write()
         try:
             cuda = sorted({s.device for s in flat.spans if s.device.type == "cuda"}, key=str)
@@ -201,6 +227,9 @@ class Checkpointer:
                 eager_cpu_bytes=self.config.eager_cpu_bytes,
                 trace=Trace(pending.id) if self.config.trace_dir else None,
                 log_reads=self._access_paths is None,
+                validate=self.config.validate,
+                previous=previous,
+                eager=[sp.index for sp in flat.spans if self._eager_paths.intersection(sp.paths)],
             )
             window = capture.window
             window.on_close(lambda: pending._set_staged() if window.error is None else None)
@@ -211,6 +240,19 @@ class Checkpointer:
             raise
         self._windows.append(capture)
         return capture
+
+    def _previous_spans(self, repo: Repository) -> dict[str, str]:
+        """Device hash -> stored digest of the latest checkpoint's chunks (incremental saves
+        skip chunks found here)."""
+        if self._previous is None:
+            self._previous = {}
+            try:
+                latest = repo.resolve(None)
+            except CheckpointError:
+                latest = None
+            if latest is not None and latest.chunk_size == self.config.chunk_size:
+                self._previous = known_chunks(latest)
+        return self._previous
 
     def _access_order(self, capture: ConcurrentSave) -> list[int]:
         """Span indices in the order the program first touched them (lazy restore loads in
@@ -263,12 +305,24 @@ class Checkpointer:
             capture.wait_captured()
         self._reap()
 
-    def _reap(self) -> None:
-        """Pop closed windows' trackers on this thread; forget windows fully closed."""
+    def _reap(self, *, retry: bool = True) -> None:
+        """Pop closed windows' trackers on this thread; forget windows fully closed; start the
+        retries of saves that failed validation on this thread."""
         for capture in list(self._windows):
             capture.reap()
             if capture.window.closed and not _tracker_on_stack(capture):
                 self._windows.remove(capture)
+        if not retry:
+            return
+        me = threading.get_ident()
+        with self._pending_lock:
+            mine = [job for job in self._retries if job.owner == me]
+            self._retries = [job for job in self._retries if job.owner != me]
+        for job in mine:
+            try:
+                self._save(job.app_state, job.pending.tag, False, retry_of=job)
+            except BaseException as exc:
+                job.pending._fail(exc)
 
     def _ensure_writer(self) -> None:
         if self._writer is None or not self._writer.is_alive():
@@ -286,7 +340,7 @@ class Checkpointer:
                 self._run_job(self._repository(create=True), job)
             finally:
                 with self._pending_lock:
-                    if job.pending in self._pending:
+                    if job.pending in self._pending and job not in self._retries:
                         self._pending.remove(job.pending)
 
     def _run_job(self, repo: Repository, job: _SaveJob) -> None:
@@ -298,7 +352,7 @@ class Checkpointer:
                     entries = capture.finish()
                     pending._set_staged()
                     job.counters.bytes_total = sum(e.nbytes for e in entries)
-                    job.counters.bytes_copied = job.counters.bytes_total
+                    job.counters.bytes_copied = capture.copier.bytes_copied
                     job.counters.add(written=capture.bytes_written, skipped=capture.bytes_skipped)
                 else:
                     entries = write_host_spans(
@@ -308,6 +362,7 @@ class Checkpointer:
                         chunk_size=self.config.chunk_size,
                         pool=self._pool,
                         counters=job.counters,
+                        hashes=job.hashes,
                     )
                 job.host_spans.clear()  # release host copies before the commit's fsyncs
                 duration = time.perf_counter() - job.started
@@ -324,6 +379,9 @@ class Checkpointer:
                 }
                 if capture is not None:
                     stats.update(_window_stats(capture))
+                    stats["validation"] = capture.validation
+                    if job.retry_note is not None:
+                        stats["validation"] += f" (a retry: the first attempt failed: {job.retry_note})"
                     self._write_order = capture.window.write_order()
                     stats["access_order"] = self._access_order(capture)
                     trace = capture.window.trace
@@ -340,6 +398,8 @@ class Checkpointer:
                     stats=stats,
                 )
                 txn.commit(manifest)
+                if any(e.hashes is not None for e in entries):
+                    self._previous = known_chunks(manifest)
             info = info_from_manifest(manifest)
             info.stats["duration_s"] = time.perf_counter() - job.started
             if self.keep_last is not None:
@@ -350,8 +410,23 @@ class Checkpointer:
         except BaseException as exc:  # the save failed: report it on the handle, commit nothing
             if capture is not None:
                 capture.window.close(exc)
+                self._eager_paths.update(capture.mismatched)
+                if isinstance(exc, ValidationError) and self._retry(job, exc):
+                    return
             log.warning("gpusnap: checkpoint %s failed: %s", pending.id, exc)
             pending._fail(exc)
+
+    def _retry(self, job: _SaveJob, error: ValidationError) -> bool:
+        """Queue one retry of a save that failed validation (its offenders are now captured
+        at save()); it starts at the next gpusnap call on the thread that saved."""
+        if not self.config.retry_validation or job.retry_note is not None or job.app_state is None:
+            return False
+        job.retry_note = str(error)
+        job.flat = None  # type: ignore[assignment]  (the retry flattens again)
+        log.warning("gpusnap: checkpoint %s will be retried: %s", job.pending.id, error)
+        with self._pending_lock:
+            self._retries.append(job)  # its pending stays listed: ck.wait() waits for the retry
+        return True
 
     # -- waiting, listing ---------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> list[CheckpointInfo]:
@@ -430,10 +505,15 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
+        self._reap()  # a retry due on this thread starts before the writer stops
         if self._writer is not None and self._writer.is_alive():
             self._queue.put(None)
             self._writer.join()
-        self._reap()
+        self._reap(retry=False)
+        with self._pending_lock:
+            late, self._retries = self._retries, []
+        for job in late:  # failed validation after the last chance to retry: report it
+            job.pending._fail(ValidationError(f"{job.retry_note} (not retried: the Checkpointer closed)"))
         self._restorer.close()
         self._pool.shutdown(wait=True)
 
@@ -469,7 +549,7 @@ def _window_stats(capture: ConcurrentSave) -> dict[str, Any]:
         "ops_seen": w.stats.ops_seen,
         "opaque_launches": w.stats.opaque_launches,
         "program_copies": w.stats.program_copies,
-        "validation": "not run: writes are speculated from op schemas (see docs/capture.md)",
+        "bytes_eager": w.bytes_eager,
     }
 
 

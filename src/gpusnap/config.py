@@ -57,6 +57,17 @@ class Config:
     eager_cpu_bytes: int = field(
         default=64 * 1024, metadata={"doc": "CPU spans up to this size are copied at save()"}
     )
+    validate: bool = field(
+        default=True, metadata={"doc": "hash chunks at save() and after their copy; fail on unseen writes"}
+    )
+    retry_validation: bool = field(
+        default=True,
+        metadata={"doc": "a save that failed validation is retried once (offenders captured at save()), "
+                  "at the next gpusnap call on the saving thread"},
+    )
+    incremental: bool = field(
+        default=True, metadata={"doc": "skip chunks unchanged since this root's latest checkpoint"}
+    )
     trace_dir: str = field(
         default="", metadata={"doc": "write a Chrome trace of each capture window here ('' : off)"}
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,6 +11,8 @@ from typing import Any
 from gpusnap.errors import CheckpointError
 
 __all__ = ["CheckpointInfo", "PendingSave", "RestoreHandle"]
+
+_RETRY_POLL_S = 0.05  # how often a waiting thread checks for a retry it must start
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,9 @@ class _Completion:
 
     def done(self) -> bool:
         return self._event.is_set()
+
+    def wait_for(self, seconds: float | None) -> bool:
+        return self._event.wait(seconds)
 
     def result(self, timeout: float | None, what: str) -> Any:
         if not self._event.wait(timeout):
@@ -91,8 +97,16 @@ class PendingSave:
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo:
         """Block until durable; returns the info, or raises the save's error."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            return self._durable.result(timeout, f"checkpoint {self.id}")  # type: ignore[no-any-return]
+            # a save that failed validation is retried on this thread: look for it while waiting
+            while not self._durable.done():
+                self._reap()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._durable.wait_for(_RETRY_POLL_S if left is None else min(_RETRY_POLL_S, left))
+            return self._durable.result(0, f"checkpoint {self.id}")  # type: ignore[no-any-return]
         finally:
             self._reap()
 

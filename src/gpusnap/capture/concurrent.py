@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -24,7 +25,9 @@ from gpusnap.capture.opaque import open_windows
 from gpusnap.capture.staging import Region, StagingArena
 from gpusnap.capture.trace import Trace
 from gpusnap.capture.tracker import TrackerMode
+from gpusnap.capture.validation import HashTable, unchanged_chunks
 from gpusnap.capture.window import CaptureWindow, WindowSpan
+from gpusnap.errors import ValidationError
 from gpusnap.kernels.hashing import chunk_digest
 from gpusnap.state.flatten import FlatState
 from gpusnap.storage.manifest import StorageEntry
@@ -50,6 +53,9 @@ class ConcurrentSave:
         eager_cpu_bytes: int,
         trace: Trace | None = None,
         log_reads: bool = True,
+        validate: bool = True,
+        previous: dict[str, str] | None = None,
+        eager: Collection[int] = (),
     ) -> None:
         self.flat = flat
         self.txn = txn
@@ -58,7 +64,7 @@ class ConcurrentSave:
         self.chunk_size = chunk_size
         self.window = CaptureWindow(
             flat, order=order, cow_budget=cow_budget, eager_cpu_bytes=eager_cpu_bytes, trace=trace,
-            log_reads=log_reads,
+            log_reads=log_reads, eager=eager,
         )
         self.digests: list[list[str | None]] = [
             [None] * -(-s.nbytes // chunk_size) for s in flat.spans
@@ -67,6 +73,21 @@ class ConcurrentSave:
         self.bytes_skipped = 0
         self._futures: list[Future[None]] = []
         self._lock = threading.Lock()
+        # The consistent point's hashes, enqueued in the program's stream order (validation.py)
+        self.previous = previous if previous is not None else {}
+        self.validate = validate
+        self.before: HashTable | None = None
+        self.after: HashTable | None = None
+        self.skipped: list[set[int]] = [set() for _ in flat.spans]
+        self.mismatched: list[str] = []
+        if validate or previous:
+            self.before = HashTable(flat.spans, chunk_size)
+            for i, span in enumerate(flat.spans):
+                self.before.fill(i, span.as_bytes())
+            self.before.to_host_async()
+        if validate:
+            self.after = HashTable(flat.spans, chunk_size)
+        self._before_hex: list[list[str]] | None = None
         events = {}
         for device in streams:
             event = torch.cuda.Event()
@@ -81,6 +102,9 @@ class ConcurrentSave:
             ahead=ahead,
             consistent_events=events,
             streams=streams,
+            skip=self._skip if previous else None,
+            after_copy=self._after_copy if validate else None,
+            on_drained=self._hashes_to_host if validate else None,
         )
         self.tracker = TrackerMode(self.window)
         self.owner = threading.get_ident()
@@ -89,11 +113,57 @@ class ConcurrentSave:
         # torch wraps every mode's handler in _disable_dynamo, which imports torch._dynamo on
         # its first call (~0.4 s): pay that here, inside save()'s measured stall, not in the
         # program's first op, which would otherwise block until the window had closed.
-        import torch._dynamo  # noqa: F401
+        import torch._dynamo
 
         self.tracker.__enter__()
         open_windows.add(self.window)
         self.copier.start()
+
+    def before_hex(self) -> list[list[str]]:
+        if self._before_hex is None:
+            assert self.before is not None
+            self._before_hex = self.before.hex()
+        return self._before_hex
+
+    def _skip(self, ws: WindowSpan) -> set[int]:
+        """Copier thread: chunks of ``ws`` unchanged since the previous checkpoint (their
+        stored digests are reused)."""
+        span = ws.span
+        same = unchanged_chunks(self.before_hex()[ws.index], self.previous)
+        for k, digest in same.items():
+            self.digests[ws.index][k] = digest
+            with self._lock:
+                self.bytes_skipped += min(self.chunk_size, span.nbytes - k * self.chunk_size)
+        self.skipped[ws.index] = set(same)
+        return self.skipped[ws.index]
+
+    def _after_copy(self, ws: WindowSpan, start: int, src: torch.Tensor) -> None:
+        assert self.after is not None
+        self.after.fill(ws.index, src, start // self.chunk_size)
+
+    def _hashes_to_host(self) -> None:
+        assert self.after is not None
+        self.after.to_host_async()  # the copier's current streams: after every copy and hash
+
+    def _validate(self) -> str:
+        """Compare the hashes after each copy with the consistent point's; raise on mismatch."""
+        if self.after is None:
+            return "off: unseen writes are not detected (docs/capture.md)"
+        before, after = self.before_hex(), self.after.hex()
+        checked = 0
+        for i, span in enumerate(self.flat.spans):
+            bad = [k for k in range(len(before[i])) if k not in self.skipped[i] and before[i][k] != after[i][k]]
+            checked += len(before[i]) - len(self.skipped[i])
+            if bad:
+                self.mismatched.append(span.paths[0] if span.paths else f"storage #{i}")
+        if self.mismatched:
+            shown = ", ".join(self.mismatched[:5]) + (f" (+{len(self.mismatched) - 5} more)" if len(self.mismatched) > 5 else "")
+            raise ValidationError(
+                f"a write the tracker did not see changed {shown} while the checkpoint was being "
+                "taken (a custom kernel, a numpy/cupy view, an unhooked graph or Triton launch); "
+                "nothing was committed, and these tensors are captured at save() from now on"
+            )
+        return f"ok: {checked} chunks hashed before and after their copy"
 
     def _sink(self, ws: WindowSpan, start: int, region: Region, n: int) -> None:
         # one task per piece (not per chunk): fewer Python task switches competing with the
@@ -105,6 +175,8 @@ class ConcurrentSave:
     def _store(self, index: int, start: int, region: Region, n: int) -> None:
         started = time.perf_counter()
         try:
+            if self.after is not None and self.flat.spans[index].device.type == "cpu":
+                self.after.fill(index, region.data[:n], start // self.chunk_size)  # the staged bytes
             data = memoryview(region.data[:n].numpy()).cast("B")
             for off in range(0, n, self.chunk_size):
                 view = data[off : off + self.chunk_size]
@@ -139,9 +211,16 @@ class ConcurrentSave:
             f.result()
         if self.window.error is not None:
             raise self.window.error
+        self.validation = self._validate()
+        hashes = self.before_hex() if self.before is not None else [None] * len(self.flat.spans)
         return tuple(
-            StorageEntry(nbytes=s.nbytes, device=str(s.device), chunks=tuple(d for d in digests if d is not None))
-            for s, digests in zip(self.flat.spans, self.digests)
+            StorageEntry(
+                nbytes=s.nbytes,
+                device=str(s.device),
+                chunks=tuple(d for d in digests if d is not None),
+                hashes=None if h is None else tuple(h),
+            )
+            for s, digests, h in zip(self.flat.spans, self.digests, hashes)
         )
 
     def reap(self) -> bool:

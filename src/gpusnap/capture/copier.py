@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-
 from gpusnap.capture.staging import Region, StagingArena
 from gpusnap.capture.window import CaptureWindow, WindowSpan
 from gpusnap.device import waitable_event
@@ -47,6 +46,9 @@ class Copier:
         ahead: int,
         consistent_events: dict[torch.device, Any],
         streams: dict[torch.device, Any],
+        skip: Callable[[WindowSpan], set[int]] | None = None,
+        after_copy: Callable[[WindowSpan, int, torch.Tensor], None] | None = None,
+        on_drained: Callable[[], None] | None = None,
     ) -> None:
         if piece_bytes % chunk_size or piece_bytes > arena.max_region():
             raise ValueError("a copy piece must be whole chunks and fit in one staging region")
@@ -59,6 +61,9 @@ class Copier:
         self.events = consistent_events
         self.streams = streams
         self.trace = window.trace
+        self.skip = skip  # chunk indices of a span that need no copy (incremental saves)
+        self.after_copy = after_copy  # hashes a piece's source right after its copy (CUDA)
+        self.on_drained = on_drained  # every copy completed; runs before the window closes
         self.bytes_copied = 0
         self._inflight: deque[tuple[Any, float, WindowSpan, int, Region, int]] = deque()
         self.thread = threading.Thread(target=self._run, name="gpusnap-copier", daemon=True)
@@ -79,6 +84,8 @@ class Copier:
                 self._copy_span(ws)
                 self.window.mark_captured(ws)
             self._drain(0)
+            if self.on_drained is not None:
+                self.on_drained()
             self.window.close()
         except BaseException as exc:  # the save fails; the program must not wait forever
             for *_, region, _n in self._inflight:
@@ -90,10 +97,22 @@ class Copier:
         stream = self.streams.get(ws.device) if ws.device.type == "cuda" else None
         piece = self.piece_bytes if stream is not None else self.chunk_size
         held: set[str] = set()  # which sources (live, shadow) were recorded on the copy stream
-        for start in range(0, ws.nbytes, piece):
+        cs = self.chunk_size
+        skip = self.skip(ws) if self.skip is not None else set()
+        chunks = -(-ws.nbytes // cs)
+        k = 0
+        while k < chunks:
             if self.window.error is not None:
                 raise self.window.error
-            n = min(piece, ws.nbytes - start)
+            if k in skip:  # unchanged since the previous checkpoint: nothing to copy
+                self.window.skip_to(ws, min((k + 1) * cs, ws.nbytes))
+                k += 1
+                continue
+            j = k + 1  # a piece: consecutive changed chunks, at most piece_bytes
+            while j < chunks and j not in skip and (j + 1 - k) * cs <= piece:
+                j += 1
+            start, n = k * cs, min(j * cs, ws.nbytes) - k * cs
+            k = j
             if stream is not None:
                 self._drain(self.ahead - 1)
                 self._yield_to_program_copy()
@@ -129,6 +148,8 @@ class Copier:
                 src.record_stream(stream)  # its memory is not reused before our copies ran
                 held.add(kind)
             region.data.copy_(src, non_blocking=True)
+            if self.after_copy is not None:  # validation: hash what was just read, before the
+                self.after_copy(ws, start, src)  # event that tracked writers wait for
             event = waitable_event()
             event.record(stream)
             if not from_shadow:

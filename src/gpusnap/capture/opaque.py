@@ -14,7 +14,7 @@ from typing import Any
 
 from gpusnap.capture.window import CaptureWindow
 
-__all__ = ["open_windows", "install_hooks"]
+__all__ = ["install_hooks", "open_windows"]
 
 _windows: list[CaptureWindow] = []
 _lock = threading.Lock()

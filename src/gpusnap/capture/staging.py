@@ -23,7 +23,7 @@ import torch
 
 from gpusnap.device import host_buffer
 
-__all__ = ["StagingArena", "Region"]
+__all__ = ["Region", "StagingArena"]
 
 
 @dataclass(eq=False)

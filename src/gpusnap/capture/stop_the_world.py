@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gpusnap.device import to_host
+from gpusnap.kernels.chunk_hash import chunk_hashes, hashes_to_hex
 from gpusnap.kernels.hashing import chunk_digest
 from gpusnap.state.flatten import FlatState
 from gpusnap.storage.manifest import StorageEntry
@@ -39,21 +40,30 @@ class CaptureCounters:
             self.bytes_skipped += skipped
 
 
-def snapshot_to_host(flat: FlatState, *, copy_cpu: bool) -> tuple[list[torch.Tensor], int]:
-    """Host bytes of every span, in span order, and how many bytes were copied.
+def snapshot_to_host(
+    flat: FlatState, *, copy_cpu: bool, chunk_size: int | None = None
+) -> tuple[list[torch.Tensor], int, list[list[str] | None]]:
+    """Host bytes of every span, in span order, how many bytes were copied, and (with
+    ``chunk_size``) the device chunk hashes of CUDA spans (None for CPU spans).
 
     CUDA spans are always copied (in stream order, so work already enqueued counts as
-    before the consistent point). CPU spans are aliased unless ``copy_cpu``: a blocking
-    save holds the caller until the bytes are stored, so no copy is needed there.
+    before the consistent point); their hashes are computed on the device first (cheap there;
+    incremental saves and device-side restore checks use them). CPU spans are aliased unless
+    ``copy_cpu``: a blocking save holds the caller until the bytes are stored.
     """
     out: list[torch.Tensor] = []
+    hashes: list[list[str] | None] = []
     copied = 0
     for span in flat.spans:
         data = span.as_bytes()
         needs_copy = copy_cpu or data.device.type != "cpu"
+        device_hashes = None
+        if chunk_size is not None and data.device.type == "cuda" and data.numel():
+            device_hashes = chunk_hashes(data, chunk_size)
         out.append(to_host(data, copy=needs_copy))
+        hashes.append(None if device_hashes is None else hashes_to_hex(device_hashes))
         copied += span.nbytes if needs_copy else 0
-    return out, copied
+    return out, copied, hashes
 
 
 def _chunk_views(data: torch.Tensor, chunk_size: int) -> list[memoryview]:
@@ -69,6 +79,7 @@ def write_host_spans(
     chunk_size: int,
     pool: ThreadPoolExecutor,
     counters: CaptureCounters,
+    hashes: Sequence[Sequence[str] | None] = (),
 ) -> tuple[StorageEntry, ...]:
     """Hash and store every chunk of every span; returns the manifest's storage table."""
 
@@ -84,8 +95,12 @@ def write_host_spans(
     # Let every chunk finish before raising, so no worker still writes into an aborted txn.
     wait([f for per_span in futures for f in per_span])
     entries = []
-    for span, chunk_futures in zip(flat.spans, futures):
+    for i, (span, chunk_futures) in enumerate(zip(flat.spans, futures)):
         digests = tuple(f.result() for f in chunk_futures)
-        entries.append(StorageEntry(nbytes=span.nbytes, device=str(span.device), chunks=digests))
+        h = hashes[i] if i < len(hashes) else None
+        entries.append(
+            StorageEntry(nbytes=span.nbytes, device=str(span.device), chunks=digests,
+                         hashes=None if h is None else tuple(h))
+        )
         counters.bytes_total += span.nbytes
     return tuple(entries)

@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpusnap.capture.schema import tensor_args, writes_nothing, written_tensors

@@ -25,7 +25,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,7 @@ import torch
 from gpusnap.capture.trace import Trace
 from gpusnap.state.flatten import FlatState, StorageSpan
 
-__all__ = ["SpanState", "WindowSpan", "CaptureWindow", "WindowStats"]
+__all__ = ["CaptureWindow", "SpanState", "WindowSpan", "WindowStats"]
 
 
 class SpanState(enum.Enum):
@@ -94,6 +94,7 @@ class CaptureWindow:
         eager_cpu_bytes: int,
         trace: Trace | None = None,
         log_reads: bool = True,
+        eager: Collection[int] = (),
     ) -> None:
         self.flat = flat
         self.spans = [WindowSpan(i, s, s.storage._cdata) for i, s in enumerate(flat.spans)]
@@ -113,9 +114,16 @@ class CaptureWindow:
         self._on_close: list[Callable[[], None]] = []
         self._waiting = 0  # program threads inside _wait_captured
         self.op_log: list[tuple[float, str, tuple[int, ...]]] = []
-        for ws in self.spans:  # small CPU spans: captured at the consistent point (cheaper)
-            if ws.device.type == "cpu" and ws.nbytes <= eager_cpu_bytes:
+        self.bytes_eager = 0
+        for ws in self.spans:  # captured at the consistent point: small CPU spans (cheaper),
+            # and spans written unseen by an earlier window (validation remembered them)
+            if ws.index in eager or (ws.device.type == "cpu" and ws.nbytes <= eager_cpu_bytes):
                 ws.shadow = ws.span.as_bytes().clone()
+                if ws.device.type == "cuda":
+                    ws.shadow_event = torch.cuda.Event()
+                    ws.shadow_event.record(torch.cuda.current_stream(ws.device))
+                if ws.index in eager:
+                    self.bytes_eager += ws.nbytes
 
     # -- program side -------------------------------------------------------------------------
     @property
@@ -255,6 +263,11 @@ class CaptureWindow:
 
     def program_copy_event(self) -> Any:
         return self._program_copy
+
+    def skip_to(self, ws: WindowSpan, end: int) -> None:
+        """Bytes before ``end`` need no copy (unchanged since the previous checkpoint)."""
+        with self.cond:
+            ws.issued = max(ws.issued, end)
 
     def source(self, ws: WindowSpan, start: int, n: int) -> tuple[torch.Tensor, bool]:
         """Bytes ``[start, start+n)`` of ``ws`` as of save(); True when read from the shadow.

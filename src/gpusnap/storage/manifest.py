@@ -15,7 +15,7 @@ from typing import Any
 from gpusnap.errors import CheckpointError, IntegrityError
 from gpusnap.kernels.hashing import chunk_digest
 
-__all__ = ["FORMAT", "VERSION", "Manifest", "StorageEntry", "canonical_json"]
+__all__ = ["DEVICE_HASH", "FORMAT", "VERSION", "Manifest", "StorageEntry", "canonical_json"]
 
 FORMAT = "gpusnap"
 VERSION = 1
@@ -26,13 +26,22 @@ def canonical_json(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode("ascii")
 
 
+DEVICE_HASH = "nh128-v1"  # kernels.chunk_hash: the algorithm of StorageEntry.hashes
+
+
 @dataclass(frozen=True)
 class StorageEntry:
-    """One stored span: its length and the digests of its chunks, in order."""
+    """One stored span: its length and the digests of its chunks, in order.
+
+    ``hashes`` (optional) are the chunks' device hashes (:data:`DEVICE_HASH`, 32 hex digits
+    each, computed on the span's device at the consistent point): what incremental saves
+    compare against, and what a restore may check on the device instead of re-reading BLAKE2b.
+    """
 
     nbytes: int
     device: str
     chunks: tuple[str, ...]
+    hashes: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -60,9 +69,7 @@ class Manifest:
             "tag": self.tag,
             "created": self.created,
             "chunk_size": self.chunk_size,
-            "storages": [
-                {"nbytes": s.nbytes, "device": s.device, "chunks": list(s.chunks)} for s in self.storages
-            ],
+            "storages": [_entry_json(s) for s in self.storages],
             "tree": self.tree,
             "stats": self.stats,
         }
@@ -101,9 +108,17 @@ class Manifest:
             raise IntegrityError(f"manifest {where} fails its checksum (corrupt or modified)")
         try:
             storages = tuple(
-                StorageEntry(int(s["nbytes"]), str(s["device"]), tuple(str(c) for c in s["chunks"]))
+                StorageEntry(
+                    int(s["nbytes"]),
+                    str(s["device"]),
+                    tuple(str(c) for c in s["chunks"]),
+                    None if s.get("hashes") is None else tuple(str(h) for h in s["hashes"]),
+                )
                 for s in doc["storages"]
             )
+            for s in storages:
+                if s.hashes is not None and len(s.hashes) != len(s.chunks):
+                    raise ValueError("a storage has a different number of hashes and chunks")
             tree, stats = doc["tree"], doc["stats"]
             if not isinstance(tree, dict) or not isinstance(stats, dict):
                 raise TypeError("tree and stats must be objects")
@@ -119,3 +134,10 @@ class Manifest:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"manifest {where} is malformed (written by a buggy writer?): {exc!r}") from None
+
+
+def _entry_json(s: StorageEntry) -> dict[str, Any]:
+    out: dict[str, Any] = {"nbytes": s.nbytes, "device": s.device, "chunks": list(s.chunks)}
+    if s.hashes is not None:  # absent, not null: manifests without hashes keep their bytes
+        out["hashes"] = list(s.hashes)
+    return out

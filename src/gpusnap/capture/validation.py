@@ -1,0 +1,111 @@
+"""Validation of the speculation, and dirty tracking, with device-side chunk hashes.
+
+The tracker sees writes through the dispatcher only; a custom kernel, a cupy/numpy view, a
+CUDA-graph replay it was not told about, or a hand-launched Triton kernel can change a buffer
+unseen. So every chunk is hashed twice (``kernels.chunk_hash``, 128 bits, on the span's
+device):
+
+* ``before``: at the consistent point, in the program's stream order (inside ``save()``; the
+  CPU does not wait on CUDA; CPU spans are hashed right there);
+* ``after``: right after the chunk's copy, from the same bytes the copy read (the live
+  storage or its copy-on-write shadow), on the copy stream *before* the piece's event, so a
+  tracked write (which waits for that event) cannot cause a false alarm. CPU pieces are
+  hashed from their staged copy.
+
+An unseen write before the copy changes ``after`` (sound); one between the copy and the
+second hash can only cause a false alarm. Any mismatch fails the save with
+:class:`~gpusnap.ValidationError` naming the tensors; nothing is committed.
+
+The ``before`` hashes also make saves incremental: a chunk whose hash equals a chunk hash
+stored in the previous checkpoint (any tensor: the hash covers the bytes and the length) is
+not copied nor written again; the manifest refers to the stored chunk (a 128-bit hash match
+is trusted as identity: documented).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from gpusnap.device import waitable_event
+from gpusnap.kernels.chunk_hash import (
+    HASH_WORDS,
+    chunk_hashes,
+    hashes_to_hex,
+    num_chunks,
+)
+from gpusnap.state.flatten import StorageSpan
+from gpusnap.storage.manifest import Manifest
+
+__all__ = ["HashTable", "known_chunks", "unchanged_chunks"]
+
+
+class HashTable:
+    """Per-chunk hashes of every span: one ``(rows, 2)`` int64 tensor per device.
+
+    Span ``i``'s chunk ``k`` is row ``first[i] + k`` of the table of ``spans[i].device``.
+    """
+
+    def __init__(self, spans: Sequence[StorageSpan], chunk_size: int) -> None:
+        self.chunk_size = chunk_size
+        self.counts = [num_chunks(s.nbytes, chunk_size) for s in spans]
+        self.devices = [s.device for s in spans]
+        self.first: list[int] = []
+        totals: dict[torch.device, int] = {}
+        for device, count in zip(self.devices, self.counts):
+            self.first.append(totals.get(device, 0))
+            totals[device] = totals.get(device, 0) + count
+        self.tables = {d: torch.zeros((n, HASH_WORDS), dtype=torch.int64, device=d) for d, n in totals.items()}
+        self._host: dict[torch.device, torch.Tensor] = {}
+        self._events: dict[torch.device, Any] = {}
+
+    def rows(self, index: int, first_chunk: int = 0, count: int | None = None) -> torch.Tensor:
+        n = self.counts[index] - first_chunk if count is None else count
+        start = self.first[index] + first_chunk
+        return self.tables[self.devices[index]][start : start + n]
+
+    def fill(self, index: int, data: torch.Tensor, first_chunk: int = 0) -> None:
+        """Hash ``data`` (the bytes of chunks ``first_chunk``... of span ``index``) into the
+        table, on the current stream (asynchronous on CUDA)."""
+        if data.numel():
+            count = num_chunks(data.numel(), self.chunk_size)
+            chunk_hashes(data, self.chunk_size, out=self.rows(index, first_chunk, count))
+
+    def to_host_async(self) -> None:
+        """Start copying every device table to the host (on the current streams)."""
+        for device, table in self.tables.items():
+            if device.type == "cuda":
+                host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
+                host.copy_(table, non_blocking=True)
+                event = waitable_event()
+                event.record(torch.cuda.current_stream(device))
+                self._host[device], self._events[device] = host, event
+            else:
+                self._host[device] = table
+
+    def hex(self) -> list[list[str]]:
+        """Hex hashes per span (waits for the device tables' copies)."""
+        for event in self._events.values():
+            event.synchronize()
+        self._events.clear()
+        out = []
+        for i, device in enumerate(self.devices):
+            host = self._host[device]
+            out.append(hashes_to_hex(host[self.first[i] : self.first[i] + self.counts[i]]) if self.counts[i] else [])
+        return out
+
+
+def known_chunks(manifest: Manifest) -> dict[str, str]:
+    """Device hash -> stored digest, for every chunk of ``manifest`` that has a device hash."""
+    out: dict[str, str] = {}
+    for entry in manifest.storages:
+        if entry.hashes is not None:
+            out.update(zip(entry.hashes, entry.chunks))
+    return out
+
+
+def unchanged_chunks(hashes: Sequence[str], known: dict[str, str]) -> dict[int, str]:
+    """Chunk index -> stored digest, for the chunks whose bytes are already stored."""
+    return {k: known[h] for k, h in enumerate(hashes) if h in known}

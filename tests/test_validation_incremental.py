@@ -1,0 +1,161 @@
+"""Issue 4 on CPU: unseen writes are caught by the device-side hashes (never committed wrong),
+offenders are captured at save() afterwards, and unchanged chunks are neither copied nor
+written again (incremental saves)."""
+
+from __future__ import annotations
+
+import random
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+import gpusnap
+from gpusnap.capture import concurrent as _concurrent
+from gpusnap.kernels.chunk_hash import chunk_hashes, hashes_to_hex
+from gpusnap.storage.repository import Repository
+
+CHUNK = 512
+
+
+def _config(**kw: Any) -> gpusnap.Config:
+    base: dict[str, Any] = {"chunk_size": CHUNK, "staging_bytes": 4 * CHUNK, "pack_size": 1 << 16,
+                            "io_threads": 2, "eager_cpu_bytes": 0, "fsync": False}
+    base.update(kw)
+    return gpusnap.Config(**base)
+
+
+@pytest.fixture
+def held(monkeypatch: pytest.MonkeyPatch):
+    """Chunk stores wait until released: the copier stalls with later spans still pending."""
+    gate = threading.Event()
+    store = _concurrent.ConcurrentSave._store
+
+    def gated_store(self: Any, *args: Any, **kwargs: Any) -> Any:
+        gate.wait(30)
+        return store(self, *args, **kwargs)
+
+    monkeypatch.setattr(_concurrent.ConcurrentSave, "_store", gated_store)
+    yield gate
+    gate.set()
+
+
+def _state() -> dict[str, torch.Tensor]:
+    return {"a": torch.randn(2048), "b": torch.randn(1024), "c": torch.arange(300, dtype=torch.int64)}
+
+
+def test_unseen_write_fails_the_save_then_is_captured_eagerly(tmp_path: Any, held: threading.Event) -> None:
+    state = _state()
+    before = {k: v.clone() for k, v in state.items()}
+    with gpusnap.Checkpointer(tmp_path / "ck", config=_config(retry_validation=False)) as ck:
+        pending = ck.save(state)
+        state["b"].numpy()[7] = 1234.5  # numpy view: the dispatcher (the tracker) never sees it
+        held.set()
+        with pytest.raises(gpusnap.ValidationError, match="b"):
+            pending.wait()
+        assert ck.list() == [], "a save that failed validation commits nothing"
+        state["b"].copy_(before["b"])
+        # the offender is now copied at save(): the same unseen write cannot reach the checkpoint
+        held.clear()
+        pending = ck.save(state)
+        state["b"].numpy()[7] = -1.0
+        held.set()
+        info = pending.wait()
+        assert info.stats["bytes_eager"] == state["b"].numel() * 4
+        assert info.stats["validation"].startswith("ok")
+        ck.restore(state, info.id)
+    for k in state:
+        assert torch.equal(state[k], before[k]), k
+
+
+def test_without_validation_the_unseen_write_is_committed(tmp_path: Any, held: threading.Event) -> None:
+    """The documented risk of validate=False, shown: the same schedule commits a wrong byte."""
+    state = _state()
+    expected = state["b"].clone()
+    with gpusnap.Checkpointer(tmp_path / "ck", config=_config(validate=False)) as ck:
+        pending = ck.save(state)
+        state["b"].numpy()[7] = 1234.5
+        held.set()
+        info = pending.wait()
+        assert info.stats["validation"].startswith("off")
+        fresh = {k: torch.zeros_like(v) for k, v in state.items()}
+        ck.restore(fresh, info.id)
+    assert not torch.equal(fresh["b"], expected)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_numpy_writes_are_never_committed_wrong(tmp_path: Any, seed: int) -> None:
+    rng = random.Random(seed)
+    with gpusnap.Checkpointer(tmp_path / "ck", config=_config(staging_bytes=1 << 16)) as ck:
+        state = {f"t{i}": torch.randn(rng.choice([64, 700, 2048])) for i in range(5)}
+        for _ in range(12):
+            expected = {k: v.clone() for k, v in state.items()}
+            pending = ck.save(state)
+            victim = state[rng.choice(sorted(state))]
+            victim.numpy()[rng.randrange(victim.numel())] += 1.0  # unseen, at a random moment
+            now = {k: v.clone() for k, v in state.items()}  # what a retry (inside wait) sees
+            try:
+                info = pending.wait()
+            except gpusnap.ValidationError:
+                continue  # caught, and the retry failed too: fine, nothing committed
+            if "a retry" in info.stats["validation"]:
+                expected = now  # caught, then retried at wait(): the retry's consistent point
+            fresh = {k: torch.zeros_like(v) for k, v in state.items()}
+            ck.restore(fresh, info.id)
+            for k in state:
+                assert torch.equal(fresh[k], expected[k]), f"seed {seed}: {k} committed wrong"
+
+
+def test_unchanged_chunks_are_not_copied_again(tmp_path: Any) -> None:
+    state = {"frozen": torch.randn(16 * CHUNK // 4), "cache": torch.zeros(8 * CHUNK // 4)}
+    with gpusnap.Checkpointer(tmp_path / "ck", config=_config(staging_bytes=1 << 16)) as ck:
+        first = ck.save(state).wait()
+        assert first.stats["bytes_copied"] == first.stats["bytes_total"]
+        second = ck.save(state).wait()
+        assert second.stats["bytes_copied"] == 0 and second.stats["bytes_skipped"] == second.stats["bytes_total"]
+        state["cache"][: CHUNK // 4 + 1] = 7.0  # touches chunks 0 and 1 of "cache" only
+        expected = {k: v.clone() for k, v in state.items()}
+        third = ck.save(state).wait()
+        assert third.stats["bytes_copied"] == 2 * CHUNK
+        assert third.stats["bytes_written"] == 2 * CHUNK
+        fresh = {k: torch.full_like(v, -1.0) for k, v in state.items()}
+        ck.restore(fresh, third.id)
+    for k in state:
+        assert torch.equal(fresh[k], expected[k]), k
+
+
+def test_incremental_continues_from_the_root_in_a_new_checkpointer(tmp_path: Any) -> None:
+    state = {"w": torch.randn(4 * CHUNK)}
+    with gpusnap.Checkpointer(tmp_path / "ck", config=_config(staging_bytes=1 << 16)) as ck:
+        ck.save(state).wait()
+    with gpusnap.Checkpointer(tmp_path / "ck", config=_config(staging_bytes=1 << 16)) as ck:
+        info = ck.save(state).wait()
+    assert info.stats["bytes_copied"] == 0
+
+
+def test_manifest_records_the_consistent_point_hashes(tmp_path: Any) -> None:
+    state = {"x": torch.randn(3 * CHUNK // 4 + 5)}
+    expected = hashes_to_hex(chunk_hashes(state["x"].view(torch.uint8), CHUNK))
+    with gpusnap.Checkpointer(tmp_path / "ck", config=_config()) as ck:
+        pending = ck.save(state)
+        state["x"].add_(1)  # a tracked write after save(): the hashes are those at save()
+        info = pending.wait()
+    manifest = Repository.open(str(tmp_path / "ck")).resolve(info.id)
+    assert list(manifest.storages[0].hashes) == expected
+
+
+def test_a_failed_validation_is_retried_once_at_the_next_call(tmp_path: Any, held: threading.Event) -> None:
+    state = _state()
+    with gpusnap.Checkpointer(tmp_path / "ck", config=_config(retry_validation=True)) as ck:
+        pending = ck.save(state)
+        state["b"].numpy()[3] = 99.0  # unseen write: this attempt fails validation
+        held.set()
+        retried_from = {k: v.clone() for k, v in state.items()}  # the retry's consistent point
+        info = pending.wait()  # the retry starts here, on the saving thread, and succeeds
+        assert info.id == pending.id and "a retry" in info.stats["validation"]
+        assert info.stats["bytes_eager"] == state["b"].numel() * 4
+        fresh = {k: torch.zeros_like(v) for k, v in state.items()}
+        ck.restore(fresh, info.id)
+    for k in state:
+        assert torch.equal(fresh[k], retried_from[k]), k
