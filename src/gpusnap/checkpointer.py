@@ -230,6 +230,7 @@ class Checkpointer:
                 validate=self.config.validate,
                 previous=previous,
                 eager=[sp.index for sp in flat.spans if self._eager_paths.intersection(sp.paths)],
+                eager_device_bytes=self.config.eager_device_bytes,
             )
             window = capture.window
             window.on_close(lambda: pending._set_staged() if window.error is None else None)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 __all__ = ["Config", "MiB"]
 
 MiB = 1 << 20
-_MAY_BE_ZERO = {"cow_budget_bytes", "eager_cpu_bytes", "staging_bytes"}
+_MAY_BE_ZERO = {"cow_budget_bytes", "eager_cpu_bytes", "eager_device_bytes", "staging_bytes"}
 
 
 def _env_int(name: str, default: int) -> int:
@@ -67,6 +67,10 @@ class Config:
     )
     incremental: bool = field(
         default=True, metadata={"doc": "skip chunks unchanged since this root's latest checkpoint"}
+    )
+    eager_device_bytes: int = field(
+        default=1 << 20,
+        metadata={"doc": "device spans up to this size are copied at save(), all in one batched copy"},
     )
     trace_dir: str = field(
         default="", metadata={"doc": "write a Chrome trace of each capture window here ('' : off)"}

@@ -56,6 +56,7 @@ class ConcurrentSave:
         validate: bool = True,
         previous: dict[str, str] | None = None,
         eager: Collection[int] = (),
+        eager_device_bytes: int = 0,
     ) -> None:
         self.flat = flat
         self.txn = txn
@@ -64,7 +65,7 @@ class ConcurrentSave:
         self.chunk_size = chunk_size
         self.window = CaptureWindow(
             flat, order=order, cow_budget=cow_budget, eager_cpu_bytes=eager_cpu_bytes, trace=trace,
-            log_reads=log_reads, eager=eager,
+            log_reads=log_reads, eager=eager, eager_device_bytes=eager_device_bytes,
         )
         self.digests: list[list[str | None]] = [
             [None] * -(-s.nbytes // chunk_size) for s in flat.spans
@@ -81,10 +82,12 @@ class ConcurrentSave:
         self.skipped: list[set[int]] = [set() for _ in flat.spans]
         self.mismatched: list[str] = []
         if validate or previous:
+            # Spans not snapshotted are hashed now, in the program's stream order; snapshots
+            # cannot change, so the copier hashes them later, off the caller's time.
             self.before = HashTable(flat.spans, chunk_size)
             for i, span in enumerate(flat.spans):
-                self.before.fill(i, span.as_bytes())
-            self.before.to_host_async()
+                if i not in self.window.snapshotted:
+                    self.before.fill(i, span.as_bytes())
         if validate:
             self.after = HashTable(flat.spans, chunk_size)
         self._before_hex: list[list[str]] | None = None
@@ -102,6 +105,7 @@ class ConcurrentSave:
             ahead=ahead,
             consistent_events=events,
             streams=streams,
+            prepare=self._hash_snapshots if self.before is not None else None,
             skip=self._skip if previous else None,
             after_copy=self._after_copy if validate else None,
             on_drained=self._hashes_to_host if validate else None,
@@ -118,6 +122,17 @@ class ConcurrentSave:
         self.tracker.__enter__()
         open_windows.add(self.window)
         self.copier.start()
+
+    def _hash_snapshots(self) -> None:
+        """Copier thread, before any copy: the consistent-point hashes of snapshotted spans
+        (on the copy stream, which waits for the consistent point, so after the snapshots),
+        then every consistent-point hash to the host."""
+        assert self.before is not None
+        for i in self.window.snapshotted:
+            shadow = self.window.spans[i].shadow
+            if shadow is not None:
+                self.before.fill(i, shadow)
+        self.before.to_host_async()
 
     def before_hex(self) -> list[list[str]]:
         if self._before_hex is None:

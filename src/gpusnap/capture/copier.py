@@ -1,7 +1,7 @@
 """The copy engine: moves every span of a window off its device, piece by piece.
 
 One named thread per window walks the spans in priority order (``CaptureWindow.take_next``)
-and copies each piece (``Config.copy_piece_bytes`` on CUDA; one chunk on CPU) into a region of
+and copies each piece (``Config.copy_piece_bytes``, whole chunks) into a region of
 the staging arena; once the copy has completed it hands the region to the ``sink`` (hash +
 store, on writer threads), which releases it. Only this thread waits on CUDA events.
 
@@ -46,6 +46,7 @@ class Copier:
         ahead: int,
         consistent_events: dict[torch.device, Any],
         streams: dict[torch.device, Any],
+        prepare: Callable[[], None] | None = None,
         skip: Callable[[WindowSpan], set[int]] | None = None,
         after_copy: Callable[[WindowSpan, int, torch.Tensor], None] | None = None,
         on_drained: Callable[[], None] | None = None,
@@ -61,6 +62,7 @@ class Copier:
         self.events = consistent_events
         self.streams = streams
         self.trace = window.trace
+        self.prepare = prepare  # runs on this thread (on the copy streams) before any copy
         self.skip = skip  # chunk indices of a span that need no copy (incremental saves)
         self.after_copy = after_copy  # hashes a piece's source right after its copy (CUDA)
         self.on_drained = on_drained  # every copy completed; runs before the window closes
@@ -80,6 +82,8 @@ class Copier:
         try:
             for stream in self.streams.values():
                 torch.cuda.set_stream(stream)  # this thread's copies go to the copy streams
+            if self.prepare is not None:
+                self.prepare()
             while (ws := self.window.take_next()) is not None:
                 self._copy_span(ws)
                 self.window.mark_captured(ws)
@@ -95,7 +99,7 @@ class Copier:
 
     def _copy_span(self, ws: WindowSpan) -> None:
         stream = self.streams.get(ws.device) if ws.device.type == "cuda" else None
-        piece = self.piece_bytes if stream is not None else self.chunk_size
+        piece = self.piece_bytes  # CPU too: one writer task stores a piece's chunks in order
         held: set[str] = set()  # which sources (live, shadow) were recorded on the copy stream
         cs = self.chunk_size
         skip = self.skip(ws) if self.skip is not None else set()

@@ -25,7 +25,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +95,7 @@ class CaptureWindow:
         trace: Trace | None = None,
         log_reads: bool = True,
         eager: Collection[int] = (),
+        eager_device_bytes: int = 0,
     ) -> None:
         self.flat = flat
         self.spans = [WindowSpan(i, s, s.storage._cdata) for i, s in enumerate(flat.spans)]
@@ -115,15 +116,16 @@ class CaptureWindow:
         self._waiting = 0  # program threads inside _wait_captured
         self.op_log: list[tuple[float, str, tuple[int, ...]]] = []
         self.bytes_eager = 0
-        for ws in self.spans:  # captured at the consistent point: small CPU spans (cheaper),
-            # and spans written unseen by an earlier window (validation remembered them)
-            if ws.index in eager or (ws.device.type == "cpu" and ws.nbytes <= eager_cpu_bytes):
-                ws.shadow = ws.span.as_bytes().clone()
-                if ws.device.type == "cuda":
-                    ws.shadow_event = torch.cuda.Event()
-                    ws.shadow_event.record(torch.cuda.current_stream(ws.device))
-                if ws.index in eager:
-                    self.bytes_eager += ws.nbytes
+        # Captured at the consistent point, with one batched copy per device: small spans
+        # (cheaper than tracking and hashing each one: every launch costs the caller time),
+        # and spans written unseen by an earlier window (validation remembered them).
+        snap = [
+            ws for ws in self.spans
+            if ws.nbytes and (ws.index in eager or ws.nbytes <= (eager_cpu_bytes if ws.device.type == "cpu" else eager_device_bytes))
+        ]
+        self._snapshot(snap)
+        self.bytes_eager = sum(ws.nbytes for ws in snap if ws.index in eager)
+        self.snapshotted = frozenset(ws.index for ws in snap)
 
     # -- program side -------------------------------------------------------------------------
     @property
@@ -195,25 +197,17 @@ class CaptureWindow:
                 ws.waited.add(stream.stream_id)
                 self.stats.stream_waits += 1
 
+    def _snapshot(self, spans: list[WindowSpan]) -> None:
+        """Whole-span shadows taken now, on the current streams (not counted as COW)."""
+        for device, group, shadows, event in _batched_copies(spans):
+            for ws, shadow in zip(group, shadows):
+                ws.shadow, ws.shadow_from, ws.shadow_event = shadow, 0, event
+
     def _shadow_many(self, spans: list[WindowSpan]) -> None:
         """Copy the bytes not yet issued of each span, on the writer's stream (so before its
         write); spans on one device share one buffer and one multi-tensor copy kernel."""
         started = time.perf_counter()
-        by_device: dict[torch.device, list[WindowSpan]] = {}
-        for ws in spans:
-            by_device.setdefault(ws.device, []).append(ws)
-        for device, group in by_device.items():
-            sources = [ws.span.as_bytes()[ws.issued :] for ws in group]
-            if len(group) == 1:
-                shadows = [src.clone() for src in sources]
-            else:
-                buffer = torch.empty(sum(src.numel() for src in sources), dtype=torch.uint8, device=device)
-                shadows = list(buffer.split([src.numel() for src in sources]))
-                torch._foreach_copy_(shadows, sources)
-            event = None
-            if device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(device))
+        for _device, group, shadows, event in _batched_copies(spans):
             for ws, shadow in zip(group, shadows):
                 ws.shadow, ws.shadow_from, ws.shadow_event = shadow, ws.issued, event
                 self.stats.bytes_cow += ws.cow
@@ -325,6 +319,29 @@ class CaptureWindow:
         """Span indices in the order the program first touched them during the window."""
         touched = sorted((ws for ws in self.spans if ws.first_touch is not None), key=lambda w: w.first_touch)
         return [ws.index for ws in touched]
+
+
+def _batched_copies(
+    spans: list[WindowSpan],
+) -> Iterator[tuple[torch.device, list[WindowSpan], list[torch.Tensor], Any]]:
+    """Per device: the spans, copies of their bytes not yet issued (one buffer, one
+    multi-tensor copy kernel, on the current stream) and a CUDA event after the copy."""
+    by_device: dict[torch.device, list[WindowSpan]] = {}
+    for ws in spans:
+        by_device.setdefault(ws.device, []).append(ws)
+    for device, group in by_device.items():
+        sources = [ws.span.as_bytes()[ws.issued :] for ws in group]
+        if len(group) == 1:
+            shadows = [sources[0].clone()]
+        else:
+            buffer = torch.empty(sum(src.numel() for src in sources), dtype=torch.uint8, device=device)
+            shadows = list(buffer.split([src.numel() for src in sources]))
+            torch._foreach_copy_(shadows, sources)
+        event = None
+        if device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+        yield device, group, shadows, event
 
 
 def _name(ws: WindowSpan) -> str:
