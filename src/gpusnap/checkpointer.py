@@ -364,6 +364,7 @@ class Checkpointer:
                         pool=self._pool,
                         counters=job.counters,
                         hashes=job.hashes,
+                        piece_bytes=self.config.piece_bytes(),
                     )
                 job.host_spans.clear()  # release host copies before the commit's fsyncs
                 duration = time.perf_counter() - job.started

@@ -80,23 +80,32 @@ def write_host_spans(
     pool: ThreadPoolExecutor,
     counters: CaptureCounters,
     hashes: Sequence[Sequence[str] | None] = (),
+    piece_bytes: int = 32 << 20,
 ) -> tuple[StorageEntry, ...]:
-    """Hash and store every chunk of every span; returns the manifest's storage table."""
+    """Hash and store every chunk of every span (one task per ``piece_bytes`` of a span);
+    returns the manifest's storage table."""
 
-    def store(view: memoryview) -> str:
-        digest = chunk_digest(view)
-        if txn.has_chunk(digest) or not txn.put_chunk(digest, view):
-            counters.add(skipped=len(view))
-        else:
-            counters.add(written=len(view))
-        return digest
+    def store(views: list[memoryview]) -> list[str]:
+        digests = []
+        for view in views:  # in order, on one thread: a span's chunks land back to back
+            digest = chunk_digest(view)
+            if txn.has_chunk(digest) or not txn.put_chunk(digest, view):
+                counters.add(skipped=len(view))
+            else:
+                counters.add(written=len(view))
+            digests.append(digest)
+        return digests
 
-    futures = [[pool.submit(store, v) for v in _chunk_views(d, chunk_size)] for d in host_spans]
+    per_task = max(1, piece_bytes // chunk_size)
+    futures = []
+    for d in host_spans:
+        views = _chunk_views(d, chunk_size)
+        futures.append([pool.submit(store, views[i : i + per_task]) for i in range(0, len(views), per_task)])
     # Let every chunk finish before raising, so no worker still writes into an aborted txn.
     wait([f for per_span in futures for f in per_span])
     entries = []
-    for i, (span, chunk_futures) in enumerate(zip(flat.spans, futures)):
-        digests = tuple(f.result() for f in chunk_futures)
+    for i, (span, group_futures) in enumerate(zip(flat.spans, futures)):
+        digests = tuple(d for f in group_futures for d in f.result())
         h = hashes[i] if i < len(hashes) else None
         entries.append(
             StorageEntry(nbytes=span.nbytes, device=str(span.device), chunks=digests,
