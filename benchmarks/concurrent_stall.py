@@ -141,6 +141,9 @@ def summarize(ck, args, dev, data, ph: dict[str, Any]) -> dict[str, Any]:
         "peak_extra_device_bytes": max(r["peak_extra"] for r in ph["rows"]),
         "staging_bytes": max(s.get("staging_bytes", 0) for s in st),
         "ops_seen_median": statistics.median(s["ops_seen"] for s in st),
+        "bytes_copied_median": statistics.median(s["bytes_copied"] for s in st),
+        "bytes_skipped_median": statistics.median(s["bytes_skipped"] for s in st),
+        "validation": st[-1].get("validation"),
         "bit_exact": verify(ck, args, dev, data, ph["rows"], infos),
         "stats": [{k: v for k, v in s.items() if k != "access_order"} for s in st],
     }
@@ -228,7 +231,11 @@ def main() -> None:
     app = {"model": model, "optim": optim, "step": 0}
     variants = [v for v in (args.configs or "").split(";") if v] or [""]
     for n, variant in enumerate(variants):
-        overrides = {k: int(v) for k, v in (kv.split("=") for kv in variant.split(",") if kv)}
+        defaults = gpusnap.Config()
+        overrides = {
+            k: (bool(int(v)) if isinstance(getattr(defaults, k), bool) else int(v))
+            for k, v in (kv.split("=") for kv in variant.split(",") if kv)
+        }
         cfg = gpusnap.Config.from_env(**overrides)
         key = variant or "gpusnap"
         out: dict[str, Any] = {"io_threads": cfg.io_threads, "copy_ahead": cfg.copy_ahead,
@@ -275,7 +282,7 @@ def table(res: dict[str, Any]) -> None:
           f"{t['writes_only_ops_per_step']:.0f} ops/step")
     keys = ("stall_median_s", "stall_max_s", "interval_stall_median_s", "save_call_s", "window_s",
             "durable_s", "bytes_cow_max", "waits_max", "stream_waits_max", "peak_extra_device_bytes",
-            "staging_bytes", "bit_exact")
+            "staging_bytes", "bytes_copied_median", "bytes_skipped_median", "bit_exact")
     for key in res["configs"]:
         c = res[key]
         print(f"  [{key}] first save stall {ms(c['first_save_stall_s'])}, exact {c['first_exact']}")
