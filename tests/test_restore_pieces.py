@@ -211,7 +211,7 @@ def test_lazy_wait_ends_when_the_span_is_copied_not_when_the_load_is(tmp_path, m
     source = {f"t{i}": torch.full((128 * 8,), float(i)) for i in range(8)}
     monkeypatch.setattr("gpusnap.restore.restorer.os.sched_getaffinity", lambda pid: {0}, raising=False)
     with (
-        held_root(tmp_path / "ck", monkeypatch, delay=0.01),
+        held_root(tmp_path / "ck", monkeypatch, delay=0.02),
         gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config(io_threads=1)) as ck,
     ):
         ck.save(source, blocking=True)
@@ -221,7 +221,7 @@ def test_lazy_wait_ends_when_the_span_is_copied_not_when_the_load_is(tmp_path, m
         session = ck._restorer._active
         assert session is not None
         states = [ls.state.value for ls in session.loader.schedule.spans]
-        assert states[0] == "loaded" and states.count("loaded") <= 2, states
+        assert states[0] == "loaded" and states.count("loaded") <= 4, states  # the load takes ~8x longer
         handle.wait()
     for k, v in source.items():
         assert torch.equal(target[k], v)
