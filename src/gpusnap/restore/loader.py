@@ -41,9 +41,12 @@ from gpusnap.state.apply import RestorePlan
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.repository import Repository
 
-__all__ = ["SCRATCH_SLOTS", "Loader", "describe_span"]
+__all__ = ["DEVICE_CHECK_MIN_BYTES", "SCRATCH_SLOTS", "Loader", "describe_span"]
 
 SCRATCH_SLOTS = 3  # device scratch slots per device when checking on the device (one region each)
+# Smaller spans keep BLAKE2b on the host (verify_on_device=None): a hash launch costs the copy
+# thread ~0.2 ms (measured on the H200 host), more than hashing a few hundred KiB on a reader.
+DEVICE_CHECK_MIN_BYTES = 1 << 20
 
 
 def describe_span(plan: RestorePlan, index: int) -> str:
@@ -61,8 +64,10 @@ class Loader:
     called once, on the copy thread, after every copy has completed (or the load failed).
 
     ``verify_on_device``: check spans against ``StorageEntry.hashes`` on their device instead
-    of BLAKE2b on the host. None (default): for streamed spans on one CUDA device whose entry
-    has hashes; True: also CPU targets (the same code with CPU tensors, for tests); False: never.
+    of BLAKE2b on the host. None (default): for streamed spans of at least
+    :data:`DEVICE_CHECK_MIN_BYTES` on one CUDA device whose entry has hashes; True: every
+    streamed span with hashes, CPU targets too (the same code with CPU tensors, for tests);
+    False: never.
     """
 
     def __init__(
@@ -100,7 +105,10 @@ class Loader:
                     chunks=len(e.chunks),
                     streamed=streamed,
                     devices=devices,
-                    device_check=verify and streamed and _checkable(e.hashes, devices, verify_on_device),
+                    device_check=verify
+                    and streamed
+                    and (verify_on_device is True or e.nbytes >= DEVICE_CHECK_MIN_BYTES)
+                    and _checkable(e.hashes, devices, verify_on_device),
                 )
             )
         piece_chunks = slots.slot_bytes // self.chunk_size
