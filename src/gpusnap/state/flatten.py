@@ -77,10 +77,13 @@ class FlatState:
 
 def tensor_extent(tensor: torch.Tensor) -> tuple[int, int] | None:
     """Byte range ``[first, end)`` of ``tensor`` within its storage; None when it is empty."""
-    if tensor.numel() == 0:
+    numel = tensor.numel()
+    if numel == 0:
         return None
     item = tensor.element_size()
     first = tensor.storage_offset()
+    if tensor.is_contiguous():  # the common case, without a Python loop over dimensions
+        return first * item, (first + numel) * item
     last = first + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
     return first * item, (last + 1) * item
 
@@ -208,11 +211,11 @@ class _Walker:
         node: dict[str, Any] = {
             "t": "tensor",
             "storage": -1,
-            "dtype": dtype_name(tensor.dtype),
+            "dtype": _dtype_names.get(tensor.dtype) or _dtype_names.setdefault(tensor.dtype, dtype_name(tensor.dtype)),
             "shape": list(tensor.shape),
             "stride": list(tensor.stride()),
             "byte_offset": 0,
-            "device": str(tensor.device),
+            "device": _device_names.get(tensor.device) or _device_names.setdefault(tensor.device, str(tensor.device)),
             "requires_grad": bool(tensor.requires_grad),
         }
         node["storage"] = self.spans.add(tensor, path, node)
@@ -226,8 +229,20 @@ def _call_state_dict(obj: Any, path: str, **kwargs: Any) -> Any:
         raise CheckpointError(f"{path or '<root>'}: {type_name(obj)}.state_dict() failed: {exc!r}") from exc
 
 
+# save() flattens every tensor of the state each time: per-tensor work is the caller's stall
+_dtype_names: dict[torch.dtype, str] = {}
+_device_names: dict[torch.device, str] = {}
+
+
 def tensor_problem(tensor: torch.Tensor) -> str | None:
     """Why gpusnap cannot copy ``tensor``'s bytes, or None when it can."""
+    if (
+        type(tensor) in (torch.Tensor, nn.Parameter)
+        and tensor.layout == torch.strided
+        and not (tensor.is_quantized or tensor.is_nested or tensor.is_meta or tensor.is_conj() or tensor.is_neg())
+        and tensor.device.type in ("cpu", "cuda")
+    ):
+        return None  # the common case, decided in one expression (storage access checked in add)
     if isinstance(tensor, nn.parameter.UninitializedTensorMixin):
         return "an uninitialized lazy parameter/buffer; run a forward pass first"
     if type(tensor) not in (torch.Tensor, nn.Parameter):
