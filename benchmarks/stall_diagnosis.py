@@ -2,11 +2,12 @@
 
 GPT-2 large training with a concurrent save every ``--every`` steps, in variants that switch
 parts of the save's background work off (the checkpoints of variants 2-3 are NOT valid):
-  full      the real thing
+  full      the real thing (validation and incremental on: the defaults)
+  plain     validation and incremental off
   poll      the copier waits for copies by polling event.query() (sleeping 50 us) instead of
             event.synchronize()
   no-hash   chunk digests replaced by random ids (still copied, still written to tmpfs)
-  no-store  pieces copied off the device, then dropped (no hashing, no writing)
+  no-store  pieces copied off the device, then dropped (no hashing, no writing, no validation)
 Prints, per variant, the median stall of the step containing save() and of the whole interval.
 Run: PYTHONPATH=src python3 benchmarks/stall_diagnosis.py
 """
@@ -39,10 +40,12 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=20)
     ap.add_argument("--saves", type=int, default=2)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--variants", default="full,plain,no-store,poll")
     args = ap.parse_args()
-    dev = torch.device("cuda")
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, optim = cs.build(args.model, dev)
-    data = torch.randint(0, model.config.vocab_size, (args.batch, 512), device=dev)
+    data = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device=dev)
     loop = cs.Loop(model, optim, data, dev)
     for _ in range(3):
         loop.step()
@@ -51,11 +54,12 @@ def main() -> None:
     root = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     real_store, real_digest = _concurrent.ConcurrentSave._store, _concurrent.chunk_digest
     rows = []
-    for variant in ("full", "poll", "no-store"):
+    for variant in args.variants.split(","):
         _copier.POLL_S = 50e-6 if variant == "poll" else None
         _concurrent.ConcurrentSave._store = drop_store if variant == "no-store" else real_store
         _concurrent.chunk_digest = (lambda view: os.urandom(16).hex()) if variant == "no-hash" else real_digest
-        with gpusnap.Checkpointer(os.path.join(root, f"{variant}-{len(rows)}"), keep_last=1) as ck:
+        config = gpusnap.Config.from_env(**({"validate": False, "incremental": False} if variant in ("plain", "no-store") else {}))
+        with gpusnap.Checkpointer(os.path.join(root, f"{variant}-{len(rows)}"), keep_last=1, config=config) as ck:
             ck.save(app).wait()  # grows the staging arena; not measured
             steps, intervals, windows = [], [], []
             for _ in range(args.saves):
