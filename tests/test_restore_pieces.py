@@ -270,3 +270,20 @@ def test_only_the_copy_thread_waits_on_events(tmp_path, monkeypatch, on_device):
     waiters = {name for name, _ in _FakeEvent.calls}
     assert waiters == {"gpusnap-restore-copy"}, waiters
     assert any(what == "synchronize" for _, what in _FakeEvent.calls), "regions were recycled after their events"
+
+
+def test_config_knobs_reach_the_loader(tmp_path):
+    """Config.restore_verify_on_device='on' takes the device path on CPU targets; a small
+    Config.restore_piece_bytes gives more pieces than the default."""
+    root = tmp_path / "ck"
+    source = {"big": torch.randn(128 * 64)}
+    checkpoint = _save(root, source)
+    _add_device_hashes(root, checkpoint)
+    with gpusnap.Checkpointer(root, config=tiny_config(restore_verify_on_device="on", restore_piece_bytes=4 * CS)) as ck:
+        target = {"big": torch.zeros(128 * 64)}
+        handle = ck.restore(target, verify="stream")
+    assert torch.equal(target["big"], source["big"])
+    assert handle.stats["verify_path"] == "device"
+    assert handle.stats["pieces"] >= 64 // 4
+    with pytest.raises(ValueError, match="restore_verify_on_device"):
+        tiny_config(restore_verify_on_device="maybe")

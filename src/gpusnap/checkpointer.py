@@ -118,7 +118,14 @@ class Checkpointer:
         self._retries: list[_SaveJob] = []  # failed validation; retried at the owner's next call
         self._staging: StagingArena | None = None
         self._streams: dict[torch.device, Any] = {}
-        self._restorer = Restorer(io_threads=self.config.io_threads, staging_bytes=self.config.staging_bytes)
+        self._restorer = Restorer(
+            io_threads=self.config.io_threads,
+            staging_bytes=self.config.staging_bytes,
+            piece_bytes=self.config.restore_piece_bytes,
+            verify_on_device={"auto": None, "on": True, "off": False}[self.config.restore_verify_on_device],
+            scratch_slots=self.config.restore_scratch_slots,
+            device_check_min_bytes=self.config.device_check_min_bytes,
+        )
         self._closed = False
         self._atexit = weakref.WeakMethod(self.close)
         atexit.register(_close_at_exit, self._atexit)

@@ -72,6 +72,20 @@ class Config:
         default=1 << 20,
         metadata={"doc": "device spans up to this size are copied at save(), all in one batched copy"},
     )
+    restore_piece_bytes: int = field(
+        default=16 * MiB, metadata={"doc": "restore: bytes per read run / host region / device copy"}
+    )
+    restore_verify_on_device: str = field(
+        default="auto",
+        metadata={"doc": "restore: check chunks on the device against the manifest's device hashes "
+                  "(auto: CUDA spans of at least device_check_min_bytes; on; off: BLAKE2b on the host)"},
+    )
+    restore_scratch_slots: int = field(
+        default=3, metadata={"doc": "restore: device scratch pieces per device for device-side checks"}
+    )
+    device_check_min_bytes: int = field(
+        default=1 * MiB, metadata={"doc": "restore: smaller spans keep BLAKE2b on the host (auto mode)"}
+    )
     trace_dir: str = field(
         default="", metadata={"doc": "write a Chrome trace of each capture window here ('' : off)"}
     )
@@ -84,6 +98,10 @@ class Config:
             least = 0 if f.name in _MAY_BE_ZERO else 1
             if not isinstance(value, int) or value < least:
                 raise ValueError(f"Config.{f.name} must be an integer >= {least}, got {value!r}")
+        if self.restore_verify_on_device not in ("auto", "on", "off"):
+            raise ValueError(
+                f"Config.restore_verify_on_device must be 'auto', 'on' or 'off', got {self.restore_verify_on_device!r}"
+            )
         if self.chunk_size % 512:
             raise ValueError(f"Config.chunk_size must be a multiple of 512, got {self.chunk_size}")
         if self.staging_bytes and self.staging_bytes < self.chunk_size:

@@ -83,6 +83,8 @@ class Loader:
         verify: bool,
         verify_on_device: bool | None = None,
         on_done: Callable[[BaseException | None], None] | None = None,
+        scratch_slots: int | None = None,
+        device_check_min_bytes: int | None = None,
     ) -> None:
         if slots.slot_bytes < manifest.chunk_size:
             raise ValueError(f"staging slots of {slots.slot_bytes} bytes cannot hold {manifest.chunk_size}-byte chunks")
@@ -94,6 +96,7 @@ class Loader:
         self.verify = verify
         self.on_done = on_done
         self.chunk_size = manifest.chunk_size
+        min_check = DEVICE_CHECK_MIN_BYTES if device_check_min_bytes is None else device_check_min_bytes
         spans = []
         for i, e in enumerate(manifest.storages):
             devices = frozenset(plan.devices(i))
@@ -107,14 +110,15 @@ class Loader:
                     devices=devices,
                     device_check=verify
                     and streamed
-                    and (verify_on_device is True or e.nbytes >= DEVICE_CHECK_MIN_BYTES)
+                    and (verify_on_device is True or e.nbytes >= min_check)
                     and _checkable(e.hashes, devices, verify_on_device),
                 )
             )
         piece_chunks = slots.slot_bytes // self.chunk_size
         self.schedule = Schedule(spans, order, chunk_size=self.chunk_size, piece_chunks=piece_chunks)
         self.check = (
-            DeviceCheck(manifest, spans, slot_bytes=piece_chunks * self.chunk_size, slots=SCRATCH_SLOTS)
+            DeviceCheck(manifest, spans, slot_bytes=piece_chunks * self.chunk_size,
+                        slots=SCRATCH_SLOTS if scratch_slots is None else scratch_slots)
             if any(ls.device_check for ls in spans)
             else None
         )

@@ -84,9 +84,23 @@ def load_order(manifest: Manifest, plan: RestorePlan) -> tuple[list[int], str]:
 class Restorer:
     """Restores for one Checkpointer; see the module docstring."""
 
-    def __init__(self, *, io_threads: int, staging_bytes: int) -> None:
+    def __init__(
+        self,
+        *,
+        io_threads: int,
+        staging_bytes: int,
+        piece_bytes: int | None = None,
+        verify_on_device: bool | None = None,
+        scratch_slots: int | None = None,
+        device_check_min_bytes: int | None = None,
+    ) -> None:
         self.threads = reader_threads(io_threads)
         self.staging_bytes = staging_bytes  # 0: automatic
+        # None: the module defaults (read at each restore, so tests can patch them)
+        self.piece_bytes = piece_bytes
+        self.verify_on_device = verify_on_device
+        self.scratch_slots = scratch_slots
+        self.device_check_min_bytes = device_check_min_bytes
         self._slots: SlotPool | None = None
         self._streams: dict[torch.device, Any] = {}
         self._executor: ThreadPoolExecutor | None = None
@@ -132,7 +146,9 @@ class Restorer:
             slots=self._slot_pool(manifest.chunk_size, pinned=_any_cuda(plan, len(spans))),
             streams={d: self._stream(d) for d in _cuda_devices(plan, len(spans))},
             verify=verify != "off",
-            verify_on_device=VERIFY_ON_DEVICE,
+            verify_on_device=VERIFY_ON_DEVICE if self.verify_on_device is None else self.verify_on_device,
+            scratch_slots=self.scratch_slots,
+            device_check_min_bytes=self.device_check_min_bytes,
         )
         if lazy:
             session = LazyRestore(loader, plan, handle, started)
@@ -242,7 +258,8 @@ class Restorer:
         """Host regions of about :data:`PIECE_BYTES` (whole chunks), one per reader plus
         :data:`EXTRA_REGIONS`, within ``staging_bytes`` when it is set; kept across restores."""
         regions = self.threads + EXTRA_REGIONS
-        piece = max(chunk_size, PIECE_BYTES // chunk_size * chunk_size)
+        wanted = PIECE_BYTES if self.piece_bytes is None else self.piece_bytes
+        piece = max(chunk_size, wanted // chunk_size * chunk_size)
         if self.staging_bytes:
             piece = max(chunk_size, min(piece, self.staging_bytes // regions // chunk_size * chunk_size))
             regions = max(2, min(regions, self.staging_bytes // piece))

@@ -772,6 +772,7 @@ class WriteTxn:
         self._error: StorageError | None = None  # first backend failure; the txn cannot commit
         self._put: set[str] = set()  # digests written or being written by this txn
         self._free: list[PackWriter] = []  # open writers no thread is using
+        self._last: dict[int, PackWriter] = {}  # thread -> writer it used last (locality)
         self._writers: list[PackWriter] = []  # every writer made, for cleanup
         self._finished: list[PackIndex] = []  # full packs, trailer written, still in tmp/
         self._live = 0  # unfinished writers (free or in use), at most config.io_threads
@@ -792,6 +793,17 @@ class WriteTxn:
             raise self._error
         if self._state != "open":
             raise CheckpointError(f"write transaction is {self._state}")
+
+    def _take_free_writer(self) -> PackWriter | None:
+        """A free writer, preferably the one this thread used last: a thread storing a span's
+        chunks in order then writes them back to back, which restores read in one call."""
+        if not self._free:
+            return None
+        mine = self._last.get(threading.get_ident())
+        if mine is not None and mine in self._free:
+            self._free.remove(mine)
+            return mine
+        return self._free.pop()
 
     def has_chunk(self, digest: str) -> bool:
         """Whether ``digest`` is already stored (committed packs) or was put in this txn."""
@@ -818,7 +830,7 @@ class WriteTxn:
                 self._cond.wait()
             self._put.add(digest)
             self._busy += 1
-            writer = self._free.pop() if self._free else None
+            writer = self._take_free_writer()
             if writer is None:
                 self._live += 1
                 self._seq += 1
@@ -841,8 +853,10 @@ class WriteTxn:
             if index is not None:
                 self._finished.append(index)
                 self._live -= 1
+                self._last.pop(threading.get_ident(), None)
             else:
                 self._free.append(writer)
+                self._last[threading.get_ident()] = writer
             self._busy -= 1
             self._cond.notify_all()
         return True
