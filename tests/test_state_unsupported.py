@@ -81,3 +81,4 @@ def test_failing_state_dict_is_named() -> None:
 
     with pytest.raises(CheckpointError, match="thing.*boom"):
         flatten({"thing": Broken()})
+

@@ -11,6 +11,7 @@ and encodes plain values synchronously), then copy each ``span.as_bytes()`` out.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -40,7 +41,7 @@ def is_stateful(value: object) -> bool:
     return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)  # not frozen: save() builds one per storage, frozen init is slow
 class StorageSpan:
     """The bytes ``[start, end)`` of one storage covered by the tensors of ``app_state``.
 
@@ -97,7 +98,7 @@ def flatten(app_state: Mapping[str, Any], *, allow_pickle: bool = False) -> Flat
     return FlatState(tree=tree, spans=walker.spans.finish())
 
 
-@dataclass
+@dataclass(slots=True)
 class _PendingSpan:
     storage: torch.UntypedStorage
     start: int | None = None
@@ -205,9 +206,16 @@ class _Walker:
         return {"t": "stateful", "cls": type_name(obj), "state": self.walk(state, path)}
 
     def tensor(self, tensor: torch.Tensor, path: str) -> dict[str, Any]:
-        problem = tensor_problem(tensor)
-        if problem is not None:
-            raise CheckpointError(f"{path or '<root>'}: unsupported tensor: {problem}")
+        seen = _supported.get(id(tensor))
+        # a tensor object's kind does not change (`.data =` refuses other tensor types):
+        # checked fully once; its device every time, for safety
+        if seen is None or seen() is not tensor or tensor.device.type not in ("cpu", "cuda"):
+            problem = tensor_problem(tensor)
+            if problem is not None:
+                raise CheckpointError(f"{path or '<root>'}: unsupported tensor: {problem}")
+            if len(_supported) > 1 << 17:
+                _supported.clear()  # dead entries of tensors long gone
+            _supported[id(tensor)] = weakref.ref(tensor)
         node: dict[str, Any] = {
             "t": "tensor",
             "storage": -1,
@@ -231,6 +239,7 @@ def _call_state_dict(obj: Any, path: str, **kwargs: Any) -> Any:
 
 # save() flattens every tensor of the state each time: per-tensor work is the caller's stall
 _dtype_names: dict[torch.dtype, str] = {}
+_supported: dict[int, weakref.ref[torch.Tensor]] = {}  # id -> the tensor checked (by identity)
 _device_names: dict[torch.device, str] = {}
 
 
