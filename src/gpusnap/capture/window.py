@@ -43,7 +43,7 @@ class SpanState(enum.Enum):
     CAPTURED = "captured"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # one per storage per save: a cheap constructor matters
 class WindowSpan:
     index: int
     span: StorageSpan
