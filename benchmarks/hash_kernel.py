@@ -10,6 +10,12 @@ kernel's hash rate (CUDA events, median), a small launch-shape sweep, the torch 
 same GPU, the device-to-device copy rate of the same bytes (``dst.copy_(src)``: the speed the
 hash should keep up with) and a pinned device-to-host copy of 1 GiB. Rates are bytes of input
 per second (a copy moves each byte twice: read and write).
+
+Then what save() pays on the calling thread for hashing a model's spans at the consistent point
+(``save_like``): 440 spans of about 20 MiB (GPT-2 large has some 440 spans over 1 MiB) in 4 MiB
+chunks, hashed (a) with one ``chunk_hashes`` per span and (b) with one ``chunk_hashes_many``:
+host milliseconds around the calls (no synchronization inside), the device rate of (b), and
+whether (a) == (b).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import traceback
 import torch
 
 from gpusnap.kernels import chunk_hash as ch
+from gpusnap.kernels.chunk_hash_many import chunk_hashes_many
 
 MiB, GiB = 1 << 20, 1 << 30
 # (pairs per tile, warps, prefetch the next tile): 56 to 128 registers per thread on sm_90
@@ -70,6 +77,48 @@ def triton_fn(data: torch.Tensor, chunk: int, config: ch.TritonConfig):
     out = torch.empty((ch.num_chunks(data.numel(), chunk), 2), dtype=torch.int64,
                       device=data.device)
     return lambda: ch._hash_triton(data, chunk, out, config)
+
+
+def save_like(device: torch.device, tiny: bool, reps: int) -> dict:
+    """Host time of hashing many spans per call of one save: one call per span vs one call."""
+    count, span, chunk = (40, 256 << 10, 64 << 10) if tiny else (440, 20 * MiB, 4 * MiB)
+    sizes = [span - (i % 7) * 1000 - (i % 3) for i in range(count)]  # short last chunks, tails
+    starts = [sum(-(-n // 512) * 512 for n in sizes[:i]) for i in range(count)]
+    buf = torch.randint(0, 256, (starts[-1] + sizes[-1],), dtype=torch.uint8, device=device)
+    spans = [buf[a : a + n] for a, n in zip(starts, sizes)]
+    rows = [ch.num_chunks(n, chunk) for n in sizes]
+    firsts = [sum(rows[:i]) for i in range(count)]
+    outs = [torch.empty((sum(rows), 2), dtype=torch.int64, device=device) for _ in range(2)]
+    one_outs = [outs[0][f : f + r] for f, r in zip(firsts, rows)]
+
+    def per_span() -> None:
+        for s, o in zip(spans, one_outs):
+            ch.chunk_hashes(s, chunk, out=o)
+
+    def many() -> None:
+        chunk_hashes_many(spans, chunk, outs[1])
+
+    def host_ms(fn) -> float:
+        fn()  # warm: compiles, caches
+        times = []
+        for _ in range(max(reps, 5)):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return round(statistics.median(times) * 1e3, 3)
+
+    result = {"spans": count, "bytes": buf.numel(), "chunk": chunk, "rows": sum(rows),
+              "per_span_host_ms": host_ms(per_span), "many_host_ms": host_ms(many)}
+    result["many_GBps"] = gbps(buf.numel(), timed(many, device, reps))
+    result["equal"] = bool(torch.equal(outs[0], outs[1]))
+    if not result["equal"]:
+        raise AssertionError(f"chunk_hashes_many != chunk_hashes per span: {result}")
+    print("save_like", result, flush=True)
+    return result
 
 
 def main() -> None:
@@ -212,6 +261,8 @@ def main() -> None:
     report["enqueue_us_per_call"] = round((time.perf_counter() - t0) / calls * 1e6, 1)
     if device.type == "cuda":
         torch.cuda.synchronize()
+    src = small = None  # frees the 8 GiB input before the save-like spans
+    report["save_like"] = attempt(report, "save_like", lambda: save_like(device, args.tiny, reps))
     report["wall_s"] = round(time.time() - t_start, 1)
 
     if args.out:
@@ -235,6 +286,11 @@ def print_table(report: dict, use_triton: bool) -> None:
     print(f"device == cpu on {len(cpu)} samples: {all(c['equal'] for c in cpu)}; "
           f"copies: {report['copies']}; enqueue: {report['enqueue_us_per_call']} us/call; "
           f"wall {report['wall_s']} s")
+    if report.get("save_like"):
+        sl = report["save_like"]
+        print(f"save-like: {sl['spans']} spans, {sl['bytes'] / 1e9:.1f} GB, host "
+              f"{sl['per_span_host_ms']} ms one call per span vs {sl['many_host_ms']} ms one "
+              f"call; many {sl['many_GBps']} GB/s; equal={sl['equal']}")
     print("FAILURES: " + "; ".join(report["failures"]) if report["failures"] else "all equal")
     if not use_triton:
         print("(no Triton on this device: torch implementation only)")

@@ -85,9 +85,8 @@ class ConcurrentSave:
             # Spans not snapshotted are hashed now, in the program's stream order; snapshots
             # cannot change, so the copier hashes them later, off the caller's time.
             self.before = HashTable(flat.spans, chunk_size)
-            for i, span in enumerate(flat.spans):
-                if i not in self.window.snapshotted:
-                    self.before.fill(i, span.as_bytes())
+            now = [i for i in range(len(flat.spans)) if i not in self.window.snapshotted]
+            self.before.fill_many(now, [flat.spans[i].as_bytes() for i in now])
         if validate:
             self.after = HashTable(flat.spans, chunk_size)
         self._before_hex: list[list[str]] | None = None

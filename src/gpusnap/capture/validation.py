@@ -25,6 +25,7 @@ is trusted as identity: documented).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from gpusnap.kernels.chunk_hash import (
     hashes_to_hex,
     num_chunks,
 )
+from gpusnap.kernels.chunk_hash_many import chunk_hashes_many
 from gpusnap.state.flatten import StorageSpan
 from gpusnap.storage.manifest import Manifest
 
@@ -72,6 +74,41 @@ class HashTable:
         if data.numel():
             count = num_chunks(data.numel(), self.chunk_size)
             chunk_hashes(data, self.chunk_size, out=self.rows(index, first_chunk, count))
+
+    def fill_many(self, indices: Sequence[int], datas: Sequence[torch.Tensor]) -> None:
+        """Hash whole spans, ``datas[j]`` being all of span ``indices[j]``'s bytes, on the
+        current streams (asynchronous on CUDA): one :func:`chunk_hashes_many` call per device,
+        so a few launches instead of two per span. Spans whose rows do not follow each other
+        in the table (others left out) are hashed into a temporary and scattered with one
+        ``index_copy_``."""
+        groups: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
+        for index, data in zip(indices, datas, strict=True):
+            if num_chunks(data.numel(), self.chunk_size) != self.counts[index]:
+                raise ValueError(
+                    f"span {index} has {self.counts[index]} chunks, its data {data.numel()} bytes: "
+                    "fill_many takes whole spans (use fill for pieces)"
+                )
+            if self.counts[index]:
+                group = groups.setdefault(self.devices[index], ([], []))
+                group[0].append(index)
+                group[1].append(data)
+        for device, (idx, data) in groups.items():
+            table = self.tables[device]
+            runs = [(self.first[i], self.first[i] + self.counts[i]) for i in idx]
+            if all(end == start for (_, end), (start, _) in pairwise(runs)):
+                chunk_hashes_many(data, self.chunk_size, out=table[runs[0][0] : runs[-1][1]])
+                continue
+            total = sum(self.counts[i] for i in idx)
+            rows = torch.empty((total, HASH_WORDS), dtype=torch.int64, device=device)
+            chunk_hashes_many(data, self.chunk_size, out=rows)
+            counts = torch.tensor([self.counts[i] for i in idx], dtype=torch.int64)
+            starts = torch.tensor([a for a, _ in runs], dtype=torch.int64)
+            first = torch.cumsum(counts, 0).sub_(counts)  # each span's first row in ``rows``
+            where = torch.arange(total, dtype=torch.int64)  # -> each row's place in the table
+            where += torch.repeat_interleave(starts - first, counts, output_size=total)
+            if device.type == "cuda":  # from pinned memory: the host does not wait
+                where = where.pin_memory().to(device, non_blocking=True)
+            table.index_copy_(0, where, rows)
 
     def to_host_async(self) -> None:
         """Start copying every device table to the host (on the current streams)."""

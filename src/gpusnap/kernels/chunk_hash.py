@@ -402,21 +402,11 @@ if triton is not None:
             return tl.sum(tl.reshape(t, [FOLD, t.shape[0] // FOLD]), axis=0)
 
     @triton.jit
-    def _t_span_kernel(x_ptr, part_ptr, n_pairs, cp, splits, BLOCK: tl.constexpr,
-                       PERIOD: tl.constexpr, FOLD: tl.constexpr, PREFETCH: tl.constexpr):
-        """One program per (chunk, period): stream the period's pairs in BLOCK tiles.
-
-        PREFETCH loads the next tile before hashing the current one, so that each thread
-        keeps two tiles of loads in flight (Triton does not pipeline plain loads itself).
-        """
-        pid = tl.program_id(0)
-        chunk = pid // splits
-        k = pid - chunk * splits
-        base = chunk.to(tl.int64) * cp
-        start = k.to(tl.int64) * PERIOD
-        end = tl.minimum(tl.minimum(n_pairs - base, cp), start + PERIOD)
-        n = tl.maximum(end - start, 0).to(tl.int32)
-        ptr = x_ptr + base + start
+    def _t_stream(ptr, n, BLOCK: tl.constexpr, FOLD: tl.constexpr, PREFETCH: tl.constexpr):
+        """Lane sums of the ``n`` pairs at ``ptr`` (int64 pointer, key indices from 0), streamed
+        in BLOCK tiles. PREFETCH loads the next tile before hashing the current one, so that
+        each thread keeps two tiles of loads in flight (Triton does not pipeline plain loads
+        itself)."""
         offs = tl.arange(0, BLOCK)
         acc0 = tl.zeros([BLOCK // FOLD], tl.int64)
         acc1 = tl.zeros([BLOCK // FOLD], tl.int64)
@@ -450,11 +440,26 @@ if triton is not None:
             acc1 += _t_fold(tl.where(m, t1, 0), FOLD)
             acc2 += _t_fold(tl.where(m, t2, 0), FOLD)
             acc3 += _t_fold(tl.where(m, t3, 0), FOLD)
+        return tl.sum(acc0, axis=0), tl.sum(acc1, axis=0), tl.sum(acc2, axis=0), tl.sum(acc3, axis=0)
+
+    @triton.jit
+    def _t_span_kernel(x_ptr, part_ptr, n_pairs, cp, splits, BLOCK: tl.constexpr,
+                       PERIOD: tl.constexpr, FOLD: tl.constexpr, PREFETCH: tl.constexpr):
+        """One program per (chunk, period): stream the period's pairs (``_t_stream``)."""
+        pid = tl.program_id(0)
+        chunk = pid // splits
+        k = pid - chunk * splits
+        base = chunk.to(tl.int64) * cp
+        start = k.to(tl.int64) * PERIOD
+        end = tl.minimum(tl.minimum(n_pairs - base, cp), start + PERIOD)
+        n = tl.maximum(end - start, 0).to(tl.int32)
+        ptr = x_ptr + base + start
+        s0, s1, s2, s3 = _t_stream(ptr, n, BLOCK, FOLD, PREFETCH)
         dst = part_ptr + pid.to(tl.int64) * 4
-        tl.store(dst + 0, tl.sum(acc0, axis=0))
-        tl.store(dst + 1, tl.sum(acc1, axis=0))
-        tl.store(dst + 2, tl.sum(acc2, axis=0))
-        tl.store(dst + 3, tl.sum(acc3, axis=0))
+        tl.store(dst + 0, s0)
+        tl.store(dst + 1, s1)
+        tl.store(dst + 2, s2)
+        tl.store(dst + 3, s3)
 
     @triton.jit
     def _t_rows_kernel(x_ptr, part_ptr, n_pairs, cp, n_chunks, ROWS: tl.constexpr,

@@ -1,0 +1,262 @@
+"""The chunk hash of many spans of one device in one call: the same bits as
+:func:`~gpusnap.kernels.chunk_hash.chunk_hashes` on each span, for a fraction of the host time.
+
+``save()`` hashes every storage span at the consistent point, on the program's stream; one
+:func:`chunk_hashes` call per span costs the calling thread two launches plus Python (about
+0.18 ms on an H200), hundreds of times per save. :func:`chunk_hashes_many` enqueues the same
+work as three operations whatever the number of spans: one host-to-device copy of a row table
+and two kernels.
+
+Row table (int64, shape ``(2, rows)``, built on the host with a few vectorized torch ops):
+``table[0, r]`` is the address of row ``r``'s chunk (span start + chunk index * chunk size) and
+``table[1, r]`` its true length ``L`` in bytes. That is all a row needs: its whole pairs are
+``L // 8`` at that address (key indices from 0, as for any chunk), and a chunk with ``L % 8``
+bytes left over is the last one of its span, whose zero-padded last pair sits at pair index
+``L // 8``. The kernels are those of :mod:`~gpusnap.kernels.chunk_hash` with the per-chunk
+pointer and length read from the table instead of computed from one span's base; the hot loop
+(``_t_stream``) is shared, so the per-byte work is the same.
+
+The table goes to the device from pinned memory without the host waiting; PyTorch's pinned
+(caching host) allocator keeps that buffer until the copy has completed, so it can be dropped
+right away. CPU tensors, and CUDA without Triton, loop over :func:`chunk_hashes` instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from gpusnap.kernels import chunk_hash as _ch
+from gpusnap.kernels.chunk_hash import (
+    DEFAULT_TRITON_CONFIG,
+    HASH_WORDS,
+    TritonConfig,
+    chunk_hashes,
+    num_chunks,
+)
+
+triton, tl = _ch.triton, _ch.tl
+
+__all__ = ["chunk_hashes_many"]
+
+
+def chunk_hashes_many(
+    spans: Sequence[torch.Tensor],
+    chunk_size: int,
+    out: torch.Tensor,
+    *,
+    impl: Literal["auto", "torch", "triton"] = "auto",
+) -> torch.Tensor:
+    """Chunk hashes of every span of ``spans`` into ``out``: span ``i``'s rows follow span
+    ``i - 1``'s, so ``out`` equals ``torch.cat([chunk_hashes(s, chunk_size) for s in spans])``.
+
+    Each span is a 1-D contiguous uint8 tensor on ``out``'s device (any length, 0 included,
+    any start: unaligned spans are hashed from an aligned copy); ``out`` is a contiguous int64
+    tensor of shape ``(sum of num_chunks, 2)``. On CUDA with Triton: one host-to-device copy
+    and two kernels on the current stream, the host never waits; otherwise one
+    :func:`chunk_hashes` per span. ``impl`` as for :func:`chunk_hashes`.
+    """
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"impl must be 'auto', 'torch' or 'triton', not {impl!r}")
+    counts = []
+    for i, span in enumerate(spans):
+        _ch._check(span, chunk_size)
+        if span.device != out.device:
+            raise ValueError(f"span {i} is on {span.device}, out on {out.device}: hash the "
+                             "spans of each device with their own call")
+        counts.append(num_chunks(span.numel(), chunk_size))
+    total = sum(counts)
+    if (
+        out.shape != (total, HASH_WORDS)
+        or out.dtype != torch.int64
+        or not out.is_contiguous()
+    ):
+        raise ValueError(
+            f"out must be a contiguous int64 tensor of shape ({total}, {HASH_WORDS}); got "
+            f"{tuple(out.shape)} {out.dtype}"
+        )
+    if impl == "triton" and (triton is None or not out.is_cuda):
+        raise RuntimeError("impl='triton' needs Triton installed and CUDA tensors")
+    if total == 0:
+        return out
+    if impl == "triton" or (impl == "auto" and out.is_cuda and triton is not None):
+        _hash_triton_many(spans, counts, chunk_size, out, DEFAULT_TRITON_CONFIG)
+    else:
+        row = 0
+        for span, count in zip(spans, counts):
+            if count:
+                chunk_hashes(span, chunk_size, out=out[row : row + count], impl=impl)
+                row += count
+    return out
+
+
+def _row_table(
+    spans: Sequence[torch.Tensor], counts: Sequence[int], chunk_size: int, host: torch.Tensor
+) -> None:
+    """Fill ``host`` (int64, (2, rows)) with each row's chunk address and length."""
+    used = [(s.data_ptr(), s.numel(), c) for s, c in zip(spans, counts) if c]
+    starts, sizes, per = (torch.tensor(v, dtype=torch.int64) for v in zip(*used))
+    total = host.shape[1]
+    first = torch.cumsum(per, 0).sub_(per)  # each span's first row
+    offset = torch.arange(total, dtype=torch.int64)
+    offset -= torch.repeat_interleave(first, per, output_size=total)
+    offset *= chunk_size  # each row's byte offset in its span
+    torch.add(torch.repeat_interleave(starts, per, output_size=total), offset, out=host[0])
+    torch.sub(torch.repeat_interleave(sizes, per, output_size=total), offset, out=host[1])
+    host[1].clamp_(max=chunk_size)
+
+
+def _hash_triton_many(
+    spans: Sequence[torch.Tensor],
+    counts: Sequence[int],
+    chunk_size: int,
+    out: torch.Tensor,
+    config: TritonConfig,
+) -> None:
+    """Enqueue the table copy and both kernels on the current stream of ``out``'s device."""
+    # The loads need 16-byte aligned chunks; the copies live until the kernels are enqueued,
+    # which is enough: the caching allocator reuses their memory in this stream's order.
+    spans = [s.clone() if c and s.data_ptr() % 16 else s for s, c in zip(spans, counts)]
+    rows = out.shape[0]
+    cp = chunk_size // 8
+    block = config.block_pairs
+    guard = torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext()
+    with guard:
+        if out.is_cuda:
+            host = torch.empty((2, rows), dtype=torch.int64, pin_memory=True)
+            _row_table(spans, counts, chunk_size, host)
+            table = torch.empty_like(host, device=out.device)
+            table.copy_(host, non_blocking=True)
+        else:  # Triton's interpreter: the table is read where it is
+            table = torch.empty((2, rows), dtype=torch.int64)
+            _row_table(spans, counts, chunk_size, table)
+        if cp <= min(block, _ch.PERIOD_PAIRS):  # whole chunks in one tile, all in period 0
+            cols = triton.next_power_of_2(cp)
+            per = max(1, block // cols)
+            splits = 1
+            part = torch.empty((rows, splits, 4), dtype=torch.int64, device=out.device)
+            _t_many_rows_kernel[(triton.cdiv(rows, per),)](
+                table, part, rows, ROWS=per, COLS=cols, num_warps=config.num_warps
+            )
+        else:
+            splits = num_chunks(cp, _ch.PERIOD_PAIRS)
+            part = torch.empty((rows, splits, 4), dtype=torch.int64, device=out.device)
+            fold = max(1, block // (64 * config.num_warps))  # as _hash_triton
+            _t_many_span_kernel[(rows * splits,)](
+                table, part, rows, splits, BLOCK=block, PERIOD=_ch.PERIOD_PAIRS, FOLD=fold,
+                PREFETCH=config.prefetch, num_warps=config.num_warps,
+            )
+        block_c = 128
+        _t_many_finalize_kernel[(triton.cdiv(rows, block_c),)](
+            table, part, out, rows, SPLITS=splits, BLOCK_C=block_c, PERIOD=_ch.PERIOD_PAIRS,
+            num_warps=4,
+        )
+
+
+if triton is not None:
+    from gpusnap.kernels.chunk_hash import (  # the shared definition's Triton pieces
+        _T_LC0,
+        _T_LC1,
+        _T_WA0,
+        _T_WA1,
+        _T_WA2,
+        _T_WA3,
+        _T_WM0,
+        _T_WM1,
+        _T_WM2,
+        _T_WM3,
+        _t_fmix64,
+        _t_stream,
+        _t_terms,
+        _t_weight,
+    )
+
+    @triton.jit
+    def _t_many_span_kernel(table_ptr, part_ptr, n_rows, splits, BLOCK: tl.constexpr,
+                            PERIOD: tl.constexpr, FOLD: tl.constexpr, PREFETCH: tl.constexpr):
+        """One program per (row, period), as ``_t_span_kernel``; the row's chunk from the table.
+
+        Addresses are multiples of 16 (aligned span starts, chunk sizes multiples of 16): the
+        hint lets the loads be as wide as the single-span kernel's.
+        """
+        pid = tl.program_id(0)
+        row = pid // splits
+        k = pid - row * splits
+        addr = tl.load(table_ptr + row)
+        length = tl.load(table_ptr + n_rows + row)
+        start = k.to(tl.int64) * PERIOD
+        end = tl.minimum(length // 8, start + PERIOD)
+        n = tl.maximum(end - start, 0).to(tl.int32)
+        base = tl.multiple_of(addr.to(tl.pointer_type(tl.int64)), 16)
+        s0, s1, s2, s3 = _t_stream(base + start, n, BLOCK, FOLD, PREFETCH)
+        dst = part_ptr + pid.to(tl.int64) * 4
+        tl.store(dst + 0, s0)
+        tl.store(dst + 1, s1)
+        tl.store(dst + 2, s2)
+        tl.store(dst + 3, s3)
+
+    @triton.jit
+    def _t_many_rows_kernel(table_ptr, part_ptr, n_rows, ROWS: tl.constexpr,
+                            COLS: tl.constexpr):
+        """Small chunks (cp <= COLS), as ``_t_rows_kernel``: ROWS table rows per program."""
+        pid = tl.program_id(0)
+        rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        ok = rows < n_rows
+        addr = tl.load(table_ptr + rows, mask=ok, other=0)
+        length = tl.load(table_ptr + n_rows + rows, mask=ok, other=0)
+        cols = tl.arange(0, COLS)[None, :]
+        m = cols < (length // 8)[:, None]
+        base = tl.multiple_of(addr.to(tl.pointer_type(tl.int64)), 16)
+        x = tl.load(base[:, None] + cols, mask=m, other=0)
+        t0, t1, t2, t3 = _t_terms(x, cols)
+        dst = part_ptr + rows * 4
+        tl.store(dst + 0, tl.sum(tl.where(m, t0, 0), axis=1), mask=ok)
+        tl.store(dst + 1, tl.sum(tl.where(m, t1, 0), axis=1), mask=ok)
+        tl.store(dst + 2, tl.sum(tl.where(m, t2, 0), axis=1), mask=ok)
+        tl.store(dst + 3, tl.sum(tl.where(m, t3, 0), axis=1), mask=ok)
+
+    @triton.jit
+    def _t_many_finalize_kernel(table_ptr, part_ptr, out_ptr, n_rows, SPLITS: tl.constexpr,
+                                BLOCK_C: tl.constexpr, PERIOD: tl.constexpr):
+        """As ``_t_finalize_kernel``, per table row: a row with ``L % 8`` leftover bytes adds
+        its zero-padded last pair at pair index ``L // 8``."""
+        pid = tl.program_id(0)
+        c = pid.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cm = c < n_rows
+        addr = tl.load(table_ptr + c, mask=cm, other=0)
+        length = tl.load(table_ptr + n_rows + c, mask=cm, other=0)
+        s0 = tl.zeros([BLOCK_C], tl.uint64)
+        s1 = tl.zeros([BLOCK_C], tl.uint64)
+        s2 = tl.zeros([BLOCK_C], tl.uint64)
+        s3 = tl.zeros([BLOCK_C], tl.uint64)
+        for k in range(SPLITS):
+            src = part_ptr + (c * SPLITS + k) * 4
+            p0 = tl.load(src + 0, mask=cm, other=0).to(tl.uint64, bitcast=True)
+            p1 = tl.load(src + 1, mask=cm, other=0).to(tl.uint64, bitcast=True)
+            p2 = tl.load(src + 2, mask=cm, other=0).to(tl.uint64, bitcast=True)
+            p3 = tl.load(src + 3, mask=cm, other=0).to(tl.uint64, bitcast=True)
+            s0 += _t_weight(k, _T_WM0, _T_WA0) * p0
+            s1 += _t_weight(k, _T_WM1, _T_WA1) * p1
+            s2 += _t_weight(k, _T_WM2, _T_WA2) * p2
+            s3 += _t_weight(k, _T_WM3, _T_WA3) * p3
+        pt = length // 8  # whole pairs; a last chunk's leftover bytes form pair pt
+        tail = length - pt * 8
+        i = tl.arange(0, 8)[None, :]
+        tail_ptr = (addr + pt * 8).to(tl.pointer_type(tl.uint8))
+        byte = tl.load(tail_ptr[:, None] + i, mask=cm[:, None] & (i < tail[:, None]), other=0)
+        xt = tl.sum(byte.to(tl.uint64) << (i * 8).to(tl.uint64), axis=1)
+        kt = pt // PERIOD
+        t0, t1, t2, t3 = _t_terms(xt.to(tl.int64, bitcast=True), (pt % PERIOD).to(tl.int32))
+        has = tail > 0
+        s0 += tl.where(has, _t_weight(kt, _T_WM0, _T_WA0) * t0.to(tl.uint64, bitcast=True), 0)
+        s1 += tl.where(has, _t_weight(kt, _T_WM1, _T_WA1) * t1.to(tl.uint64, bitcast=True), 0)
+        s2 += tl.where(has, _t_weight(kt, _T_WM2, _T_WA2) * t2.to(tl.uint64, bitcast=True), 0)
+        s3 += tl.where(has, _t_weight(kt, _T_WM3, _T_WA3) * t3.to(tl.uint64, bitcast=True), 0)
+        lu = length.to(tl.uint64)
+        h0 = _t_fmix64(_t_fmix64(s0 + lu * _T_LC0) ^ s1)
+        h1 = _t_fmix64(_t_fmix64(s2 + lu * _T_LC1) ^ s3)
+        tl.store(out_ptr + c * 2, h0.to(tl.int64, bitcast=True), mask=cm)
+        tl.store(out_ptr + c * 2 + 1, h1.to(tl.int64, bitcast=True), mask=cm)
