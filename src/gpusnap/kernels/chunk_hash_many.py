@@ -24,6 +24,7 @@ right away. CPU tensors, and CUDA without Triton, loop over :func:`chunk_hashes`
 from __future__ import annotations
 
 import contextlib
+from array import array
 from collections.abc import Sequence
 from typing import Literal
 
@@ -97,8 +98,13 @@ def _row_table(
     spans: Sequence[torch.Tensor], counts: Sequence[int], chunk_size: int, host: torch.Tensor
 ) -> None:
     """Fill ``host`` (int64, (2, rows)) with each row's chunk address and length."""
-    used = [(s.data_ptr(), s.numel(), c) for s, c in zip(spans, counts) if c]
-    starts, sizes, per = (torch.tensor(v, dtype=torch.int64) for v in zip(*used))
+    used = [i for i, c in enumerate(counts) if c]
+    # array -> frombuffer: several times faster than torch.tensor(list) for hundreds of ints
+    starts, sizes, per = (
+        torch.frombuffer(array("q", v), dtype=torch.int64)
+        for v in ([spans[i].data_ptr() for i in used], [spans[i].numel() for i in used],
+                  [counts[i] for i in used])
+    )
     total = host.shape[1]
     first = torch.cumsum(per, 0).sub_(per)  # each span's first row
     offset = torch.arange(total, dtype=torch.int64)
