@@ -15,7 +15,7 @@ for s in "${steps[@]}"; do
     tests) timeout 240 python3 -m pytest -q -p no:cacheprovider -m cuda \
              tests/test_concurrent_capture.py tests/test_capture_pieces.py tests/test_validation_cuda.py \
              tests/test_restore_pipelined.py tests/test_restore_lazy.py tests/test_restore_pieces.py \
-             tests/test_chunk_hash.py > "$OUT/tests.log" 2>&1; tail -3 "$OUT/tests.log" ;;
+             tests/test_chunk_hash.py tests/test_chunk_hash_many.py > "$OUT/tests.log" 2>&1; tail -3 "$OUT/tests.log" ;;
     stall) timeout 330 python3 benchmarks/concurrent_stall.py --model gpt2-large --saves 2 --every 20 --batch 4 \
              --configs "validate=0,incremental=0;validate=1,incremental=1" --json "$OUT/stall.json" \
              > "$OUT/stall.log" 2>&1; tail -44 "$OUT/stall.log" ;;
@@ -25,7 +25,7 @@ for s in "${steps[@]}"; do
     restore) timeout 200 python3 benchmarks/restore_bench.py --repeat 1 --out "$OUT/restore.json" \
                > "$OUT/restore.log" 2>&1; tail -8 "$OUT/restore.log" ;;
     hash) timeout 120 python3 benchmarks/hash_kernel.py --out "$OUT/hash.json" > "$OUT/hash.log" 2>&1
-          tail -14 "$OUT/hash.log" ;;
+          tail -20 "$OUT/hash.log" ;;
     *) echo "unknown step $s" ;;
   esac
 done
