@@ -371,7 +371,7 @@ class Checkpointer:
                         pool=self._pool,
                         counters=job.counters,
                         hashes=job.hashes,
-                        piece_bytes=self.config.piece_bytes(),
+                        piece_bytes=self.config.copy_piece_bytes,  # host copies exist: no staging limit
                     )
                 job.host_spans.clear()  # release host copies before the commit's fsyncs
                 duration = time.perf_counter() - job.started
