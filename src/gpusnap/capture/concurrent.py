@@ -116,7 +116,7 @@ class ConcurrentSave:
         # torch wraps every mode's handler in _disable_dynamo, which imports torch._dynamo on
         # its first call (~0.4 s): pay that here, inside save()'s measured stall, not in the
         # program's first op, which would otherwise block until the window had closed.
-        import torch._dynamo
+        import torch._dynamo  # noqa: F401  (imported for its side effect, see above)
 
         self.tracker.__enter__()
         open_windows.add(self.window)
@@ -127,10 +127,10 @@ class ConcurrentSave:
         (on the copy stream, which waits for the consistent point, so after the snapshots),
         then every consistent-point hash to the host."""
         assert self.before is not None
-        for i in self.window.snapshotted:
-            shadow = self.window.spans[i].shadow
-            if shadow is not None:
-                self.before.fill(i, shadow)
+        snaps = [(i, self.window.spans[i].shadow) for i in sorted(self.window.snapshotted)]
+        snaps = [(i, shadow) for i, shadow in snaps if shadow is not None]
+        if snaps:  # one call per device: hundreds of small spans, one launch
+            self.before.fill_many([i for i, _ in snaps], [shadow for _, shadow in snaps])
         self.before.to_host_async()
 
     def before_hex(self) -> list[list[str]]:
