@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gpusnap.device import to_host
-from gpusnap.kernels.chunk_hash import chunk_hashes, hashes_to_hex
+from gpusnap.capture.validation import HashTable
 from gpusnap.kernels.hashing import chunk_digest
 from gpusnap.state.flatten import FlatState
 from gpusnap.storage.manifest import StorageEntry
@@ -52,17 +52,22 @@ def snapshot_to_host(
     ``copy_cpu``: a blocking save holds the caller until the bytes are stored.
     """
     out: list[torch.Tensor] = []
-    hashes: list[list[str] | None] = []
     copied = 0
+    cuda = [i for i, s in enumerate(flat.spans) if s.device.type == "cuda" and s.nbytes]
+    table = HashTable(flat.spans, chunk_size) if chunk_size is not None and cuda else None
+    if table is not None:  # before the copies, in stream order: one call per device
+        table.fill_many(cuda, [flat.spans[i].as_bytes() for i in cuda])
+        table.to_host_async()
     for span in flat.spans:
         data = span.as_bytes()
         needs_copy = copy_cpu or data.device.type != "cpu"
-        device_hashes = None
-        if chunk_size is not None and data.device.type == "cuda" and data.numel():
-            device_hashes = chunk_hashes(data, chunk_size)
         out.append(to_host(data, copy=needs_copy))
-        hashes.append(None if device_hashes is None else hashes_to_hex(device_hashes))
         copied += span.nbytes if needs_copy else 0
+    hashes: list[list[str] | None] = [None] * len(flat.spans)
+    if table is not None:
+        hexes = table.hex()
+        for i in cuda:
+            hashes[i] = hexes[i]
     return out, copied, hashes
 
 
