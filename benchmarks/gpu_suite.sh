@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks and measurements, each step time-boxed, logs under
-# $OUT (default ./gpu-out). Usage: benchmarks/gpu_suite.sh [tests] [stall] [diag] [incr]
+# $OUT (default ./gpu-out). Usage: benchmarks/gpu_suite.sh [demo] [tests] [stall] [diag] [incr]
 # [restore] [hash] (default: all but hash). Run from the repository root on the GPU machine.
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests stall diag incr restore)
+[ ${#steps[@]} -eq 0 ] && steps=(demo tests stall diag incr restore)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 for s in "${steps[@]}"; do
   echo "== $s"
   case $s in
+    demo) timeout 120 python3 -m gpusnap demo 2>&1 | tail -3 ;;
     tests) timeout 240 python3 -m pytest -q -p no:cacheprovider -m cuda \
              tests/test_concurrent_capture.py tests/test_capture_pieces.py tests/test_validation_cuda.py \
              tests/test_restore_pipelined.py tests/test_restore_lazy.py tests/test_restore_pieces.py \
