@@ -183,3 +183,37 @@ def test_trace_dir_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cfg.trace_dir == "/tmp/somewhere"
     assert cfg.staging_capacity() >= cfg.copy_piece_bytes
     assert cfg.piece_bytes() % cfg.chunk_size == 0
+
+
+def test_opaque_launch_in_a_window_protects_every_buffer(
+    tmp_path: Any, held: threading.Event, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A launch the tracker cannot see (here a stand-in for Triton's JITFunction.run, whose
+    module the program imports only after save()) is hooked and makes every pending buffer safe."""
+    import sys
+    import types
+
+    from torch.utils._mode_utils import no_dispatch
+
+    class JITFunction:
+        def run(self, t: torch.Tensor) -> None:
+            with no_dispatch():  # a kernel the dispatcher never sees
+                t.fill_(-5.0)
+
+    fake = types.ModuleType("triton.runtime.jit")
+    fake.JITFunction = JITFunction  # type: ignore[attr-defined]
+    state = {"a": torch.randn(2048), "z": torch.randn(1024)}
+    before = {k: v.clone() for k, v in state.items()}
+    with gpusnap.Checkpointer(tmp_path / "ck", config=_config(cow_budget_bytes=1 << 20, validate=False)) as ck:
+        pending = ck.save(state)
+        monkeypatch.setitem(sys.modules, "triton.runtime.jit", fake)
+        from gpusnap import launch_hooks
+
+        launch_hooks.install_hooks()  # what the import watcher does when a real import finishes
+        JITFunction().run(state["z"])
+        held.set()
+        info = pending.wait()
+        ck.restore(state, info.id)
+    assert info.stats["opaque_launches"] == 1
+    for k in state:
+        assert torch.equal(state[k], before[k]), k

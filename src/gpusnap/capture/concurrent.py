@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from gpusnap import launch_hooks
 from gpusnap.capture.copier import Copier
-from gpusnap.capture.opaque import open_windows
 from gpusnap.capture.staging import Region, StagingArena
 from gpusnap.capture.trace import Trace
 from gpusnap.capture.tracker import TrackerMode
@@ -119,7 +119,7 @@ class ConcurrentSave:
         import torch._dynamo  # noqa: F401  (imported for its side effect, see above)
 
         self.tracker.__enter__()
-        open_windows.add(self.window)
+        launch_hooks.add_listener(self.window.before_opaque_launch)
         self.copier.start()
 
     def _hash_snapshots(self) -> None:
@@ -217,7 +217,7 @@ class ConcurrentSave:
         """Wait until every chunk is stored; raise the first failure."""
         self.copier.join()
         self.window.settle()
-        open_windows.remove(self.window)
+        launch_hooks.remove_listener(self.window.before_opaque_launch)
         with self._lock:
             futures = list(self._futures)
         wait(futures)

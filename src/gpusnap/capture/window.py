@@ -159,6 +159,11 @@ class CaptureWindow:
         if targets:
             self.protect_many(targets)
 
+    def before_opaque_launch(self) -> None:
+        """A ``launch_hooks`` listener: a launch the tracker cannot see is about to run."""
+        if not self.closed:
+            self.protect_all()
+
     def protect_all(self) -> None:
         """An opaque launch (CUDA graph replay, hand-launched kernel) may write anything."""
         self.stats.opaque_launches += 1

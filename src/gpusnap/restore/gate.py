@@ -8,7 +8,7 @@ the loader would overwrite it. On CUDA the op's stream then waits for the span's
 so the wait costs the CPU nothing once the copy is queued.
 
 Launches the dispatcher never sees (CUDA graph replays, hand-launched Triton, compiled
-graphs; ``restore.opaque``) and higher-order ops (whose inner ops run below the mode) wait for
+graphs; ``launch_hooks``) and higher-order ops (whose inner ops run below the mode) wait for
 every span. Once everything is loaded the mode passes every op through untouched until it is
 popped, on its own thread, at the next gpusnap call there (``LazyRestore.reap``).
 """
@@ -78,6 +78,11 @@ class Gate:
                 self.wait_s += waited
         if ls.ready and not self.complete:
             self._order_after(ls)
+
+    def before_opaque_launch(self) -> None:
+        """A ``launch_hooks`` listener: a launch the gate cannot see is about to run."""
+        if not self.complete:
+            self.need_all()
 
     def need_all(self) -> None:
         """For a launch that may touch anything: every span loaded, the stream after every copy."""
@@ -157,7 +162,7 @@ class GateMode(TorchDispatchMode):
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
-        return True  # compiled code stays compiled; its launches are gated in restore.opaque
+        return True  # compiled code stays compiled; its launches are gated through launch_hooks
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:

@@ -25,10 +25,10 @@ from typing import Any
 
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from gpusnap import launch_hooks
 from gpusnap.handles import RestoreHandle
 from gpusnap.restore.gate import Gate, GateMode, needs_dynamo
 from gpusnap.restore.loader import Loader
-from gpusnap.restore.opaque import active_gates
 from gpusnap.state.apply import RestorePlan
 
 __all__ = ["LazyRestore", "pop_gate"]
@@ -78,7 +78,7 @@ class LazyRestore:
         """Start loading and return once ``finish()`` has run; raises (loading stopped) on failure."""
         _warm_dynamo()
         self.mode.__enter__()
-        active_gates.add(self.gate)
+        launch_hooks.add_listener(self.gate.before_opaque_launch)
         try:
             self.loader.start()
             spans = self.loader.schedule.spans
@@ -105,7 +105,7 @@ class LazyRestore:
         """Stop gating (a later restore takes over, or begin() failed) and pop where possible."""
         self.retired = True
         self.gate.complete = True
-        active_gates.remove(self.gate)
+        launch_hooks.remove_listener(self.gate.before_opaque_launch)
         self.reap()
 
     # -- any thread ----------------------------------------------------------------------------
@@ -120,7 +120,7 @@ class LazyRestore:
         """On the copy thread, after every copy has run."""
         if error is None:
             self.gate.complete = True
-            active_gates.remove(self.gate)
+            launch_hooks.remove_listener(self.gate.before_opaque_launch)
         with self._lock:
             self._outcome.append(error)
         self._settle()

@@ -1,18 +1,16 @@
-"""Launches the dispatcher never sees wait for every lazy restore in progress.
+"""Launches the dispatcher never sees: CUDA graph replays, hand-launched Triton kernels and
+inductor-compiled graphs.
 
-A CUDA graph replay, a hand-launched Triton kernel or an inductor-compiled graph may read or
-write any target, and its kernels do not pass through the gate's dispatch mode. While a lazy
-restore is loading, each such launch (on any thread: the hooks are class-level) first waits
-until every span is loaded and orders the launching stream after every copy.
+Their kernels do not pass through any dispatch mode, so the layers that rely on one (a
+capture window's tracker, a lazy restore's gate) register a *listener* here while they are
+active: a callable run before every such launch, on the launching thread, which makes the
+launch safe (the capture protects every pending buffer; the restore waits for every span).
 
-These wrappers sit beside the capture layer's (``capture.opaque``): each layer wraps the same
-launchers once, under its own marker, and the two chain in either order (``functools.wraps``
-copies the inner wrapper's markers onto the outer one). With no restore in progress a
-wrapper costs one check of an empty list.
-
-A launcher module imported only after the restore began (the first ``torch.compile`` call
-imports inductor; a program may import Triton late) is wrapped as soon as its import
-finishes: while a restore is loading, an import hook on ``sys.meta_path`` watches for it.
+The launchers are wrapped once, at class level, under one marker; with no listener a
+wrapper costs one check of an empty list. A launcher module imported only after a listener
+registered (the first ``torch.compile`` call imports inductor; a program may import Triton
+late) is wrapped as soon as its import finishes: while any listener is registered, an import
+hook on ``sys.meta_path`` watches for it.
 """
 
 from __future__ import annotations
@@ -22,17 +20,17 @@ import importlib.abc
 import importlib.machinery
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-from gpusnap.restore.gate import Gate
+__all__ = ["add_listener", "install_hooks", "remove_listener"]
 
-__all__ = ["active_gates", "install_hooks"]
+Listener = Callable[[], None]
 
-_gates: list[Gate] = []
+_listeners: list[Listener] = []
 _lock = threading.Lock()
-_MARK = "__gpusnap_restore_wrapped__"
+_MARK = "__gpusnap_wrapped__"
 _TARGETS = (
     # (module, attribute path): wrapped once the program has imported the module
     ("torch.cuda", "CUDAGraph.replay"),
@@ -41,33 +39,31 @@ _TARGETS = (
 )
 
 
-class active_gates:
-    """Registers a lazy restore's gate with the hooks while it loads."""
-
-    @staticmethod
-    def add(gate: Gate) -> None:
-        with _lock:
-            _gates.append(gate)
-            if _WATCHER not in sys.meta_path:
-                sys.meta_path.insert(0, _WATCHER)
-        install_hooks()
-
-    @staticmethod
-    def remove(gate: Gate) -> None:
-        with _lock:
-            if gate in _gates:
-                _gates.remove(gate)
-            if not _gates and _WATCHER in sys.meta_path:
-                sys.meta_path.remove(_WATCHER)
+def add_listener(listener: Listener) -> None:
+    """Run ``listener()`` before every opaque launch until :func:`remove_listener`."""
+    with _lock:
+        _listeners.append(listener)
+        if _WATCHER not in sys.meta_path:
+            sys.meta_path.insert(0, _WATCHER)
+    install_hooks()
 
 
-def _wait_for_everything() -> None:
-    if not _gates:
+def remove_listener(listener: Listener) -> None:
+    """Stop calling ``listener`` (compared with ``==``: a bound method again is fine)."""
+    with _lock:
+        if listener in _listeners:
+            _listeners.remove(listener)
+        if not _listeners and _WATCHER in sys.meta_path:
+            sys.meta_path.remove(_WATCHER)
+
+
+def _before_launch() -> None:
+    if not _listeners:
         return
     with _lock:
-        gates = [g for g in _gates if not g.complete]
-    for gate in gates:
-        gate.need_all()
+        listeners = list(_listeners)
+    for listener in listeners:
+        listener()
 
 
 def _wrap(owner: Any, name: str) -> None:
@@ -77,7 +73,7 @@ def _wrap(owner: Any, name: str) -> None:
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        _wait_for_everything()
+        _before_launch()
         return original(*args, **kwargs)
 
     setattr(wrapper, _MARK, True)
@@ -124,7 +120,7 @@ _WATCHER = _ImportWatcher()
 
 
 def install_hooks() -> None:
-    """Wrap every opaque launcher whose module is loaded (cheap; re-checked per restore)."""
+    """Wrap every opaque launcher whose module is loaded (cheap; re-checked per listener)."""
     for module_name, path in _TARGETS:
         module = sys.modules.get(module_name)
         if module is None:
