@@ -76,7 +76,6 @@ class ConcurrentSave:
         self._lock = threading.Lock()
         # The consistent point's hashes, enqueued in the program's stream order (validation.py)
         self.previous = previous if previous is not None else {}
-        self.validate = validate
         self.before: HashTable | None = None
         self.after: HashTable | None = None
         self.skipped: list[set[int]] = [set() for _ in flat.spans]

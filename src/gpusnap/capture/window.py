@@ -257,9 +257,6 @@ class CaptureWindow:
                         return ws
             return None
 
-    def has_urgent(self) -> bool:
-        return bool(self._urgent)
-
     def program_copy_event(self) -> Any:
         return self._program_copy
 
