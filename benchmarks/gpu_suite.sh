@@ -1,32 +1,48 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks and measurements, each step time-boxed, logs under
 # $OUT (default ./gpu-out). Usage: benchmarks/gpu_suite.sh [demo] [tests] [stall] [diag] [incr]
-# [restore] [hash] (default: all but hash). Run from the repository root on the GPU machine.
+# [restore] [hash] [quick] (default: all but hash and quick). Run from the repository root on
+# the GPU machine. SUITE_S (default 570) bounds the whole call: a step gets at most the time left,
+# and one with under 30 s left is skipped, so the logs of the steps before it always come back.
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
+# Logs go to $L; after every step they are packed into $OUT/suite.tgz (the device tool returns
+# few files, and a step killed at the limit must not lose the logs before it).
 OUT=${OUT:-gpu-out}
+L=$(mktemp -d)
 mkdir -p "$OUT"
+pack() { tar czf "$OUT/suite.tgz" --exclude=disk-ckpt -C "$L" . ; }
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(demo tests stall diag incr restore)
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+SUITE_S=${SUITE_S:-570}
+start=$SECONDS
+# timeout with at most the suite's time left: "t 120 cmd..." runs cmd for min(120, left - 5) s.
+t() { local left=$(( SUITE_S - (SECONDS - start) - 5 )); local lim=$(( $1 < left ? $1 : left ))
+      shift; timeout "$lim" "$@"; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$L/gpu.txt"
 for s in "${steps[@]}"; do
-  echo "== $s"
+  if (( SUITE_S - (SECONDS - start) < 30 )); then echo "== $s skipped: suite time spent"; continue; fi
+  echo "== $s ($(( SECONDS - start )) s)"
   case $s in
-    demo) timeout 120 python3 -m gpusnap demo 2>&1 | tail -3 ;;
-    tests) timeout 240 python3 -m pytest -q -p no:cacheprovider -m cuda \
+    demo) t 120 python3 -m gpusnap demo 2>&1 | tail -3 ;;
+    tests) t 240 python3 -m pytest -q -p no:cacheprovider -m cuda \
              tests/test_concurrent_capture.py tests/test_capture_pieces.py tests/test_validation_cuda.py \
              tests/test_restore_pipelined.py tests/test_restore_lazy.py tests/test_restore_pieces.py \
-             tests/test_chunk_hash.py tests/test_chunk_hash_many.py > "$OUT/tests.log" 2>&1; tail -3 "$OUT/tests.log" ;;
-    stall) timeout 330 python3 benchmarks/concurrent_stall.py --model gpt2-large --saves 2 --every 20 --batch 4 \
-             --configs "validate=0,incremental=0;validate=1,incremental=1" --json "$OUT/stall.json" \
-             > "$OUT/stall.log" 2>&1; tail -44 "$OUT/stall.log" ;;
-    diag) timeout 150 python3 benchmarks/stall_diagnosis.py > "$OUT/diag.log" 2>&1; tail -6 "$OUT/diag.log" ;;
-    incr) timeout 150 python3 benchmarks/incremental_bench.py --out "$OUT/incr.json" > "$OUT/incr.log" 2>&1
-          tail -9 "$OUT/incr.log" ;;
-    restore) timeout 200 python3 benchmarks/restore_bench.py --repeat 1 --out "$OUT/restore.json" \
-               > "$OUT/restore.log" 2>&1; tail -8 "$OUT/restore.log" ;;
-    hash) timeout 120 python3 benchmarks/hash_kernel.py --out "$OUT/hash.json" > "$OUT/hash.log" 2>&1
-          tail -20 "$OUT/hash.log" ;;
+             tests/test_chunk_hash.py tests/test_chunk_hash_many.py > "$L/tests.log" 2>&1; tail -3 "$L/tests.log" ;;
+    stall) t 330 python3 benchmarks/concurrent_stall.py --model gpt2-large --saves 2 --every 20 --batch 4 \
+             --configs "validate=0,incremental=0;validate=1,incremental=1" --json "$L/stall.json" \
+             > "$L/stall.log" 2>&1; tail -44 "$L/stall.log" ;;
+    diag) t 150 python3 benchmarks/stall_diagnosis.py > "$L/diag.log" 2>&1; tail -6 "$L/diag.log" ;;
+    incr) t 150 python3 benchmarks/incremental_bench.py --out "$L/incr.json" > "$L/incr.log" 2>&1
+          tail -9 "$L/incr.log" ;;
+    restore) t 200 python3 benchmarks/restore_bench.py --repeat 1 --out "$L/restore.json" \
+               > "$L/restore.log" 2>&1; tail -8 "$L/restore.log" ;;
+    hash) t 120 python3 benchmarks/hash_kernel.py --out "$L/hash.json" > "$L/hash.log" 2>&1
+          tail -20 "$L/hash.log" ;;
+    quick) t 560 python3 -m gpusnap bench --quick --out "$L/bench" > "$L/quick.log" 2>&1
+           tail -30 "$L/quick.log" ;;
     *) echo "unknown step $s" ;;
   esac
+  pack
 done
+echo "== done ($(( SECONDS - start )) s)"
