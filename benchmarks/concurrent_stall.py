@@ -59,6 +59,7 @@ def clone_state(model, optim) -> list[torch.Tensor]:
 class Loop:
     def __init__(self, model, optim, data, dev: torch.device) -> None:
         self.model, self.optim, self.data, self.dev = model, optim, data, dev
+        self.host_s = 0.0  # the last step's host time: until every op was enqueued (no sync)
 
     def sync(self) -> None:
         if self.dev.type == "cuda":
@@ -76,6 +77,7 @@ class Loop:
             hook()
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
+        self.host_s = time.perf_counter() - t0
         self.sync()
         return time.perf_counter() - t0
 

@@ -18,21 +18,23 @@ SUITE_S=${SUITE_S:-570}
 start=$SECONDS
 # timeout with at most the suite's time left: "t 120 cmd..." runs cmd for min(120, left - 5) s.
 t() { local left=$(( SUITE_S - (SECONDS - start) - 5 )); local lim=$(( $1 < left ? $1 : left ))
-      shift; timeout "$lim" "$@"; }
+      shift; timeout -s ABRT -k 10 "$lim" "$@"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$L/gpu.txt"
 for s in "${steps[@]}"; do
   if (( SUITE_S - (SECONDS - start) < 30 )); then echo "== $s skipped: suite time spent"; continue; fi
   echo "== $s ($(( SECONDS - start )) s)"
   case $s in
     demo) t 120 python3 -m gpusnap demo 2>&1 | tail -3 ;;
-    tests) t 240 python3 -m pytest -q -p no:cacheprovider -m cuda \
+    # SIGABRT at the limit: faulthandler prints every thread's stack (a hang shows where it is)
+    tests) t 240 python3 -X faulthandler -m pytest -v -p no:cacheprovider -o faulthandler_timeout=60 -m cuda \
              tests/test_concurrent_capture.py tests/test_capture_pieces.py tests/test_validation_cuda.py \
              tests/test_restore_pipelined.py tests/test_restore_lazy.py tests/test_restore_pieces.py \
              tests/test_chunk_hash.py tests/test_chunk_hash_many.py > "$L/tests.log" 2>&1; tail -3 "$L/tests.log" ;;
     stall) t 330 python3 benchmarks/concurrent_stall.py --model gpt2-large --saves 2 --every 20 --batch 4 \
              --configs "validate=0,incremental=0;validate=1,incremental=1" --json "$L/stall.json" \
              > "$L/stall.log" 2>&1; tail -44 "$L/stall.log" ;;
-    diag) t 150 python3 benchmarks/stall_diagnosis.py > "$L/diag.log" 2>&1; tail -6 "$L/diag.log" ;;
+    diag) t 240 python3 benchmarks/stall_diagnosis.py --trace-dir "$L/traces" > "$L/diag.log" 2>&1
+          tail -8 "$L/diag.log" ;;
     incr) t 150 python3 benchmarks/incremental_bench.py --out "$L/incr.json" > "$L/incr.log" 2>&1
           tail -9 "$L/incr.log" ;;
     restore) t 200 python3 benchmarks/restore_bench.py --repeat 1 --out "$L/restore.json" \
