@@ -26,7 +26,8 @@ for s in "${steps[@]}"; do
   case $s in
     demo) t 120 python3 -m gpusnap demo 2>&1 | tail -3 ;;
     # SIGABRT at the limit: faulthandler prints every thread's stack (a hang shows where it is)
-    tests) t 240 python3 -X faulthandler -m pytest -v -p no:cacheprovider -o faulthandler_timeout=60 -m cuda \
+    tests) [ -d .whl ] && pip install -q --no-index --find-links .whl pytest-timeout > /dev/null 2>&1
+           t 200 python3 -X faulthandler -m pytest -v -p no:cacheprovider --timeout 50 -m cuda \
              tests/test_concurrent_capture.py tests/test_capture_pieces.py tests/test_validation_cuda.py \
              tests/test_restore_pipelined.py tests/test_restore_lazy.py tests/test_restore_pieces.py \
              tests/test_chunk_hash.py tests/test_chunk_hash_many.py > "$L/tests.log" 2>&1; tail -3 "$L/tests.log" ;;
