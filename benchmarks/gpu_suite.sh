@@ -34,7 +34,8 @@ for s in "${steps[@]}"; do
     stall) t 330 python3 benchmarks/concurrent_stall.py --model gpt2-large --saves 2 --every 20 --batch 4 \
              --configs "validate=0,incremental=0;validate=1,incremental=1" --json "$L/stall.json" \
              > "$L/stall.log" 2>&1; tail -44 "$L/stall.log" ;;
-    diag) t 240 python3 benchmarks/stall_diagnosis.py --trace-dir "$L/traces" > "$L/diag.log" 2>&1
+    diag) t 240 python3 benchmarks/stall_diagnosis.py --variants "${DIAG_VARIANTS:-full,plain,no-store,poll,switch}" \
+            --trace-dir "$L/traces" > "$L/diag.log" 2>&1
           tail -8 "$L/diag.log" ;;
     incr) t 150 python3 benchmarks/incremental_bench.py --out "$L/incr.json" > "$L/incr.log" 2>&1
           tail -9 "$L/incr.log" ;;

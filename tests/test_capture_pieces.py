@@ -217,3 +217,87 @@ def test_opaque_launch_in_a_window_protects_every_buffer(
     assert info.stats["opaque_launches"] == 1
     for k in state:
         assert torch.equal(state[k], before[k]), k
+
+
+class _DoneEvent:
+    """A copy event that has completed (the copier's ``_drain`` waits on it)."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def test_copier_drains_its_own_pieces_when_the_arena_is_full() -> None:
+    """Pieces in flight hold staging regions until the copier itself drains them: with an
+    arena smaller than ``ahead`` pieces, allocating the next piece must drain the oldest one
+    instead of waiting for a release that only the copier could cause (a hang on the H200)."""
+    from gpusnap.capture.copier import Copier
+
+    arena = StagingArena(2048, pinned=False, slab_bytes=2048)
+    stored: list[int] = []
+    copier = Copier.__new__(Copier)
+    copier.arena, copier.trace = arena, None
+    copier.sink = lambda pieces: [(stored.append(start), arena.release(r)) for _ws, start, r, _n in pieces]
+    copier._inflight = __import__("collections").deque()
+    for start in (0, 1024):  # two pieces in flight fill the arena
+        copier._inflight.append((_DoneEvent(), 0.0, None, start, arena.allocate(1024), 1024))
+    copier._inflight_bytes = 2048
+    done = threading.Event()
+    result: list[Any] = []
+    worker = threading.Thread(target=lambda: (result.append(copier._allocate(1024)), done.set()), daemon=True)
+    worker.start()
+    assert done.wait(10), "the copier waited for a region that only it could release"
+    assert stored == [0, 1024], "the oldest piece, then every one already done, in order"
+    assert not copier._inflight and copier._inflight_bytes == 0
+    assert result[0].end - result[0].start == 1024
+
+
+def test_own_kernel_launches_are_not_opaque_program_launches() -> None:
+    """gpusnap's hash kernels run inside ``launch_hooks.internal()``: a listener (a capture
+    window protecting every buffer, a lazy restore waiting for everything) is not told; the
+    program's launches, on any thread, still are."""
+    from gpusnap import launch_hooks
+
+    calls: list[str] = []
+    listener = lambda: calls.append(threading.current_thread().name)  # noqa: E731
+    launch_hooks.add_listener(listener)
+    try:
+        with launch_hooks.internal():
+            with launch_hooks.internal():
+                launch_hooks._before_launch()
+            launch_hooks._before_launch()
+            other = threading.Thread(target=launch_hooks._before_launch, name="program")
+            other.start()
+            other.join()
+        assert calls == ["program"], "only the other thread's launch is the program's"
+        launch_hooks._before_launch()
+        assert calls == ["program", threading.current_thread().name]
+    finally:
+        launch_hooks.remove_listener(listener)
+
+
+class _PendingEvent(_DoneEvent):
+    def query(self) -> bool:
+        return False
+
+
+def test_copier_takes_finished_pieces_in_one_batch_and_stops_at_a_pending_one() -> None:
+    from collections import deque
+
+    from gpusnap.capture.copier import Copier
+
+    arena = StagingArena(4096, pinned=False, slab_bytes=4096)
+    batches: list[list[int]] = []
+    copier = Copier.__new__(Copier)
+    copier.arena, copier.trace = arena, None
+    copier.sink = lambda pieces: batches.append([start for _ws, start, _r, _n in pieces])
+    copier._inflight = deque()
+    for start, event in ((0, _DoneEvent()), (1024, _DoneEvent()), (2048, _PendingEvent()), (3072, _DoneEvent())):
+        copier._inflight.append((event, 0.0, None, start, arena.allocate(1024), 1024))
+    copier._inflight_bytes = 4096
+    copier._drain(4096)  # under the limit: no waiting, only what has completed, in order
+    assert batches == [[0, 1024]] and copier._inflight_bytes == 2048
+    copier._drain(1024)  # over the limit: waits for the pending piece, then takes the done one
+    assert batches == [[0, 1024], [2048, 3072]] and not copier._inflight

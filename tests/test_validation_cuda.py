@@ -104,3 +104,17 @@ def test_triton_hash_equals_torch_hash(nbytes: int) -> None:
     got = chunk_hashes(data, 1 << 20, impl="triton")
     assert torch.equal(got, chunk_hashes(data, 1 << 20, impl="torch"))
     assert torch.equal(got.cpu(), chunk_hashes(data.cpu(), 1 << 20))
+
+
+def test_own_hash_kernels_are_not_opaque_launches(tmp_path: Any) -> None:
+    """Validation and incremental saves launch Triton hash kernels from gpusnap's threads
+    while the window is open; they are not the program's launches (each one used to make
+    the window protect every buffer)."""
+    pytest.importorskip("triton")
+    state = {f"t{i}": torch.randn(1 << 20, device="cuda") for i in range(4)}
+    with gpusnap.Checkpointer(tmp_path / "ck", config=_config()) as ck:
+        ck.save(state).wait()
+        state["t0"].add_(1)
+        info = ck.save(state).wait()
+    assert info.stats["opaque_launches"] == 0
+    assert info.stats["bytes_cow"] == 0

@@ -47,7 +47,9 @@ class Config:
     copy_piece_bytes: int = field(
         default=32 * MiB, metadata={"doc": "bytes per device-to-host copy (whole chunks)"}
     )
-    copy_ahead: int = field(default=4, metadata={"doc": "copy pieces in flight at once per window"})
+    copy_ahead: int = field(
+        default=4, metadata={"doc": "copies in flight per window, at most this many pieces' bytes"}
+    )
     max_pending_saves: int = field(default=2, metadata={"doc": "durable writes queued at most"})
     fsync: bool = field(default=True, metadata={"doc": "fsync files and directories on commit"})
     concurrent: bool = field(default=True, metadata={"doc": "save() captures while the program runs"})

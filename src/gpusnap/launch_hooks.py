@@ -6,6 +6,10 @@ capture window's tracker, a lazy restore's gate) register a *listener* here whil
 active: a callable run before every such launch, on the launching thread, which makes the
 launch safe (the capture protects every pending buffer; the restore waits for every span).
 
+gpusnap's own kernels (the chunk hashes a capture or a restore enqueues from its threads) are
+launched inside :func:`internal` and do not count: a capture treating its own hash kernels as
+program launches would protect every buffer once per copied piece.
+
 The launchers are wrapped once, at class level, under one marker; with no listener a
 wrapper costs one check of an empty list. A launcher module imported only after a listener
 registered (the first ``torch.compile`` call imports inductor; a program may import Triton
@@ -15,16 +19,17 @@ hook on ``sys.meta_path`` watches for it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.abc
 import importlib.machinery
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
-__all__ = ["add_listener", "install_hooks", "remove_listener"]
+__all__ = ["add_listener", "install_hooks", "internal", "remove_listener"]
 
 Listener = Callable[[], None]
 
@@ -57,8 +62,22 @@ def remove_listener(listener: Listener) -> None:
             sys.meta_path.remove(_WATCHER)
 
 
+_own = threading.local()  # depth of internal() on this thread
+
+
+@contextlib.contextmanager
+def internal() -> Iterator[None]:
+    """Launches on this thread inside the block are gpusnap's own: listeners are not told."""
+    depth = getattr(_own, "depth", 0)
+    _own.depth = depth + 1
+    try:
+        yield
+    finally:
+        _own.depth = depth
+
+
 def _before_launch() -> None:
-    if not _listeners:
+    if not _listeners or getattr(_own, "depth", 0):
         return
     with _lock:
         listeners = list(_listeners)

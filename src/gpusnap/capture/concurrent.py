@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from gpusnap import launch_hooks
-from gpusnap.capture.copier import Copier
+from gpusnap.capture.copier import Copier, Piece
 from gpusnap.capture.staging import Region, StagingArena
 from gpusnap.capture.trace import Trace
 from gpusnap.capture.tracker import TrackerMode
@@ -178,12 +178,21 @@ class ConcurrentSave:
             )
         return f"ok: {checked} chunks hashed before and after their copy"
 
-    def _sink(self, ws: WindowSpan, start: int, region: Region, n: int) -> None:
-        # one task per piece (not per chunk): fewer Python task switches competing with the
-        # program for the GIL; the bytes are already on the host (the copier waited for them)
-        future = self.io_pool.submit(self._store, ws.index, start, region, n)
+    def _sink(self, pieces: list[Piece]) -> None:
+        # one task per batch of finished pieces (not per chunk, not per piece): fewer Python
+        # task switches competing with the program for the GIL; the bytes are on the host
+        future = self.io_pool.submit(self._store_many, pieces)
         with self._lock:
             self._futures.append(future)
+
+    def _store_many(self, pieces: list[Piece]) -> None:
+        for k, (ws, start, region, n) in enumerate(pieces):
+            try:
+                self._store(ws.index, start, region, n)
+            except BaseException:
+                for _ws, _start, later, _n in pieces[k + 1 :]:
+                    self.staging.release(later)
+                raise
 
     def _store(self, index: int, start: int, region: Region, n: int) -> None:
         started = time.perf_counter()

@@ -6,11 +6,15 @@ the staging arena; once the copy has completed it hands the region to the ``sink
 store, on writer threads), which releases it. Only this thread waits on CUDA events.
 
 On CUDA each piece is an async copy on a low-priority stream (ordered after the consistent
-point's event) followed by an event. At most ``ahead`` pieces are in flight at once: a
-program write to a span only ever waits (on the device) for pieces already issued, so keeping
-few in flight keeps that wait short, while two or more keep the copy engine busy. The window
-closes only when every copy has completed. While the program has its own host<->device copy
-in flight, no new piece is issued (the program's copies go first).
+point's event) followed by an event. At most ``ahead`` pieces' worth of bytes
+(``ahead * piece_bytes``) are in flight at once: a program write to a span only ever waits (on
+the device) for copies already issued, so a bounded queue keeps that wait short (~2 ms at the
+defaults), while a few pieces keep the copy engine busy. Finished pieces are taken in batches
+(wait for the oldest, then take every one already done) and handed to the sink in one call:
+a model has hundreds of small spans, and a thread waking per piece, with a writer task per
+piece, competes with the program's own thread for the GIL thousands of times a second. The
+window closes only when every copy has completed. While the program has its own
+host<->device copy in flight, no new piece is issued (the program's copies go first).
 """
 
 from __future__ import annotations
@@ -27,11 +31,12 @@ from gpusnap.capture.staging import Region, StagingArena
 from gpusnap.capture.window import CaptureWindow, WindowSpan
 from gpusnap.device import waitable_event
 
-__all__ = ["Copier", "PieceSink"]
+__all__ = ["Copier", "Piece", "PieceSink"]
 
-# sink(span, start_byte, region, nbytes): the piece's bytes are on the host; the sink must
-# release the region to the arena.
-PieceSink = Callable[[WindowSpan, int, Region, int], None]
+# (span, start byte, staging region, nbytes) of a piece whose bytes are on the host
+Piece = tuple[WindowSpan, int, Region, int]
+# sink(pieces): takes a batch of finished pieces; it must release each region to the arena.
+PieceSink = Callable[[list[Piece]], None]
 
 
 class Copier:
@@ -67,7 +72,9 @@ class Copier:
         self.after_copy = after_copy  # hashes a piece's source right after its copy (CUDA)
         self.on_drained = on_drained  # every copy completed; runs before the window closes
         self.bytes_copied = 0
+        self.max_inflight = self.ahead * piece_bytes  # bytes
         self._inflight: deque[tuple[Any, float, WindowSpan, int, Region, int]] = deque()
+        self._inflight_bytes = 0
         self.thread = threading.Thread(target=self._run, name="gpusnap-copier", daemon=True)
 
     def start(self) -> None:
@@ -95,6 +102,7 @@ class Copier:
             for *_, region, _n in self._inflight:
                 self.arena.release(region)
             self._inflight.clear()
+            self._inflight_bytes = 0
             self.window.close(exc)
 
     def _copy_span(self, ws: WindowSpan) -> None:
@@ -118,9 +126,9 @@ class Copier:
             start, n = k * cs, min(j * cs, ws.nbytes) - k * cs
             k = j
             if stream is not None:
-                self._drain(self.ahead - 1)
+                self._drain(self.max_inflight - n)
                 self._yield_to_program_copy()
-            region = self.arena.allocate(n)
+            region = self._allocate(n)
             try:
                 event = self._issue(ws, start, n, region, stream, held)
             except BaseException:
@@ -128,9 +136,24 @@ class Copier:
                 raise
             self.bytes_copied += n
             if event is None:
-                self.sink(ws, start, region, n)  # CPU: already copied
+                self.sink([(ws, start, region, n)])  # CPU: already copied
             else:
                 self._inflight.append((event, time.perf_counter(), ws, start, region, n))
+                self._inflight_bytes += n
+
+    def _allocate(self, n: int) -> Region:
+        """A staging region for the next piece. Pieces in flight hold regions that only come
+        back after this thread drains them, so a full arena first drains its own pieces (else a
+        small arena would wait forever for releases that never come); only with nothing in
+        flight does it wait for the writers."""
+        while True:
+            region = self.arena.try_allocate(n)  # grows the arena while it may
+            if region is not None:
+                return region
+            if not self._inflight:
+                return self.arena.allocate(n)
+            if not self.arena.can_grow():
+                self._drain(self._inflight_bytes - self._inflight[0][5])  # the oldest, at least
 
     def _issue(
         self, ws: WindowSpan, start: int, n: int, region: Region, stream: Any, held: set[str]
@@ -162,15 +185,24 @@ class Copier:
             ws.issued = start + n
         return event
 
-    def _drain(self, keep: int) -> None:
-        """Wait until at most ``keep`` pieces are in flight; hand each finished piece to the
-        sink (so that only this thread ever waits on copy events)."""
-        while len(self._inflight) > keep:
-            event, issued_at, ws, start, region, n = self._inflight.popleft()
-            wait_event(event)
+    def _drain(self, keep_bytes: int) -> None:
+        """Wait until at most ``keep_bytes`` are in flight, then also take every piece whose
+        copy has completed already; hand them to the sink as one batch (only this thread ever
+        waits on copy events)."""
+        batch: list[Piece] = []
+        while self._inflight:
+            event, issued_at, ws, start, region, n = self._inflight[0]
+            if self._inflight_bytes > keep_bytes:
+                wait_event(event)
+            elif not event.query():
+                break
+            self._inflight.popleft()
+            self._inflight_bytes -= n
             if self.trace is not None:
                 self.trace.span("copy", _label(ws, start, n), issued_at, time.perf_counter())
-            self.sink(ws, start, region, n)
+            batch.append((ws, start, region, n))
+        if batch:
+            self.sink(batch)
 
     def _yield_to_program_copy(self) -> None:
         event = self.window.program_copy_event()

@@ -101,6 +101,11 @@ class StagingArena:
             if region is not None:
                 return region
 
+    def can_grow(self) -> bool:
+        """Whether another slab fits within ``capacity``."""
+        with self._cond:
+            return not self._slabs or self.nbytes + self._growing + self.slab_bytes <= self.capacity
+
     def try_allocate(self, n: int, *, wait: bool = False) -> Region | None:
         """A region if one is free (growing the arena if allowed), else None (or, with
         ``wait``, None after the next release or growth: call again)."""

@@ -70,6 +70,8 @@ from typing import Literal
 
 import torch
 
+from gpusnap import launch_hooks
+
 try:  # Triton is optional: without it every device uses the torch implementation.
     import triton
     import triton.language as tl
@@ -534,7 +536,7 @@ def _hash_triton(
     block = config.block_pairs
     # Triton launches on the current device; CPU tensors only reach here under its interpreter.
     guard = torch.cuda.device(data.device) if data.is_cuda else contextlib.nullcontext()
-    with guard:
+    with guard, launch_hooks.internal():  # our own kernels, not the program's launches
         if cp <= min(block, PERIOD_PAIRS):  # whole chunks in one tile, all in period 0
             cols = triton.next_power_of_2(cp)
             per = max(1, block // cols)

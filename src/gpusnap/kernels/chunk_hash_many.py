@@ -30,6 +30,7 @@ from typing import Literal
 
 import torch
 
+from gpusnap import launch_hooks
 from gpusnap.kernels import chunk_hash as _ch
 from gpusnap.kernels.chunk_hash import (
     DEFAULT_TRITON_CONFIG,
@@ -130,7 +131,7 @@ def _hash_triton_many(
     cp = chunk_size // 8
     block = config.block_pairs
     guard = torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext()
-    with guard:
+    with guard, launch_hooks.internal():  # our own kernels, not the program's launches
         if out.is_cuda:
             host = torch.empty((2, rows), dtype=torch.int64, pin_memory=True)
             _row_table(spans, counts, chunk_size, host)
