@@ -12,7 +12,9 @@ from gpusnap import Config
 
 
 def _cfg(**kw) -> Config:
-    base = dict(chunk_size=512, staging_bytes=2048, pack_size=1 << 16, io_threads=2, eager_cpu_bytes=0)
+    # the tracked path on every device: no whole-state snapshot, no small-span snapshots
+    base = dict(chunk_size=512, staging_bytes=2048, pack_size=1 << 16, io_threads=2, eager_cpu_bytes=0,
+                eager_device_bytes=0, device_snapshot=False)
     base.update(kw)
     return Config(**base)
 
@@ -115,3 +117,31 @@ def test_cuda_graph_replay_in_window_is_treated_as_writing_everything(tmp_path):
         got = _restore_into(ck, app, info.id)
     for k in app:
         assert torch.equal(got[k], expected[k]), k
+
+
+def test_whole_state_snapshot_runs_untracked_and_stays_exact(tmp_path, device):
+    """When every span is snapshotted at save() (all device state within the copy-on-write
+    budget; on CPU, spans within eager_cpu_bytes), later windows push no tracker and hash
+    nothing for validation; writes the dispatcher never sees (a numpy view) right after
+    save() cannot reach the checkpoint; incremental saves still skip unchanged chunks."""
+    cfg = Config(chunk_size=512, pack_size=1 << 16, io_threads=2, eager_cpu_bytes=1 << 30)
+    state = {"a": torch.randn(4096, device=device), "b": torch.randn(2048, device=device), "step": 3}
+    with gpusnap.Checkpointer(tmp_path / "ck", config=cfg) as ck:
+        first = ck.save(state).wait()  # the first window logs the program's reads: tracked
+        assert first.stats["tracked"]
+        for _ in range(3):
+            expected = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+            pending = ck.save(state)
+            assert not any(type(m).__name__ == "TrackerMode" for m in _get_current_dispatch_mode_stack())
+            if device.type == "cpu":
+                state["a"].numpy()[:100] = -7.0  # unseen by any dispatcher
+            else:
+                state["a"].mul_(-7.0)
+            info = pending.wait()
+            assert not info.stats["tracked"] and info.stats["bytes_snapshot"] == (4096 + 2048) * 4
+            assert "nothing to validate" in info.stats["validation"]
+            assert info.stats["bytes_skipped"] >= 2048 * 4, "b never changed: its chunks are reused"
+            got = _restore_into(ck, state, info.id)
+            assert got["step"] == 3
+            for k, v in expected.items():
+                assert torch.equal(got[k], v), k

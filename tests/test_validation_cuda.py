@@ -18,16 +18,26 @@ pytestmark = pytest.mark.cuda
 TRIALS = 20
 
 
-def _config() -> gpusnap.Config:
-    return gpusnap.Config(chunk_size=1 << 16, pack_size=1 << 24, io_threads=4, fsync=False,
-                          copy_piece_bytes=1 << 18)
+def _config(**kw: Any) -> gpusnap.Config:
+    # the tracked path (validation's subject) unless a test asks for the whole-state snapshot
+    base: dict[str, Any] = dict(chunk_size=1 << 16, pack_size=1 << 24, io_threads=4, fsync=False,
+                                copy_piece_bytes=1 << 18, device_snapshot=False)
+    base.update(kw)
+    return gpusnap.Config(**base)
 
 
 def _check_trials(tmp_path: Any, write: Any) -> dict[str, int]:
-    """``write(t)`` changes ``t`` behind the dispatcher's back right after save()."""
-    rng = random.Random(0)
+    """``write(t)`` changes ``t`` behind the dispatcher's back right after save(); tracked
+    windows and whole-state snapshots alike must never commit it."""
     outcome = {"committed": 0, "rejected": 0, "retried": 0}
-    with gpusnap.Checkpointer(tmp_path / "ck", config=_config(), keep_last=2) as ck:
+    for snapshot in (False, True):
+        _trials(tmp_path / f"snapshot-{snapshot}", write, _config(device_snapshot=snapshot), outcome)
+    return outcome
+
+
+def _trials(root: Any, write: Any, config: gpusnap.Config, outcome: dict[str, int]) -> None:
+    rng = random.Random(0)
+    with gpusnap.Checkpointer(root, config=config, keep_last=2) as ck:
         state = {f"t{i}": torch.randn(rng.choice([1 << 14, 1 << 18, 1 << 20]), device="cuda") for i in range(6)}
         for _ in range(TRIALS):
             expected = {k: v.clone() for k, v in state.items()}
@@ -50,7 +60,8 @@ def _check_trials(tmp_path: Any, write: Any) -> dict[str, int]:
             ck.restore(fresh, info.id)
             for k in state:
                 assert torch.equal(fresh[k], expected[k]), f"{k} committed wrong"
-    return outcome
+            if config.device_snapshot and len(ck.list()) > 1:  # the first window logs reads
+                assert not info.stats["tracked"], "a whole-state snapshot needs no tracker"
 
 
 def test_cupy_writes_are_caught_or_captured(tmp_path: Any) -> None:

@@ -238,6 +238,7 @@ class Checkpointer:
                 previous=previous,
                 eager=[sp.index for sp in flat.spans if self._eager_paths.intersection(sp.paths)],
                 eager_device_bytes=self.config.eager_device_bytes,
+                snapshot_device=self.config.device_snapshot,
             )
             window = capture.window
             window.on_close(lambda: pending._set_staged() if window.error is None else None)
@@ -559,6 +560,8 @@ def _window_stats(capture: ConcurrentSave) -> dict[str, Any]:
         "opaque_launches": w.stats.opaque_launches,
         "program_copies": w.stats.program_copies,
         "bytes_eager": w.bytes_eager,
+        "bytes_snapshot": w.bytes_snapshot,  # copied at save() on the program's streams
+        "tracked": capture.tracked,  # whether the window needed the tracker
     }
 
 

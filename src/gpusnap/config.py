@@ -70,6 +70,12 @@ class Config:
     incremental: bool = field(
         default=True, metadata={"doc": "skip chunks unchanged since this root's latest checkpoint"}
     )
+    device_snapshot: bool = field(
+        default=True,
+        metadata={"doc": "when all device state fits in the copy-on-write budget, copy it device-to-device "
+                  "at save() (one batched copy): the program is then not tracked and needs no "
+                  "validation hashes; False: track writes and copy-on-write lazily"},
+    )
     eager_device_bytes: int = field(
         default=1 << 20,
         metadata={"doc": "device spans up to this size are copied at save(), all in one batched copy"},

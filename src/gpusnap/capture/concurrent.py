@@ -57,6 +57,7 @@ class ConcurrentSave:
         previous: dict[str, str] | None = None,
         eager: Collection[int] = (),
         eager_device_bytes: int = 0,
+        snapshot_device: bool = False,
     ) -> None:
         self.flat = flat
         self.txn = txn
@@ -66,7 +67,13 @@ class ConcurrentSave:
         self.window = CaptureWindow(
             flat, order=order, cow_budget=cow_budget, eager_cpu_bytes=eager_cpu_bytes, trace=trace,
             log_reads=log_reads, eager=eager, eager_device_bytes=eager_device_bytes,
+            snapshot_device=snapshot_device,
         )
+        # Snapshots were copied at save() in the program's stream order: no write can reach
+        # them, so they need neither validation hashes nor a tracker. The tracker still runs
+        # when a span is live, or when this window must log the program's reads.
+        self.tracked = not self.window.all_snapshotted or self.window.log_reads
+        validate = validate and not self.window.all_snapshotted
         self.digests: list[list[str | None]] = [
             [None] * -(-s.nbytes // chunk_size) for s in flat.spans
         ]
@@ -75,12 +82,13 @@ class ConcurrentSave:
         self._futures: list[Future[None]] = []
         self._lock = threading.Lock()
         # The consistent point's hashes, enqueued in the program's stream order (validation.py)
-        self.previous = previous if previous is not None else {}
+        incremental = previous is not None  # even with nothing stored yet: the hashes go
+        self.previous = previous if previous is not None else {}  # into the manifest
         self.before: HashTable | None = None
         self.after: HashTable | None = None
         self.skipped: list[set[int]] = [set() for _ in flat.spans]
         self.mismatched: list[str] = []
-        if validate or previous:
+        if validate or incremental:
             # Spans not snapshotted are hashed now, in the program's stream order; snapshots
             # cannot change, so the copier hashes them later, off the caller's time.
             self.before = HashTable(flat.spans, chunk_size)
@@ -112,13 +120,14 @@ class ConcurrentSave:
         self.owner = threading.get_ident()
 
     def start(self) -> None:
-        # torch wraps every mode's handler in _disable_dynamo, which imports torch._dynamo on
-        # its first call (~0.4 s): pay that here, inside save()'s measured stall, not in the
-        # program's first op, which would otherwise block until the window had closed.
-        import torch._dynamo  # noqa: F401  (imported for its side effect, see above)
+        if self.tracked:
+            # torch wraps every mode's handler in _disable_dynamo, which imports torch._dynamo
+            # on its first call (~0.4 s): pay that here, inside save()'s measured stall, not in
+            # the program's first op, which would otherwise block until the window had closed.
+            import torch._dynamo  # noqa: F401  (imported for its side effect, see above)
 
-        self.tracker.__enter__()
-        launch_hooks.add_listener(self.window.before_opaque_launch)
+            self.tracker.__enter__()
+            launch_hooks.add_listener(self.window.before_opaque_launch)
         self.copier.start()
 
     def _hash_snapshots(self) -> None:
@@ -152,7 +161,8 @@ class ConcurrentSave:
 
     def _after_copy(self, ws: WindowSpan, start: int, src: torch.Tensor) -> None:
         assert self.after is not None
-        self.after.fill(ws.index, src, start // self.chunk_size)
+        if ws.index not in self.window.snapshotted:  # a snapshot cannot have changed
+            self.after.fill(ws.index, src, start // self.chunk_size)
 
     def _hashes_to_host(self) -> None:
         assert self.after is not None
@@ -161,10 +171,14 @@ class ConcurrentSave:
     def _validate(self) -> str:
         """Compare the hashes after each copy with the consistent point's; raise on mismatch."""
         if self.after is None:
+            if self.window.all_snapshotted:
+                return "ok: every span was copied at save(), in stream order (nothing to validate)"
             return "off: unseen writes are not detected (docs/capture.md)"
         before, after = self.before_hex(), self.after.hex()
         checked = 0
         for i, span in enumerate(self.flat.spans):
+            if i in self.window.snapshotted:
+                continue
             bad = [k for k in range(len(before[i])) if k not in self.skipped[i] and before[i][k] != after[i][k]]
             checked += len(before[i]) - len(self.skipped[i])
             if bad:
@@ -197,7 +211,11 @@ class ConcurrentSave:
     def _store(self, index: int, start: int, region: Region, n: int) -> None:
         started = time.perf_counter()
         try:
-            if self.after is not None and self.flat.spans[index].device.type == "cpu":
+            if (
+                self.after is not None
+                and self.flat.spans[index].device.type == "cpu"
+                and index not in self.window.snapshotted
+            ):
                 self.after.fill(index, region.data[:n], start // self.chunk_size)  # the staged bytes
             data = memoryview(region.data[:n].numpy()).cast("B")
             for off in range(0, n, self.chunk_size):
@@ -249,7 +267,7 @@ class ConcurrentSave:
         """Pop the tracker if the window is closed and this is its thread (top of stack only)."""
         from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-        if threading.get_ident() != self.owner or not self.window.closed:
+        if not self.tracked or threading.get_ident() != self.owner or not self.window.closed:
             return False
         if _get_current_dispatch_mode() is self.tracker:
             self.tracker.__exit__(None, None, None)

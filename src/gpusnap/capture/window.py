@@ -96,6 +96,7 @@ class CaptureWindow:
         log_reads: bool = True,
         eager: Collection[int] = (),
         eager_device_bytes: int = 0,
+        snapshot_device: bool = False,
     ) -> None:
         self.flat = flat
         self.spans = [WindowSpan(i, s, s.storage._cdata) for i, s in enumerate(flat.spans)]
@@ -118,14 +119,26 @@ class CaptureWindow:
         self.bytes_eager = 0
         # Captured at the consistent point, with one batched copy per device: small spans
         # (cheaper than tracking and hashing each one: every launch costs the caller time),
-        # and spans written unseen by an earlier window (validation remembered them).
+        # spans written unseen by an earlier window (validation remembered them), and every
+        # device span when all of them fit in the copy-on-write budget (``snapshot_device``:
+        # a device copy of the whole state costs the program a few ms of device time, where
+        # tracking every op of a window costs its thread far more).
+        on_device = sum(ws.nbytes for ws in self.spans if ws.device.type != "cpu")
+        whole_device = snapshot_device and 0 < on_device <= cow_budget
         snap = [
             ws for ws in self.spans
-            if ws.nbytes and (ws.index in eager or ws.nbytes <= (eager_cpu_bytes if ws.device.type == "cpu" else eager_device_bytes))
+            if ws.nbytes and (
+                ws.index in eager
+                or (whole_device and ws.device.type != "cpu")
+                or ws.nbytes <= (eager_cpu_bytes if ws.device.type == "cpu" else eager_device_bytes)
+            )
         ]
         self._snapshot(snap)
         self.bytes_eager = sum(ws.nbytes for ws in snap if ws.index in eager)
+        self.bytes_snapshot = sum(ws.nbytes for ws in snap)
         self.snapshotted = frozenset(ws.index for ws in snap)
+        # Nothing live left to protect: the program needs no tracker during this window.
+        self.all_snapshotted = all(ws.index in self.snapshotted for ws in self.spans if ws.nbytes)
 
     # -- program side -------------------------------------------------------------------------
     @property

@@ -337,7 +337,7 @@ def _hash_torch(data: torch.Tensor, chunk_size: int, out: torch.Tensor) -> None:
         part = _lane_sums_torch(pad.view(torch.int64).view(1, 1), q)
         sums[:, rows - 1 :] += part * weights[:, k : k + 1]
     lengths = torch.full((rows,), chunk_size, dtype=torch.int64, device=device)
-    lengths[-1] = n - (rows - 1) * chunk_size
+    lengths[-1:].fill_(n - (rows - 1) * chunk_size)  # (item assignment would copy from the host: a sync)
     for word in range(HASH_WORDS):
         h = _fmix64_torch(sums[2 * word].add_(lengths * _s64(_LC[word])))
         out[:, word] = _fmix64_torch(h.bitwise_xor_(sums[2 * word + 1]))
