@@ -175,13 +175,26 @@ def run_model(spec: Spec, dev: torch.device, args: argparse.Namespace) -> dict[s
         ck_dir = os.path.join(root, "gpusnap")
         with gpusnap.Checkpointer(ck_dir, config=gpusnap.Config.from_env(fsync=False)) as ck:
             row["save_s"], _ = timed(dev, lambda: save_while_serving(ck, source, ids))
+            progress(spec, "saved", row, "save_s")
             row.update(eager(build, ck, ids, expected, dev, args))
+            progress(spec, "eager restores", row, "gpusnap_stream_gbps", "gpusnap_off_gbps")
             row.update(baselines(source, build, ids, expected, dev, root, args))
+            progress(spec, "baselines", row, "torch_load_gbps", "safetensors_gbps")
             row.update(cold_start(build, ck, ids, expected, dev, args))
+            progress(spec, "cold start", row, "lazy_first_forward_s", "eager_first_forward_s")
     finally:
         if not args.root:
             shutil.rmtree(root, ignore_errors=True)
     return row
+
+
+_T0 = time.perf_counter()
+
+
+def progress(spec: Spec, phase: str, row: dict[str, Any], *keys: str) -> None:
+    """One line per finished phase (a run cut short by a time limit still says how far it got)."""
+    shown = ", ".join(f"{k} {row[k]:.3f}" if isinstance(row.get(k), float) else f"{k} {row.get(k)}" for k in keys)
+    print(f"[{time.perf_counter() - _T0:.0f} s] {spec.name}: {phase}: {shown}", flush=True)
 
 
 def save_while_serving(ck: gpusnap.Checkpointer, model: nn.Module, ids: torch.Tensor) -> None:

@@ -35,8 +35,8 @@ from gpusnap.capture import concurrent as _concurrent  # noqa: E402
 from gpusnap.capture import copier as _copier  # noqa: E402
 
 
-def drop_store(self, index, start, region, n) -> None:  # noqa: ANN001
-    self.staging.release(region)
+def drop_store(self, index, start, data) -> None:  # noqa: ANN001
+    pass  # the region is released by the caller
 
 
 def main() -> None:

@@ -547,6 +547,7 @@ def _window_stats(capture: ConcurrentSave) -> dict[str, Any]:
     w = capture.window
     closed = w.closed_at if w.closed_at is not None else w.opened
     return {
+        "copies": capture.copier.copies,
         "bytes_cow": w.stats.bytes_cow,
         "cow_events": w.stats.cow_events,
         "waits": w.stats.waits,

@@ -22,7 +22,7 @@ import torch
 
 from gpusnap import launch_hooks
 from gpusnap.capture.copier import Copier, Piece
-from gpusnap.capture.staging import Region, StagingArena
+from gpusnap.capture.staging import StagingArena
 from gpusnap.capture.trace import Trace
 from gpusnap.capture.tracker import TrackerMode
 from gpusnap.capture.validation import HashTable, unchanged_chunks
@@ -200,41 +200,44 @@ class ConcurrentSave:
             self._futures.append(future)
 
     def _store_many(self, pieces: list[Piece]) -> None:
-        for k, (ws, start, region, n) in enumerate(pieces):
+        for k, (segments, region) in enumerate(pieces):
+            started = time.perf_counter()
             try:
-                self._store(ws.index, start, region, n)
-            except BaseException:
-                for _ws, _start, later, _n in pieces[k + 1 :]:
+                offset = 0
+                for ws, start, n in segments:  # back to back in the region, in order
+                    self._store(ws.index, start, region.data[offset : offset + n])
+                    offset += n
+            except BaseException as exc:
+                for _segments, later in pieces[k + 1 :]:
                     self.staging.release(later)
+                self.window.close(exc)  # stop the copier, release the program
                 raise
+            finally:
+                self.staging.release(region)
+                if self.window.trace is not None:
+                    name = f"piece {segments[0][0].index}:{segments[0][1]}" + (f" +{len(segments) - 1}" if len(segments) > 1 else "")
+                    self.window.trace.span("store", name, started, time.perf_counter())
 
-    def _store(self, index: int, start: int, region: Region, n: int) -> None:
-        started = time.perf_counter()
-        try:
-            if (
-                self.after is not None
-                and self.flat.spans[index].device.type == "cpu"
-                and index not in self.window.snapshotted
-            ):
-                self.after.fill(index, region.data[:n], start // self.chunk_size)  # the staged bytes
-            data = memoryview(region.data[:n].numpy()).cast("B")
-            for off in range(0, n, self.chunk_size):
-                view = data[off : off + self.chunk_size]
-                digest = chunk_digest(view)
-                wrote = not self.txn.has_chunk(digest) and self.txn.put_chunk(digest, view)
-                with self._lock:
-                    if wrote:
-                        self.bytes_written += len(view)
-                    else:
-                        self.bytes_skipped += len(view)
-                self.digests[index][(start + off) // self.chunk_size] = digest
-        except BaseException as exc:
-            self.window.close(exc)  # stop the copier, release the program
-            raise
-        finally:
-            self.staging.release(region)
-            if self.window.trace is not None:
-                self.window.trace.span("store", f"piece {index}:{start}", started, time.perf_counter())
+    def _store(self, index: int, start: int, data: torch.Tensor) -> None:
+        """Hash and store the chunks of span ``index`` that start at byte ``start`` (``data``
+        holds whole chunks, the span's last one possibly short)."""
+        if (
+            self.after is not None
+            and self.flat.spans[index].device.type == "cpu"
+            and index not in self.window.snapshotted
+        ):
+            self.after.fill(index, data, start // self.chunk_size)  # the staged bytes
+        view_all = memoryview(data.numpy()).cast("B")
+        for off in range(0, data.numel(), self.chunk_size):
+            view = view_all[off : off + self.chunk_size]
+            digest = chunk_digest(view)
+            wrote = not self.txn.has_chunk(digest) and self.txn.put_chunk(digest, view)
+            with self._lock:
+                if wrote:
+                    self.bytes_written += len(view)
+                else:
+                    self.bytes_skipped += len(view)
+            self.digests[index][(start + off) // self.chunk_size] = digest
 
     def wait_captured(self, timeout: float | None = None) -> None:
         self.copier.join(timeout)

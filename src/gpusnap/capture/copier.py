@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -31,10 +31,12 @@ from gpusnap.capture.staging import Region, StagingArena
 from gpusnap.capture.window import CaptureWindow, WindowSpan
 from gpusnap.device import waitable_event
 
-__all__ = ["Copier", "Piece", "PieceSink"]
+__all__ = ["Copier", "Piece", "PieceSink", "Segment"]
 
-# (span, start byte, staging region, nbytes) of a piece whose bytes are on the host
-Piece = tuple[WindowSpan, int, Region, int]
+# (span, start byte, nbytes): a run of whole chunks of one span (the last may be short)
+Segment = tuple[WindowSpan, int, int]
+# A finished copy: its segments' bytes lie back to back, in order, at the start of the region.
+Piece = tuple[list[Segment], Region]
 # sink(pieces): takes a batch of finished pieces; it must release each region to the arena.
 PieceSink = Callable[[list[Piece]], None]
 
@@ -72,9 +74,11 @@ class Copier:
         self.after_copy = after_copy  # hashes a piece's source right after its copy (CUDA)
         self.on_drained = on_drained  # every copy completed; runs before the window closes
         self.bytes_copied = 0
+        self.copies = 0  # pieces copied (one copy call each)
         self.max_inflight = self.ahead * piece_bytes  # bytes
-        self._inflight: deque[tuple[Any, float, WindowSpan, int, Region, int]] = deque()
+        self._inflight: deque[tuple[Any, float, list[Segment], Region, int]] = deque()
         self._inflight_bytes = 0
+        self._held_buffers: set[int] = set()  # snapshot buffers recorded on a copy stream
         self.thread = threading.Thread(target=self._run, name="gpusnap-copier", daemon=True)
 
     def start(self) -> None:
@@ -90,10 +94,15 @@ class Copier:
             for stream in self.streams.values():
                 torch.cuda.set_stream(stream)  # this thread's copies go to the copy streams
             if self.prepare is not None:
+                started = time.perf_counter()
                 self.prepare()
-            while (ws := self.window.take_next()) is not None:
-                self._copy_span(ws)
-                self.window.mark_captured(ws)
+                self._traced("prepare", started)
+            if self.window.all_snapshotted:
+                self._copy_snapshots()
+            else:
+                while (ws := self.window.take_next()) is not None:
+                    self._copy_span(ws)
+                    self.window.mark_captured(ws)
             self._drain(0)
             if self.on_drained is not None:
                 self.on_drained()
@@ -110,7 +119,10 @@ class Copier:
         piece = self.piece_bytes  # CPU too: one writer task stores a piece's chunks in order
         held: set[str] = set()  # which sources (live, shadow) were recorded on the copy stream
         cs = self.chunk_size
+        started = time.perf_counter()
         skip = self.skip(ws) if self.skip is not None else set()
+        if self.skip is not None:
+            self._traced("skip", started)
         chunks = -(-ws.nbytes // cs)
         k = 0
         while k < chunks:
@@ -135,11 +147,78 @@ class Copier:
                 self.arena.release(region)
                 raise
             self.bytes_copied += n
-            if event is None:
-                self.sink([(ws, start, region, n)])  # CPU: already copied
-            else:
-                self._inflight.append((event, time.perf_counter(), ws, start, region, n))
-                self._inflight_bytes += n
+            self._issued([(ws, start, n)], region, n, event)
+
+    def _issued(self, segments: list[Segment], region: Region, n: int, event: Any) -> None:
+        self.copies += 1
+        if event is None:
+            self.sink([(segments, region)])  # CPU: already copied
+        else:
+            self._inflight.append((event, time.perf_counter(), segments, region, n))
+            self._inflight_bytes += n
+
+    def _copy_snapshots(self) -> None:
+        """Every span is a snapshot taken at save(), and the snapshots of one device lie back
+        to back in one buffer (``CaptureWindow.snapshot_runs``). Nothing can write them, so
+        there is no order to keep and no state to update per piece: copy each run of changed
+        chunks that sit next to each other in the buffer as one piece (a model's hundreds of
+        small tensors then make a few dozen copies, not hundreds of Python round trips)."""
+        cs, piece = self.chunk_size, self.piece_bytes
+        for device, spans in self.window.snapshot_runs():
+            stream = self.streams.get(device) if device.type == "cuda" else None
+            started = time.perf_counter()
+            segments: list[tuple[Segment, torch.Tensor]] = []  # with each one's source bytes
+            for ws in spans:
+                skip = self.skip(ws) if self.skip is not None else set()
+                chunks = -(-ws.nbytes // cs)
+                k = 0
+                while k < chunks:
+                    if k in skip:
+                        k += 1
+                        continue
+                    j = k + 1
+                    while j < chunks and j not in skip and (j + 1 - k) * cs <= piece:
+                        j += 1
+                    start, n = k * cs, min(j * cs, ws.nbytes) - k * cs
+                    assert ws.shadow is not None
+                    segments.append(((ws, start, n), ws.shadow[start : start + n]))
+                    k = j
+            if self.skip is not None:
+                self._traced("skip", started)
+            for run, first, n in _adjacent_runs(segments, piece):
+                if self.window.error is not None:
+                    raise self.window.error
+                if stream is not None:
+                    self._drain(self.max_inflight - n)
+                    self._yield_to_program_copy()
+                region = self._allocate(n)
+                issued_at = time.perf_counter()
+                try:
+                    src = first.as_strided((n,), (1,), first.storage_offset())
+                    region.data[:n].copy_(src, non_blocking=stream is not None)
+                    event = None
+                    if stream is not None:
+                        if not self._held(src):
+                            src.record_stream(stream)  # the buffer outlives our copies
+                        event = waitable_event()
+                        event.record(stream)
+                except BaseException:
+                    self.arena.release(region)
+                    raise
+                if event is None and self.trace is not None:
+                    self.trace.span("copy", _label_run(run), issued_at, time.perf_counter())
+                self.bytes_copied += n
+                self._issued(run, region, n, event)
+            for ws in spans:
+                self.window.mark_captured(ws)
+
+    def _held(self, src: torch.Tensor) -> bool:
+        """Whether ``src``'s snapshot buffer was recorded on the copy stream already."""
+        key = src.untyped_storage().data_ptr()
+        if key in self._held_buffers:
+            return True
+        self._held_buffers.add(key)
+        return False
 
     def _allocate(self, n: int) -> Region:
         """A staging region for the next piece. Pieces in flight hold regions that only come
@@ -153,7 +232,7 @@ class Copier:
             if not self._inflight:
                 return self.arena.allocate(n)
             if not self.arena.can_grow():
-                self._drain(self._inflight_bytes - self._inflight[0][5])  # the oldest, at least
+                self._drain(self._inflight_bytes - self._inflight[0][4])  # the oldest, at least
 
     def _issue(
         self, ws: WindowSpan, start: int, n: int, region: Region, stream: Any, held: set[str]
@@ -191,18 +270,24 @@ class Copier:
         waits on copy events)."""
         batch: list[Piece] = []
         while self._inflight:
-            event, issued_at, ws, start, region, n = self._inflight[0]
+            event, issued_at, segments, region, n = self._inflight[0]
             if self._inflight_bytes > keep_bytes:
+                started = time.perf_counter()
                 wait_event(event)
+                self._traced("wait for a copy", started)
             elif not event.query():
                 break
             self._inflight.popleft()
             self._inflight_bytes -= n
             if self.trace is not None:
-                self.trace.span("copy", _label(ws, start, n), issued_at, time.perf_counter())
-            batch.append((ws, start, region, n))
+                self.trace.span("copy", _label_run(segments), issued_at, time.perf_counter())
+            batch.append((segments, region))
         if batch:
             self.sink(batch)
+
+    def _traced(self, what: str, started: float) -> None:
+        if self.trace is not None:
+            self.trace.span("copier", what, started, time.perf_counter())
 
     def _yield_to_program_copy(self) -> None:
         event = self.window.program_copy_event()
@@ -220,6 +305,35 @@ def wait_event(event: Any) -> None:
         return
     while not event.query():
         time.sleep(POLL_S)
+
+
+def _adjacent_runs(
+    segments: list[tuple[Segment, torch.Tensor]], limit: int
+) -> Iterator[tuple[list[Segment], torch.Tensor, int]]:
+    """Group segments whose source bytes follow each other in memory into runs of at most
+    ``limit`` bytes: (segments, the first one's source, total bytes)."""
+    run: list[Segment] = []
+    first: torch.Tensor | None = None
+    end = total = 0
+    for seg, src in segments:
+        n = seg[2]
+        ptr = src.data_ptr()
+        if run and (ptr != end or total + n > limit or src.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):  # type: ignore[union-attr]
+            yield run, first, total  # type: ignore[misc]
+            run, total = [], 0
+        if not run:
+            first = src
+        run.append(seg)
+        total += n
+        end = ptr + n
+    if run:
+        yield run, first, total  # type: ignore[misc]
+
+
+def _label_run(segments: list[Segment]) -> str:
+    if len(segments) == 1:
+        return _label(*segments[0])
+    return f"{len(segments)} spans ({sum(n for *_, n in segments)} B)"
 
 
 def _label(ws: WindowSpan, start: int, n: int) -> str:

@@ -4,7 +4,9 @@ Enabled by ``Config.trace_dir`` (``GPUSNAP_TRACE_DIR``): each concurrent save th
 ``<trace_dir>/<checkpoint id>.trace.json`` and names it in ``stats["trace_path"]``. Open it in
 https://ui.perfetto.dev or chrome://tracing. Tracks: ``program`` (every op the tracker saw,
 an instant each), ``copy`` (each piece, from issue to observed completion), ``cow`` (shadow
-copies), ``wait`` (the program blocked on the copier), ``store`` (hash + write of a chunk).
+copies), ``wait`` (the program blocked on the copier), ``store`` (hash + write of a chunk),
+``copier`` (the copier thread's own stops: preparing hashes, finding unchanged chunks,
+waiting for a copy to complete).
 Times are CPU times (``perf_counter``) relative to the window's opening; the end of a CUDA
 copy is when the copier saw its event complete, so it can be late by up to one piece.
 """
@@ -19,7 +21,7 @@ from typing import Any
 
 __all__ = ["Trace"]
 
-_TRACKS = ("program", "copy", "cow", "wait", "store")
+_TRACKS = ("program", "copy", "cow", "wait", "store", "copier")
 
 
 class Trace:

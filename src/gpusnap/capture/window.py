@@ -217,9 +217,15 @@ class CaptureWindow:
 
     def _snapshot(self, spans: list[WindowSpan]) -> None:
         """Whole-span shadows taken now, on the current streams (not counted as COW)."""
+        self._snapshot_groups: list[tuple[torch.device, list[WindowSpan]]] = []
         for device, group, shadows, event in _batched_copies(spans):
             for ws, shadow in zip(group, shadows):
                 ws.shadow, ws.shadow_from, ws.shadow_event = shadow, 0, event
+            self._snapshot_groups.append((device, group))
+
+    def snapshot_runs(self) -> list[tuple[torch.device, list[WindowSpan]]]:
+        """Per device, the snapshotted spans in the order their shadows lie in its buffer."""
+        return list(self._snapshot_groups)
 
     def _shadow_many(self, spans: list[WindowSpan]) -> None:
         """Copy the bytes not yet issued of each span, on the writer's stream (so before its
