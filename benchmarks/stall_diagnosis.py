@@ -83,7 +83,7 @@ def main() -> None:
                 rest = []
                 for _ in range(args.every - 1):
                     rest.append(loop.step())
-                    if not box["p"].staged:  # a step that ran with the window open
+                    if not box["p"].staged():  # a step that ran with the window open
                         hosts.append(loop.host_s)
                         in_window.append(rest[-1])
                 info = box["p"].wait()
