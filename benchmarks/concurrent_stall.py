@@ -145,6 +145,9 @@ def summarize(ck, args, dev, data, ph: dict[str, Any]) -> dict[str, Any]:
         "ops_seen_median": statistics.median(s["ops_seen"] for s in st),
         "bytes_copied_median": statistics.median(s["bytes_copied"] for s in st),
         "bytes_skipped_median": statistics.median(s["bytes_skipped"] for s in st),
+        "bytes_snapshot_max": max(s.get("bytes_snapshot", 0) for s in st),
+        "copies_median": statistics.median(s.get("copies", 0) for s in st),
+        "tracked_windows": sum(bool(s.get("tracked", True)) for s in st),
         "validation": st[-1].get("validation"),
         "bit_exact": verify(ck, args, dev, data, ph["rows"], infos),
         "stats": [{k: v for k, v in s.items() if k != "access_order"} for s in st],
@@ -284,7 +287,8 @@ def table(res: dict[str, Any]) -> None:
           f"{t['writes_only_ops_per_step']:.0f} ops/step")
     keys = ("stall_median_s", "stall_max_s", "interval_stall_median_s", "save_call_s", "window_s",
             "durable_s", "bytes_cow_max", "waits_max", "stream_waits_max", "peak_extra_device_bytes",
-            "staging_bytes", "bytes_copied_median", "bytes_skipped_median", "bit_exact")
+            "staging_bytes", "bytes_copied_median", "bytes_skipped_median", "bytes_snapshot_max",
+            "copies_median", "tracked_windows", "bit_exact")
     for key in res["configs"]:
         c = res[key]
         print(f"  [{key}] first save stall {ms(c['first_save_stall_s'])}, exact {c['first_exact']}")

@@ -31,7 +31,8 @@ from gpusnap.capture.window import CaptureWindow
 CHUNK = 512
 SLOTS = 4
 TINY, HUGE, MID = 1, 1 << 30, 3 * 1024
-BUDGETS = (TINY, HUGE, MID)
+SNAPSHOT = -1  # not a budget: every span copied at save(), the window untracked
+BUDGETS = (TINY, HUGE, MID, SNAPSHOT)
 
 
 def make_config(budget: int) -> gpusnap.Config:
@@ -40,8 +41,8 @@ def make_config(budget: int) -> gpusnap.Config:
         staging_bytes=CHUNK * SLOTS,
         pack_size=1 << 16,
         io_threads=2,
-        eager_cpu_bytes=0,
-        cow_budget_bytes=budget,
+        eager_cpu_bytes=HUGE if budget == SNAPSHOT else 0,
+        cow_budget_bytes=HUGE if budget == SNAPSHOT else budget,
         fsync=False,
     )
 
