@@ -242,7 +242,7 @@ def test_copier_drains_its_own_pieces_when_the_arena_is_full() -> None:
     copier.sink = lambda pieces: [(stored.append(segs[0][1]), arena.release(r)) for segs, r in pieces]
     copier._inflight = __import__("collections").deque()
     for start in (0, 1024):  # two pieces in flight fill the arena
-        copier._inflight.append((_DoneEvent(), 0.0, [(None, start, 1024)], arena.allocate(1024), 1024))
+        copier._inflight.append((_DoneEvent(), 0.0, [(None, start, 1024, 0)], arena.allocate(1024), 1024))
     copier._inflight_bytes = 2048
     done = threading.Event()
     result: list[Any] = []
@@ -295,7 +295,7 @@ def test_copier_takes_finished_pieces_in_one_batch_and_stops_at_a_pending_one() 
     copier.sink = lambda pieces: batches.append([segs[0][1] for segs, _r in pieces])
     copier._inflight = deque()
     for start, event in ((0, _DoneEvent()), (1024, _DoneEvent()), (2048, _PendingEvent()), (3072, _DoneEvent())):
-        copier._inflight.append((event, 0.0, [(None, start, 1024)], arena.allocate(1024), 1024))
+        copier._inflight.append((event, 0.0, [(None, start, 1024, 0)], arena.allocate(1024), 1024))
     copier._inflight_bytes = 4096
     copier._drain(4096)  # under the limit: no waiting, only what has completed, in order
     assert batches == [[0, 1024]] and copier._inflight_bytes == 2048

@@ -203,10 +203,8 @@ class ConcurrentSave:
         for k, (segments, region) in enumerate(pieces):
             started = time.perf_counter()
             try:
-                offset = 0
-                for ws, start, n in segments:  # back to back in the region, in order
+                for ws, start, n, offset in segments:
                     self._store(ws.index, start, region.data[offset : offset + n])
-                    offset += n
             except BaseException as exc:
                 for _segments, later in pieces[k + 1 :]:
                     self.staging.release(later)

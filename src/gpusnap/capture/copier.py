@@ -28,14 +28,15 @@ from typing import Any
 import torch
 
 from gpusnap.capture.staging import Region, StagingArena
-from gpusnap.capture.window import CaptureWindow, WindowSpan
+from gpusnap.capture.window import SNAPSHOT_ALIGN, CaptureWindow, WindowSpan
 from gpusnap.device import waitable_event
 
 __all__ = ["Copier", "Piece", "PieceSink", "Segment"]
 
-# (span, start byte, nbytes): a run of whole chunks of one span (the last may be short)
-Segment = tuple[WindowSpan, int, int]
-# A finished copy: its segments' bytes lie back to back, in order, at the start of the region.
+# (span, start byte, nbytes, offset in the staging region): a run of whole chunks of one span
+# (the last may be short)
+Segment = tuple[WindowSpan, int, int, int]
+# A finished copy: each segment's bytes lie at its offset in the region.
 Piece = tuple[list[Segment], Region]
 # sink(pieces): takes a batch of finished pieces; it must release each region to the arena.
 PieceSink = Callable[[list[Piece]], None]
@@ -147,7 +148,7 @@ class Copier:
                 self.arena.release(region)
                 raise
             self.bytes_copied += n
-            self._issued([(ws, start, n)], region, n, event)
+            self._issued([(ws, start, n, 0)], region, n, event)
 
     def _issued(self, segments: list[Segment], region: Region, n: int, event: Any) -> None:
         self.copies += 1
@@ -167,7 +168,7 @@ class Copier:
         for device, spans in self.window.snapshot_runs():
             stream = self.streams.get(device) if device.type == "cuda" else None
             started = time.perf_counter()
-            segments: list[tuple[Segment, torch.Tensor]] = []  # with each one's source bytes
+            segments: list[tuple[WindowSpan, int, int, torch.Tensor]] = []  # and source bytes
             for ws in spans:
                 skip = self.skip(ws) if self.skip is not None else set()
                 chunks = -(-ws.nbytes // cs)
@@ -181,7 +182,7 @@ class Copier:
                         j += 1
                     start, n = k * cs, min(j * cs, ws.nbytes) - k * cs
                     assert ws.shadow is not None
-                    segments.append(((ws, start, n), ws.shadow[start : start + n]))
+                    segments.append((ws, start, n, ws.shadow[start : start + n]))
                     k = j
             if self.skip is not None:
                 self._traced("skip", started)
@@ -308,34 +309,37 @@ def wait_event(event: Any) -> None:
 
 
 def _adjacent_runs(
-    segments: list[tuple[Segment, torch.Tensor]], limit: int
+    segments: list[tuple[WindowSpan, int, int, torch.Tensor]], limit: int
 ) -> Iterator[tuple[list[Segment], torch.Tensor, int]]:
-    """Group segments whose source bytes follow each other in memory into runs of at most
-    ``limit`` bytes: (segments, the first one's source, total bytes)."""
+    """Group segments whose source bytes follow each other in one buffer (up to the padding
+    that aligns each snapshot, ``SNAPSHOT_ALIGN``) into runs of at most ``limit`` bytes:
+    (segments with their offsets in the run, the first one's source, the run's bytes)."""
     run: list[Segment] = []
     first: torch.Tensor | None = None
-    end = total = 0
-    for seg, src in segments:
-        n = seg[2]
+    base = end = 0
+    for ws, start, n, src in segments:
         ptr = src.data_ptr()
-        if run and (ptr != end or total + n > limit or src.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):  # type: ignore[union-attr]
-            yield run, first, total  # type: ignore[misc]
-            run, total = [], 0
+        if run and (
+            not 0 <= ptr - end < SNAPSHOT_ALIGN
+            or ptr + n - base > limit
+            or src.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()  # type: ignore[union-attr]
+        ):
+            yield run, first, end - base  # type: ignore[misc]
+            run = []
         if not run:
-            first = src
-        run.append(seg)
-        total += n
+            first, base = src, ptr
+        run.append((ws, start, n, ptr - base))
         end = ptr + n
     if run:
-        yield run, first, total  # type: ignore[misc]
+        yield run, first, end - base  # type: ignore[misc]
 
 
 def _label_run(segments: list[Segment]) -> str:
     if len(segments) == 1:
         return _label(*segments[0])
-    return f"{len(segments)} spans ({sum(n for *_, n in segments)} B)"
+    return f"{len(segments)} spans ({sum(seg[2] for seg in segments)} B)"
 
 
-def _label(ws: WindowSpan, start: int, n: int) -> str:
+def _label(ws: WindowSpan, start: int, n: int, _offset: int = 0) -> str:
     name = ws.span.paths[0] if ws.span.paths else f"storage #{ws.index}"
     return f"{name} [{start}:{start + n}]"

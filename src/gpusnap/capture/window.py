@@ -34,7 +34,7 @@ import torch
 from gpusnap.capture.trace import Trace
 from gpusnap.state.flatten import FlatState, StorageSpan
 
-__all__ = ["CaptureWindow", "SpanState", "WindowSpan", "WindowStats"]
+__all__ = ["SNAPSHOT_ALIGN", "CaptureWindow", "SpanState", "WindowSpan", "WindowStats"]
 
 
 class SpanState(enum.Enum):
@@ -342,11 +342,16 @@ class CaptureWindow:
         return [ws.index for ws in touched]
 
 
+SNAPSHOT_ALIGN = 16  # each shadow starts 16-byte aligned in its buffer: the hash kernels'
+# wide loads need it (an unaligned input is hashed from a copy)
+
+
 def _batched_copies(
     spans: list[WindowSpan],
 ) -> Iterator[tuple[torch.device, list[WindowSpan], list[torch.Tensor], Any]]:
-    """Per device: the spans, copies of their bytes not yet issued (one buffer, one
-    multi-tensor copy kernel, on the current stream) and a CUDA event after the copy."""
+    """Per device: the spans, copies of their bytes not yet issued (one buffer, each copy
+    aligned to ``SNAPSHOT_ALIGN``, one multi-tensor copy kernel, on the current stream) and a
+    CUDA event after the copy."""
     by_device: dict[torch.device, list[WindowSpan]] = {}
     for ws in spans:
         by_device.setdefault(ws.device, []).append(ws)
@@ -355,8 +360,12 @@ def _batched_copies(
         if len(group) == 1:
             shadows = [sources[0].clone()]
         else:
-            buffer = torch.empty(sum(src.numel() for src in sources), dtype=torch.uint8, device=device)
-            shadows = list(buffer.split([src.numel() for src in sources]))
+            offsets, total = [], 0
+            for src in sources:
+                offsets.append(total)
+                total += -(-src.numel() // SNAPSHOT_ALIGN) * SNAPSHOT_ALIGN
+            buffer = torch.empty(total, dtype=torch.uint8, device=device)
+            shadows = [buffer[o : o + src.numel()] for o, src in zip(offsets, sources)]
             torch._foreach_copy_(shadows, sources)
         event = None
         if device.type == "cuda":
