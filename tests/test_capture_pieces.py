@@ -238,7 +238,7 @@ def test_copier_drains_its_own_pieces_when_the_arena_is_full() -> None:
     arena = StagingArena(2048, pinned=False, slab_bytes=2048)
     stored: list[int] = []
     copier = Copier.__new__(Copier)
-    copier.arena, copier.trace = arena, None
+    copier.arena, copier.trace, copier.piece_bytes = arena, None, 1 << 20
     copier.sink = lambda pieces: [(stored.append(segs[0][1]), arena.release(r)) for segs, r in pieces]
     copier._inflight = __import__("collections").deque()
     for start in (0, 1024):  # two pieces in flight fill the arena
@@ -291,7 +291,7 @@ def test_copier_takes_finished_pieces_in_one_batch_and_stops_at_a_pending_one() 
     arena = StagingArena(4096, pinned=False, slab_bytes=4096)
     batches: list[list[int]] = []
     copier = Copier.__new__(Copier)
-    copier.arena, copier.trace = arena, None
+    copier.arena, copier.trace, copier.piece_bytes = arena, None, 1 << 20
     copier.sink = lambda pieces: batches.append([segs[0][1] for segs, _r in pieces])
     copier._inflight = deque()
     for start, event in ((0, _DoneEvent()), (1024, _DoneEvent()), (2048, _PendingEvent()), (3072, _DoneEvent())):
@@ -333,3 +333,79 @@ def test_snapshot_pieces_span_neighbouring_tensors_and_skip_unchanged_chunks(tmp
             for k in state:
                 assert torch.equal(fresh[k], expected[k]), k
             state = {k: v.clone() for k, v in expected.items()}
+
+
+def test_copier_cuts_drained_batches_at_a_piece_and_returns_regions_the_sink_refuses() -> None:
+    """The final drain spreads over writer tasks (a batch is about one piece's bytes); if the
+    sink cannot take a batch (its pool is gone), the regions go back to the arena."""
+    from collections import deque
+
+    from gpusnap.capture.copier import Copier
+
+    arena = StagingArena(4096, pinned=False, slab_bytes=4096)
+    batches: list[list[int]] = []
+    copier = Copier.__new__(Copier)
+    copier.arena, copier.trace, copier.piece_bytes = arena, None, 2048
+    copier._inflight = deque()
+
+    def fill() -> None:
+        for start in range(0, 4096, 1024):
+            copier._inflight.append((_DoneEvent(), 0.0, [(None, start, 1024, 0)], arena.allocate(1024), 1024))
+        copier._inflight_bytes = 4096
+
+    def take(pieces: Any) -> None:
+        batches.append([segs[0][1] for segs, _r in pieces])
+        for _segs, region in pieces:
+            arena.release(region)
+
+    copier.sink = take
+    fill()
+    copier._drain(0)
+    assert batches == [[0, 1024], [2048, 3072]]
+
+    def refuse(pieces: Any) -> None:
+        raise RuntimeError("cannot schedule new futures after shutdown")
+
+    copier.sink = refuse
+    fill()
+    with pytest.raises(RuntimeError):
+        copier._drain(0)
+    assert arena.try_allocate(2048) is not None, "a refused batch's regions come back"
+
+
+def test_a_failed_snapshot_save_does_not_keep_the_snapshot_alive(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The error of a failed save is kept (PendingSave, window.error); the copier clears its
+    traceback's frames, so their locals (views of the snapshot buffer: on CUDA, device memory
+    the size of the state) are not kept with it."""
+    from gpusnap.capture import concurrent as cc
+
+    cfg = gpusnap.Config(chunk_size=CHUNK, staging_bytes=8 * CHUNK, copy_piece_bytes=2 * CHUNK,
+                         pack_size=1 << 16, io_threads=1, eager_cpu_bytes=1 << 30, fsync=False)
+    app = {f"t{i}": torch.randint(0, 255, (3000,), dtype=torch.uint8) for i in range(20)}
+    real = cc.ConcurrentSave._store
+    calls = [0]
+
+    def failing(self: Any, *args: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise OSError(28, "No space left on device")
+        real(self, *args)
+
+    monkeypatch.setattr(cc.ConcurrentSave, "_store", failing)
+    with gpusnap.Checkpointer(tmp_path / "ck", config=cfg) as ck:
+        pending = ck.save(app)
+        with pytest.raises(gpusnap.CheckpointError):
+            pending.wait()
+        errors, seen = [pending._durable._error], set()
+        while errors:
+            err = errors.pop()
+            if err is None or id(err) in seen:
+                continue
+            seen.add(id(err))
+            errors += [err.__cause__, err.__context__]
+            tb = err.__traceback__
+            while tb is not None:
+                held = [k for k, v in tb.tb_frame.f_locals.items() if isinstance(v, torch.Tensor)
+                        or (isinstance(v, list) and v and isinstance(v[0], tuple) and any(isinstance(x, torch.Tensor) for x in v[0]))]
+                assert tb.tb_frame.f_code.co_name != "_copy_snapshots" or not held, held
+                tb = tb.tb_next

@@ -145,3 +145,33 @@ def test_whole_state_snapshot_runs_untracked_and_stays_exact(tmp_path, device):
             assert got["step"] == 3
             for k, v in expected.items():
                 assert torch.equal(got[k], v), k
+
+
+@pytest.mark.cuda
+def test_whole_state_snapshot_out_of_memory_falls_back_to_tracking(tmp_path, monkeypatch):
+    """If the whole-state snapshot finds no device memory after all, the window tracks the
+    program instead: the save still equals the state at save()."""
+    from gpusnap.capture import window as window_mod
+
+    real = window_mod._batched_copies
+    failed = []
+
+    def oom_once(spans):
+        if not failed and len(spans) > 1:
+            failed.append(len(spans))
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+        return real(spans)
+
+    state = {"a": torch.randn(1 << 20, device="cuda"), "b": torch.randn(1 << 20, device="cuda")}
+    cfg = Config(chunk_size=1 << 16, pack_size=1 << 24, io_threads=2, fsync=False, eager_device_bytes=0)
+    with gpusnap.Checkpointer(tmp_path / "ck", config=cfg) as ck:
+        ck.save(state).wait()
+        monkeypatch.setattr(window_mod, "_batched_copies", oom_once)
+        expected = {k: v.clone() for k, v in state.items()}
+        pending = ck.save(state)
+        state["a"].mul_(2)
+        info = pending.wait()
+        assert failed and info.stats["tracked"] and info.stats["bytes_snapshot"] == 0
+        got = _restore_into(ck, state, info.id)
+    for k in state:
+        assert torch.equal(got[k], expected[k]), k

@@ -238,7 +238,7 @@ class Checkpointer:
                 previous=previous,
                 eager=[sp.index for sp in flat.spans if self._eager_paths.intersection(sp.paths)],
                 eager_device_bytes=self.config.eager_device_bytes,
-                snapshot_device=self.config.device_snapshot,
+                snapshot_budget=self._snapshot_budget(cuda) if self.config.device_snapshot else 0,
             )
             window = capture.window
             window.on_close(lambda: pending._set_staged() if window.error is None else None)
@@ -267,7 +267,7 @@ class Checkpointer:
         """Span indices in the order the program first touched them (lazy restore loads in
         this order). Logged by the first window only; later saves map its key paths."""
         window = capture.window
-        if window.log_reads:
+        if window.log_reads and capture.tracked:
             order = window.access_order()
             self._access_paths = [window.spans[i].span.paths[0] for i in order if window.spans[i].span.paths]
             return order
@@ -280,6 +280,16 @@ class Checkpointer:
         far = len(rank)
         keyed = [(min((rank.get(p, far) for p in s.paths), default=far), s.index) for s in flat.spans]
         return [index for _, index in sorted(keyed)]
+
+    def _snapshot_budget(self, cuda: list[torch.device]) -> int:
+        """Device bytes a whole-state snapshot may take: the copy-on-write budget, and at most
+        half of what the driver has free (the caching allocator's free blocks are the
+        program's activations of the next step; taking them would make it allocate, or make
+        this allocation free cached blocks, which synchronizes the device)."""
+        budget = self._cow_budget(cuda)
+        if cuda and not self.config.cow_budget_bytes:
+            budget = min([budget, *(torch.cuda.mem_get_info(d)[0] // 2 for d in cuda)])
+        return budget
 
     def _cow_budget(self, cuda: list[torch.device]) -> int:
         if self.config.cow_budget_bytes:
@@ -392,7 +402,8 @@ class Checkpointer:
                     stats["validation"] = capture.validation
                     if job.retry_note is not None:
                         stats["validation"] += f" (a retry: the first attempt failed: {job.retry_note})"
-                    self._write_order = capture.window.write_order()
+                    if capture.tracked:  # an untracked window saw no writes: keep the order
+                        self._write_order = capture.window.write_order()
                     stats["access_order"] = self._access_order(capture)
                     trace = capture.window.trace
                     if trace is not None:

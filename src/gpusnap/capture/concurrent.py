@@ -5,9 +5,10 @@ pushes the tracker, starts the copier) -> the program runs on -> ``finish()`` on
 (waits for every chunk to be stored; returns the storage table) -> the saving thread pops the
 tracker at its next gpusnap call (``reap``).
 
-The copier hands over each piece once its copy has completed (only the copier thread waits
-on CUDA events: a dozen threads blocked in the driver slowed the program's launches); one
-writer task per piece then hashes and stores its chunks and releases its staging region.
+The copier hands over finished pieces in batches of about one piece's bytes (only the copier
+thread waits on CUDA events: a dozen threads blocked in the driver slowed the program's
+launches); one writer task per batch then hashes and stores the chunks and releases the
+staging regions.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class ConcurrentSave:
         previous: dict[str, str] | None = None,
         eager: Collection[int] = (),
         eager_device_bytes: int = 0,
-        snapshot_device: bool = False,
+        snapshot_budget: int = 0,
     ) -> None:
         self.flat = flat
         self.txn = txn
@@ -67,12 +68,12 @@ class ConcurrentSave:
         self.window = CaptureWindow(
             flat, order=order, cow_budget=cow_budget, eager_cpu_bytes=eager_cpu_bytes, trace=trace,
             log_reads=log_reads, eager=eager, eager_device_bytes=eager_device_bytes,
-            snapshot_device=snapshot_device,
+            snapshot_budget=snapshot_budget,
         )
         # Snapshots were copied at save() in the program's stream order: no write can reach
         # them, so they need neither validation hashes nor a tracker. The tracker still runs
         # when a span is live, or when this window must log the program's reads.
-        self.tracked = not self.window.all_snapshotted or self.window.log_reads
+        self.tracked = not self.window.all_snapshotted or log_reads  # (not for a trace alone)
         validate = validate and not self.window.all_snapshotted
         self.digests: list[list[str | None]] = [
             [None] * -(-s.nbytes // chunk_size) for s in flat.spans

@@ -19,8 +19,10 @@ host<->device copy in flight, no new piece is issued (the program's copies go fi
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -109,10 +111,18 @@ class Copier:
                 self.on_drained()
             self.window.close()
         except BaseException as exc:  # the save fails; the program must not wait forever
+            # Copies and hash kernels already queued may still write the staging regions and
+            # hash tables: let them finish before anything is handed back.
+            for stream in self.streams.values():
+                with contextlib.suppress(BaseException):
+                    stream.synchronize()
             for *_, region, _n in self._inflight:
                 self.arena.release(region)
             self._inflight.clear()
             self._inflight_bytes = 0
+            # The error is kept (window.error, the PendingSave); its frames' locals must not
+            # keep the snapshot buffers (device memory) alive with it.
+            traceback.clear_frames(exc.__traceback__)
             self.window.close(exc)
 
     def _copy_span(self, ws: WindowSpan) -> None:
@@ -147,13 +157,13 @@ class Copier:
             except BaseException:
                 self.arena.release(region)
                 raise
-            self.bytes_copied += n
             self._issued([(ws, start, n, 0)], region, n, event)
 
     def _issued(self, segments: list[Segment], region: Region, n: int, event: Any) -> None:
         self.copies += 1
+        self.bytes_copied += sum(seg[2] for seg in segments)  # (not the padding between them)
         if event is None:
-            self.sink([(segments, region)])  # CPU: already copied
+            self._hand_over([(segments, region)])  # CPU: already copied
         else:
             self._inflight.append((event, time.perf_counter(), segments, region, n))
             self._inflight_bytes += n
@@ -208,7 +218,6 @@ class Copier:
                     raise
                 if event is None and self.trace is not None:
                     self.trace.span("copy", _label_run(run), issued_at, time.perf_counter())
-                self.bytes_copied += n
                 self._issued(run, region, n, event)
             for ws in spans:
                 self.window.mark_captured(ws)
@@ -268,23 +277,40 @@ class Copier:
     def _drain(self, keep_bytes: int) -> None:
         """Wait until at most ``keep_bytes`` are in flight, then also take every piece whose
         copy has completed already; hand them to the sink as one batch (only this thread ever
-        waits on copy events)."""
+        waits on copy events). A batch is cut at a piece's worth of bytes, so that the final
+        drain still spreads over the writer threads."""
         batch: list[Piece] = []
-        while self._inflight:
-            event, issued_at, segments, region, n = self._inflight[0]
-            if self._inflight_bytes > keep_bytes:
-                started = time.perf_counter()
-                wait_event(event)
-                self._traced("wait for a copy", started)
-            elif not event.query():
-                break
-            self._inflight.popleft()
-            self._inflight_bytes -= n
-            if self.trace is not None:
-                self.trace.span("copy", _label_run(segments), issued_at, time.perf_counter())
-            batch.append((segments, region))
-        if batch:
-            self.sink(batch)
+        held = 0
+        try:
+            while self._inflight:
+                event, issued_at, segments, region, n = self._inflight[0]
+                if self._inflight_bytes > keep_bytes:
+                    started = time.perf_counter()
+                    wait_event(event)
+                    self._traced("wait for a copy", started)
+                elif not event.query():
+                    break
+                self._inflight.popleft()
+                self._inflight_bytes -= n
+                if self.trace is not None:
+                    self.trace.span("copy", _label_run(segments), issued_at, time.perf_counter())
+                batch.append((segments, region))
+                held += n
+                if held >= self.piece_bytes:
+                    full, batch, held = batch, [], 0
+                    self._hand_over(full)
+        finally:
+            if batch:
+                self._hand_over(batch)
+
+    def _hand_over(self, pieces: list[Piece]) -> None:
+        """Give finished pieces to the sink; if it cannot take them, their regions come back."""
+        try:
+            self.sink(pieces)
+        except BaseException:
+            for _segments, region in pieces:
+                self.arena.release(region)
+            raise
 
     def _traced(self, what: str, started: float) -> None:
         if self.trace is not None:
@@ -336,10 +362,10 @@ def _adjacent_runs(
 
 def _label_run(segments: list[Segment]) -> str:
     if len(segments) == 1:
-        return _label(*segments[0])
+        return _label(*segments[0][:3])
     return f"{len(segments)} spans ({sum(seg[2] for seg in segments)} B)"
 
 
-def _label(ws: WindowSpan, start: int, n: int, _offset: int = 0) -> str:
+def _label(ws: WindowSpan, start: int, n: int) -> str:
     name = ws.span.paths[0] if ws.span.paths else f"storage #{ws.index}"
     return f"{name} [{start}:{start + n}]"

@@ -96,7 +96,7 @@ class CaptureWindow:
         log_reads: bool = True,
         eager: Collection[int] = (),
         eager_device_bytes: int = 0,
-        snapshot_device: bool = False,
+        snapshot_budget: int = 0,
     ) -> None:
         self.flat = flat
         self.spans = [WindowSpan(i, s, s.storage._cdata) for i, s in enumerate(flat.spans)]
@@ -120,20 +120,36 @@ class CaptureWindow:
         # Captured at the consistent point, with one batched copy per device: small spans
         # (cheaper than tracking and hashing each one: every launch costs the caller time),
         # spans written unseen by an earlier window (validation remembered them), and every
-        # device span when all of them fit in the copy-on-write budget (``snapshot_device``:
-        # a device copy of the whole state costs the program a few ms of device time, where
-        # tracking every op of a window costs its thread far more).
-        on_device = sum(ws.nbytes for ws in self.spans if ws.device.type != "cpu")
-        whole_device = snapshot_device and 0 < on_device <= cow_budget
-        snap = [
-            ws for ws in self.spans
-            if ws.nbytes and (
-                ws.index in eager
-                or (whole_device and ws.device.type != "cpu")
-                or ws.nbytes <= (eager_cpu_bytes if ws.device.type == "cpu" else eager_device_bytes)
-            )
-        ]
-        self._snapshot(snap)
+        # device span when each device's spans fit in ``snapshot_budget`` (a device copy of
+        # the whole state costs the program a few ms of device time, where tracking every op
+        # of a window costs its thread far more). If that copy finds no memory after all,
+        # the window falls back to tracking.
+        per_device: dict[torch.device, int] = {}
+        for ws in self.spans:
+            if ws.device.type != "cpu":
+                per_device[ws.device] = per_device.get(ws.device, 0) + ws.nbytes
+        whole_device = bool(per_device) and max(per_device.values()) <= snapshot_budget
+
+        def chosen(whole: bool) -> list[WindowSpan]:
+            return [
+                ws for ws in self.spans
+                if ws.nbytes and (
+                    ws.index in eager
+                    or (whole and ws.device.type != "cpu")
+                    or ws.nbytes <= (eager_cpu_bytes if ws.device.type == "cpu" else eager_device_bytes)
+                )
+            ]
+
+        snap = chosen(whole_device)
+        try:
+            self._snapshot(snap)
+        except torch.cuda.OutOfMemoryError:
+            if not whole_device:
+                raise
+            for ws in snap:
+                ws.shadow, ws.shadow_event = None, None
+            snap = chosen(False)
+            self._snapshot(snap)
         self.bytes_eager = sum(ws.nbytes for ws in snap if ws.index in eager)
         self.bytes_snapshot = sum(ws.nbytes for ws in snap)
         self.snapshotted = frozenset(ws.index for ws in snap)
@@ -356,7 +372,7 @@ def _batched_copies(
     for ws in spans:
         by_device.setdefault(ws.device, []).append(ws)
     for device, group in by_device.items():
-        sources = [ws.span.as_bytes()[ws.issued :] for ws in group]
+        sources = [ws.span.as_bytes()[ws.issued :] if ws.issued else ws.span.as_bytes() for ws in group]
         if len(group) == 1:
             shadows = [sources[0].clone()]
         else:
