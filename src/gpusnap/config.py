@@ -72,7 +72,8 @@ class Config:
     )
     device_snapshot: bool = field(
         default=True,
-        metadata={"doc": "when all device state fits in the copy-on-write budget, copy it device-to-device "
+        metadata={"doc": "when each device's state fits in the copy-on-write budget (and in half of the "
+                  "driver's free memory), copy it device-to-device "
                   "at save() (one batched copy): the program is then not tracked and needs no "
                   "validation hashes; False: track writes and copy-on-write lazily"},
     )
