@@ -77,7 +77,7 @@ def test_arena_regions_are_disjoint_under_random_use() -> None:
 # -- piece-level protection ------------------------------------------------------------------
 def _config(**kw: Any) -> gpusnap.Config:
     base: dict[str, Any] = dict(chunk_size=CHUNK, staging_bytes=4 * CHUNK, pack_size=1 << 16,
-                                io_threads=2, eager_cpu_bytes=0, fsync=False)
+                                io_threads=2, eager_cpu_bytes=0, cpu_snapshot_bytes=0, fsync=False)
     base.update(kw)
     return gpusnap.Config(**base)
 

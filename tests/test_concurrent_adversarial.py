@@ -41,7 +41,8 @@ def make_config(budget: int) -> gpusnap.Config:
         staging_bytes=CHUNK * SLOTS,
         pack_size=1 << 16,
         io_threads=2,
-        eager_cpu_bytes=HUGE if budget == SNAPSHOT else 0,
+        eager_cpu_bytes=0,
+        cpu_snapshot_bytes=HUGE if budget == SNAPSHOT else 0,
         cow_budget_bytes=HUGE if budget == SNAPSHOT else budget,
         fsync=False,
     )

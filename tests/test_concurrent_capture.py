@@ -13,7 +13,7 @@ from gpusnap import Config
 
 def _cfg(**kw) -> Config:
     # the tracked path on every device: no whole-state snapshot, no small-span snapshots
-    base = dict(chunk_size=512, staging_bytes=2048, pack_size=1 << 16, io_threads=2, eager_cpu_bytes=0,
+    base = dict(chunk_size=512, staging_bytes=2048, pack_size=1 << 16, io_threads=2, eager_cpu_bytes=0, cpu_snapshot_bytes=0,
                 eager_device_bytes=0, device_snapshot=False)
     base.update(kw)
     return Config(**base)

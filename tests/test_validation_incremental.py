@@ -21,7 +21,7 @@ CHUNK = 512
 
 def _config(**kw: Any) -> gpusnap.Config:
     base: dict[str, Any] = {"chunk_size": CHUNK, "staging_bytes": 4 * CHUNK, "pack_size": 1 << 16,
-                            "io_threads": 2, "eager_cpu_bytes": 0, "fsync": False}
+                            "io_threads": 2, "eager_cpu_bytes": 0, "cpu_snapshot_bytes": 0, "fsync": False}
     base.update(kw)
     return gpusnap.Config(**base)
 

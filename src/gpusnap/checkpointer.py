@@ -239,6 +239,7 @@ class Checkpointer:
                 eager=[sp.index for sp in flat.spans if self._eager_paths.intersection(sp.paths)],
                 eager_device_bytes=self.config.eager_device_bytes,
                 snapshot_budget=self._snapshot_budget(cuda) if self.config.device_snapshot else 0,
+                snapshot_cpu_bytes=self.config.cpu_snapshot_bytes,
             )
             window = capture.window
             window.on_close(lambda: pending._set_staged() if window.error is None else None)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 __all__ = ["Config", "MiB"]
 
 MiB = 1 << 20
-_MAY_BE_ZERO = {"cow_budget_bytes", "eager_cpu_bytes", "eager_device_bytes", "staging_bytes"}
+_MAY_BE_ZERO = {"cow_budget_bytes", "cpu_snapshot_bytes", "eager_cpu_bytes", "eager_device_bytes", "staging_bytes"}
 
 
 def _env_int(name: str, default: int) -> int:
@@ -76,6 +76,11 @@ class Config:
                   "driver's free memory), copy it device-to-device "
                   "at save() (one batched copy): the program is then not tracked and needs no "
                   "validation hashes; False: track writes and copy-on-write lazily"},
+    )
+    cpu_snapshot_bytes: int = field(
+        default=64 * MiB,
+        metadata={"doc": "CPU spans are all copied at save() when they total at most this (a memcpy is "
+                  "cheaper than tracking every op); 0: only those within eager_cpu_bytes"},
     )
     eager_device_bytes: int = field(
         default=1 << 20,

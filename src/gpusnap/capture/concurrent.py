@@ -59,6 +59,7 @@ class ConcurrentSave:
         eager: Collection[int] = (),
         eager_device_bytes: int = 0,
         snapshot_budget: int = 0,
+        snapshot_cpu_bytes: int = 0,
     ) -> None:
         self.flat = flat
         self.txn = txn
@@ -68,7 +69,7 @@ class ConcurrentSave:
         self.window = CaptureWindow(
             flat, order=order, cow_budget=cow_budget, eager_cpu_bytes=eager_cpu_bytes, trace=trace,
             log_reads=log_reads, eager=eager, eager_device_bytes=eager_device_bytes,
-            snapshot_budget=snapshot_budget,
+            snapshot_budget=snapshot_budget, snapshot_cpu_bytes=snapshot_cpu_bytes,
         )
         # Snapshots were copied at save() in the program's stream order: no write can reach
         # them, so they need neither validation hashes nor a tracker. The tracker still runs

@@ -97,6 +97,7 @@ class CaptureWindow:
         eager: Collection[int] = (),
         eager_device_bytes: int = 0,
         snapshot_budget: int = 0,
+        snapshot_cpu_bytes: int = 0,
     ) -> None:
         self.flat = flat
         self.spans = [WindowSpan(i, s, s.storage._cdata) for i, s in enumerate(flat.spans)]
@@ -124,10 +125,12 @@ class CaptureWindow:
         # the whole state costs the program a few ms of device time, where tracking every op
         # of a window costs its thread far more). If that copy finds no memory after all,
         # the window falls back to tracking.
+        # Likewise every CPU span when they total at most ``snapshot_cpu_bytes``.
         per_device: dict[torch.device, int] = {}
         for ws in self.spans:
-            if ws.device.type != "cpu":
-                per_device[ws.device] = per_device.get(ws.device, 0) + ws.nbytes
+            per_device[ws.device] = per_device.get(ws.device, 0) + ws.nbytes
+        cpu_bytes = per_device.pop(torch.device("cpu"), 0)
+        whole_cpu = cpu_bytes <= snapshot_cpu_bytes
         whole_device = bool(per_device) and max(per_device.values()) <= snapshot_budget
 
         def chosen(whole: bool) -> list[WindowSpan]:
@@ -135,7 +138,7 @@ class CaptureWindow:
                 ws for ws in self.spans
                 if ws.nbytes and (
                     ws.index in eager
-                    or (whole and ws.device.type != "cpu")
+                    or (whole_cpu if ws.device.type == "cpu" else whole)
                     or ws.nbytes <= (eager_cpu_bytes if ws.device.type == "cpu" else eager_device_bytes)
                 )
             ]
