@@ -20,6 +20,7 @@ CPU runs (``--model tiny``) are smoke tests, not performance figures.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -100,10 +101,35 @@ def peak_extra(loop: Loop, fn: Callable[[], float]) -> tuple[float, int]:
     return out, torch.cuda.max_memory_allocated() - base
 
 
+class FullCollections:
+    """Python's full (generation 2) garbage collections while it is active: count, seconds."""
+
+    def __init__(self) -> None:
+        self.count, self.seconds, self._start = 0, 0.0, None
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.count += 1
+            self.seconds += time.perf_counter() - self._start
+            self._start = None
+
+    def __enter__(self) -> FullCollections:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+
 def phase(loop: Loop, ck: gpusnap.Checkpointer, app: dict, where: str, saves: int, every: int,
           median_rest: float, plain_peak: int) -> dict[str, Any]:
     """``saves`` concurrent saves, one every ``every`` steps, placed at ``where``."""
     rows = []
+    collections = FullCollections().__enter__()
     for s in range(saves):
         # forward/backward change no state bytes (grads are not state), so a clone before the
         # timed step equals the state at either save point, and stays out of the timing
@@ -118,8 +144,9 @@ def phase(loop: Loop, ck: gpusnap.Checkpointer, app: dict, where: str, saves: in
         rows.append({"pending": box["pending"], "expected": expected, "step_s": t_save_step,
                      "interval_s": sum(interval), "peak_extra": max(0, peak - plain_peak)})
     ck.wait()
+    collections.__exit__()
     infos = [r["pending"].wait() for r in rows]
-    out: dict[str, Any] = {"infos": infos, "rows": rows}
+    out: dict[str, Any] = {"infos": infos, "rows": rows, "full_gc": (collections.count, collections.seconds)}
     out["stalls"] = [max(0.0, r["step_s"] - median_rest) for r in rows]
     for r in rows:
         r["interval_stall"] = max(0.0, r["interval_s"] - every * median_rest)
@@ -149,6 +176,8 @@ def summarize(ck, args, dev, data, ph: dict[str, Any]) -> dict[str, Any]:
         "copies_median": statistics.median(s.get("copies", 0) for s in st),
         "tracked_windows": sum(bool(s.get("tracked", True)) for s in st),
         "validation": st[-1].get("validation"),
+        "full_gc_count": ph["full_gc"][0],  # Python's full collections during the saves' steps
+        "full_gc_s": ph["full_gc"][1],
         "bit_exact": verify(ck, args, dev, data, ph["rows"], infos),
         "stats": [{k: v for k, v in s.items() if k != "access_order"} for s in st],
     }
@@ -247,7 +276,7 @@ def main() -> None:
                                "copy_piece_bytes": cfg.copy_piece_bytes}
         res.setdefault("configs", []).append(key)
         res[key] = out
-        with gpusnap.Checkpointer(os.path.join(root, f"ck{n}"), config=cfg, keep_last=2) as ck:
+        with gpusnap.Checkpointer(os.path.join(root, f"ck{n}"), config=cfg, keep_last=max(2, args.saves + 1)) as ck:
             if not args.skip_baselines and n == 0:
                 res["gpusnap_blocking_s"] = timed(loop, lambda ck=ck: ck.save(app, blocking=True))
             # the first concurrent save grows the staging arena (pinned memory): measured alone
@@ -288,7 +317,7 @@ def table(res: dict[str, Any]) -> None:
     keys = ("stall_median_s", "stall_max_s", "interval_stall_median_s", "save_call_s", "window_s",
             "durable_s", "bytes_cow_max", "waits_max", "stream_waits_max", "peak_extra_device_bytes",
             "staging_bytes", "bytes_copied_median", "bytes_skipped_median", "bytes_snapshot_max",
-            "copies_median", "tracked_windows", "bit_exact")
+            "copies_median", "tracked_windows", "full_gc_count", "full_gc_s", "bit_exact")
     for key in res["configs"]:
         c = res[key]
         print(f"  [{key}] first save stall {ms(c['first_save_stall_s'])}, exact {c['first_exact']}")

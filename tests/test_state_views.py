@@ -43,7 +43,7 @@ def test_views_of_one_storage_make_one_span_covering_their_extent() -> None:
     assert span.paths == ["a", "b", "c"]
     offsets = [n["byte_offset"] for n in tensor_nodes(flat.tree)]
     assert offsets == [0, 160, 20]
-    assert tensor_nodes(flat.tree)[1]["stride"] == [1, 5]
+    assert list(tensor_nodes(flat.tree)[1]["stride"]) == [1, 5]
 
 
 def test_as_bytes_aliases_the_span_without_copy() -> None:

@@ -88,7 +88,7 @@ class ConcurrentSave:
         self.previous = previous if previous is not None else {}  # into the manifest
         self.before: HashTable | None = None
         self.after: HashTable | None = None
-        self.skipped: list[set[int]] = [set() for _ in flat.spans]
+        self.skipped: dict[int, set[int]] = {}  # span index -> chunks not copied (incremental)
         self.mismatched: list[str] = []
         if validate or incremental:
             # Spans not snapshotted are hashed now, in the program's stream order; snapshots
@@ -158,8 +158,9 @@ class ConcurrentSave:
             self.digests[ws.index][k] = digest
             with self._lock:
                 self.bytes_skipped += min(self.chunk_size, span.nbytes - k * self.chunk_size)
-        self.skipped[ws.index] = set(same)
-        return self.skipped[ws.index]
+        if same:
+            self.skipped[ws.index] = set(same)
+        return self.skipped.get(ws.index, set())
 
     def _after_copy(self, ws: WindowSpan, start: int, src: torch.Tensor) -> None:
         assert self.after is not None
@@ -181,8 +182,9 @@ class ConcurrentSave:
         for i, span in enumerate(self.flat.spans):
             if i in self.window.snapshotted:
                 continue
-            bad = [k for k in range(len(before[i])) if k not in self.skipped[i] and before[i][k] != after[i][k]]
-            checked += len(before[i]) - len(self.skipped[i])
+            skipped = self.skipped.get(i, ())
+            bad = [k for k in range(len(before[i])) if k not in skipped and before[i][k] != after[i][k]]
+            checked += len(before[i]) - len(skipped)
             if bad:
                 self.mismatched.append(span.paths[0] if span.paths else f"storage #{i}")
         if self.mismatched:

@@ -270,7 +270,7 @@ class Copier:
             event.record(stream)
             if not from_shadow:
                 ws.live_event = event
-                ws.waited.clear()  # a newer event: writers must wait again
+                ws.waited = None  # a newer event: writers must wait again
             ws.issued = start + n
         return event
 

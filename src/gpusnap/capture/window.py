@@ -26,7 +26,7 @@ import enum
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,7 +54,9 @@ class WindowSpan:
     shadow_from: int = 0
     shadow_event: Any = None  # CUDA event after the shadow copy, on the writer's stream
     live_event: Any = None  # CUDA event after the last piece copied from the live bytes
-    waited: set[int] = field(default_factory=set)  # streams already waiting on live_event
+    waited: set[int] | None = None  # streams already waiting on live_event (None: none yet;
+    # not an empty set per span: every container a save keeps alive for seconds brings
+    # Python's next full garbage collection, ~0.2 s in a big program, closer)
     urgent: bool = False
     cow: int = 0  # shadow bytes counted against the copy-on-write budget
     first_write: float | None = None
@@ -229,9 +231,9 @@ class CaptureWindow:
             events = [(ws, ws.live_event) for ws in targets if ws.live_event is not None]
         for ws, event in events:
             stream = torch.cuda.current_stream(ws.device)
-            if stream.stream_id not in ws.waited:  # one device-side wait per stream is enough
+            if ws.waited is None or stream.stream_id not in ws.waited:  # one wait per stream
                 stream.wait_event(event)
-                ws.waited.add(stream.stream_id)
+                ws.waited = {stream.stream_id} if ws.waited is None else ws.waited | {stream.stream_id}
                 self.stats.stream_waits += 1
 
     def _snapshot(self, spans: list[WindowSpan]) -> None:

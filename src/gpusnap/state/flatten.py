@@ -220,8 +220,10 @@ class _Walker:
             "t": "tensor",
             "storage": -1,
             "dtype": _dtype_names.get(tensor.dtype) or _dtype_names.setdefault(tensor.dtype, dtype_name(tensor.dtype)),
-            "shape": list(tensor.shape),
-            "stride": list(tensor.stride()),
+            # tuples of ints: Python's collector stops tracking them, so a save that lives
+            # for seconds does not bring its next full collection closer (JSON: arrays)
+            "shape": tuple(tensor.shape),
+            "stride": tensor.stride(),
             "byte_offset": 0,
             "device": _device_names.get(tensor.device) or _device_names.setdefault(tensor.device, str(tensor.device)),
             "requires_grad": bool(tensor.requires_grad),
