@@ -48,6 +48,8 @@ class WindowSpan:
     index: int
     span: StorageSpan
     key: int
+    nbytes: int  # (copies of the span's, read in every loop over spans: no property calls)
+    device: torch.device
     state: SpanState = SpanState.PENDING
     issued: int = 0  # bytes whose copies are enqueued (CPU: done)
     shadow: torch.Tensor | None = None  # bytes [shadow_from, nbytes) as they were at save()
@@ -62,13 +64,6 @@ class WindowSpan:
     first_write: float | None = None
     first_touch: float | None = None
 
-    @property
-    def nbytes(self) -> int:
-        return self.span.nbytes
-
-    @property
-    def device(self) -> torch.device:
-        return self.span.device
 
 
 @dataclass
@@ -102,7 +97,7 @@ class CaptureWindow:
         snapshot_cpu_bytes: int = 0,
     ) -> None:
         self.flat = flat
-        self.spans = [WindowSpan(i, s, s.storage._cdata) for i, s in enumerate(flat.spans)]
+        self.spans = [WindowSpan(i, s, s.storage._cdata, s.end - s.start, s.device) for i, s in enumerate(flat.spans)]
         self.by_key = {ws.key: ws for ws in self.spans}
         self.cond = threading.Condition()
         self.cow_budget = cow_budget
@@ -381,12 +376,12 @@ def _batched_copies(
         if len(group) == 1:
             shadows = [sources[0].clone()]
         else:
-            offsets, total = [], 0
+            sizes = []  # each copy, then its padding: one split makes every view
             for src in sources:
-                offsets.append(total)
-                total += -(-src.numel() // SNAPSHOT_ALIGN) * SNAPSHOT_ALIGN
-            buffer = torch.empty(total, dtype=torch.uint8, device=device)
-            shadows = [buffer[o : o + src.numel()] for o, src in zip(offsets, sources)]
+                n = src.numel()
+                sizes += (n, -n % SNAPSHOT_ALIGN)
+            buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+            shadows = list(buffer.split(sizes)[::2])
             torch._foreach_copy_(shadows, sources)
         event = None
         if device.type == "cuda":
