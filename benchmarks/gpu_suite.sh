@@ -2,7 +2,8 @@
 # One device call's worth of GPU checks and measurements, each step time-boxed, logs under
 # $OUT (default ./gpu-out). Usage: benchmarks/gpu_suite.sh [demo] [tests] [stall] [diag] [incr]
 # [restore] [hash] [quick] (default: all but hash and quick). Run from the repository root on
-# the GPU machine. SUITE_S (default 570) bounds the whole call: a step gets at most the time left,
+# the GPU machine; read what comes back with benchmarks/suite_summary.py suite.tgz. SUITE_S
+# (default 570) bounds the whole call: a step gets at most the time left,
 # and one with under 30 s left is skipped, so the logs of the steps before it always come back.
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
