@@ -482,19 +482,13 @@ if triton is not None:
         tl.store(dst + 3, tl.sum(tl.where(m, t3, 0), axis=1), mask=ok)
 
     @triton.jit
-    def _t_finalize_kernel(part_ptr, bytes_ptr, out_ptr, n_chunks, nbytes, chunk_size, cp,
-                           n_pairs, tail_start, tail, SPLITS: tl.constexpr,
-                           BLOCK_C: tl.constexpr, PERIOD: tl.constexpr):
-        # Integer arguments below 2**31 arrive as int32: products that can pass 2**31 are
-        # taken in int64 (``c``) or computed on the host (``tail_start`` = 8 * n_pairs).
-        # SPLITS (periods per chunk) is a compile-time constant: one compile per chunk size.
-        pid = tl.program_id(0)
-        c = pid.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
-        cm = c < n_chunks
-        s0 = tl.zeros([BLOCK_C], tl.uint64)
-        s1 = tl.zeros([BLOCK_C], tl.uint64)
-        s2 = tl.zeros([BLOCK_C], tl.uint64)
-        s3 = tl.zeros([BLOCK_C], tl.uint64)
+    def _t_weighted_parts(part_ptr, c, cm, SPLITS: tl.constexpr):
+        """Lane sums of chunks ``c`` (masked by ``cm``): each of their SPLITS periods' partial
+        sums (``part``, 4 lanes per period) times that period's weight."""
+        s0 = tl.zeros(c.shape, tl.uint64)
+        s1 = tl.zeros(c.shape, tl.uint64)
+        s2 = tl.zeros(c.shape, tl.uint64)
+        s3 = tl.zeros(c.shape, tl.uint64)
         for k in range(SPLITS):
             src = part_ptr + (c * SPLITS + k) * 4
             p0 = tl.load(src + 0, mask=cm, other=0).to(tl.uint64, bitcast=True)
@@ -505,23 +499,46 @@ if triton is not None:
             s1 += _t_weight(k, _T_WM1, _T_WA1) * p1
             s2 += _t_weight(k, _T_WM2, _T_WA2) * p2
             s3 += _t_weight(k, _T_WM3, _T_WA3) * p3
+        return s0, s1, s2, s3
+
+    @triton.jit
+    def _t_add_pair(s0, s1, s2, s3, xt, pt, use, PERIOD: tl.constexpr):
+        """Add pair ``xt`` (a zero-padded last pair) at pair index ``pt`` where ``use``."""
+        kt = pt // PERIOD
+        t0, t1, t2, t3 = _t_terms(xt.to(tl.int64, bitcast=True), (pt % PERIOD).to(tl.int32))
+        s0 += tl.where(use, _t_weight(kt, _T_WM0, _T_WA0) * t0.to(tl.uint64, bitcast=True), 0)
+        s1 += tl.where(use, _t_weight(kt, _T_WM1, _T_WA1) * t1.to(tl.uint64, bitcast=True), 0)
+        s2 += tl.where(use, _t_weight(kt, _T_WM2, _T_WA2) * t2.to(tl.uint64, bitcast=True), 0)
+        s3 += tl.where(use, _t_weight(kt, _T_WM3, _T_WA3) * t3.to(tl.uint64, bitcast=True), 0)
+        return s0, s1, s2, s3
+
+    @triton.jit
+    def _t_store_hashes(out_ptr, c, cm, s0, s1, s2, s3, length):
+        """Mix the lane sums with each chunk's byte ``length`` (uint64) into its 128-bit hash."""
+        h0 = _t_fmix64(_t_fmix64(s0 + length * _T_LC0) ^ s1)
+        h1 = _t_fmix64(_t_fmix64(s2 + length * _T_LC1) ^ s3)
+        tl.store(out_ptr + c * 2, h0.to(tl.int64, bitcast=True), mask=cm)
+        tl.store(out_ptr + c * 2 + 1, h1.to(tl.int64, bitcast=True), mask=cm)
+
+    @triton.jit
+    def _t_finalize_kernel(part_ptr, bytes_ptr, out_ptr, n_chunks, nbytes, chunk_size, cp,
+                           n_pairs, tail_start, tail, SPLITS: tl.constexpr,
+                           BLOCK_C: tl.constexpr, PERIOD: tl.constexpr):
+        # Integer arguments below 2**31 arrive as int32: products that can pass 2**31 are
+        # taken in int64 (``c``) or computed on the host (``tail_start`` = 8 * n_pairs).
+        # SPLITS (periods per chunk) is a compile-time constant: one compile per chunk size.
+        pid = tl.program_id(0)
+        c = pid.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cm = c < n_chunks
+        s0, s1, s2, s3 = _t_weighted_parts(part_ptr, c, cm, SPLITS)
         if tail > 0:  # the zero-padded last pair of the last chunk
             i = tl.arange(0, 8)
             byte = tl.load(bytes_ptr + tail_start + i, mask=i < tail, other=0)
             xt = tl.sum(byte.to(tl.uint64) << (i * 8).to(tl.uint64), axis=0)
             pt = n_pairs - (n_chunks - 1) * cp
-            kt = pt // PERIOD
-            t0, t1, t2, t3 = _t_terms(xt.to(tl.int64, bitcast=True), (pt % PERIOD).to(tl.int32))
-            last = c == n_chunks - 1
-            s0 += tl.where(last, _t_weight(kt, _T_WM0, _T_WA0) * t0.to(tl.uint64, bitcast=True), 0)
-            s1 += tl.where(last, _t_weight(kt, _T_WM1, _T_WA1) * t1.to(tl.uint64, bitcast=True), 0)
-            s2 += tl.where(last, _t_weight(kt, _T_WM2, _T_WA2) * t2.to(tl.uint64, bitcast=True), 0)
-            s3 += tl.where(last, _t_weight(kt, _T_WM3, _T_WA3) * t3.to(tl.uint64, bitcast=True), 0)
+            s0, s1, s2, s3 = _t_add_pair(s0, s1, s2, s3, xt, pt, c == n_chunks - 1, PERIOD)
         length = tl.minimum(nbytes - c * chunk_size, chunk_size).to(tl.uint64)
-        h0 = _t_fmix64(_t_fmix64(s0 + length * _T_LC0) ^ s1)
-        h1 = _t_fmix64(_t_fmix64(s2 + length * _T_LC1) ^ s3)
-        tl.store(out_ptr + c * 2, h0.to(tl.int64, bitcast=True), mask=cm)
-        tl.store(out_ptr + c * 2 + 1, h1.to(tl.int64, bitcast=True), mask=cm)
+        _t_store_hashes(out_ptr, c, cm, s0, s1, s2, s3, length)
 
 
 def _hash_triton(

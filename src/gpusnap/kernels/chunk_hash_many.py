@@ -165,20 +165,11 @@ def _hash_triton_many(
 
 if triton is not None:
     from gpusnap.kernels.chunk_hash import (  # the shared definition's Triton pieces
-        _T_LC0,
-        _T_LC1,
-        _T_WA0,
-        _T_WA1,
-        _T_WA2,
-        _T_WA3,
-        _T_WM0,
-        _T_WM1,
-        _T_WM2,
-        _T_WM3,
-        _t_fmix64,
+        _t_add_pair,
+        _t_store_hashes,
         _t_stream,
         _t_terms,
-        _t_weight,
+        _t_weighted_parts,
     )
 
     @triton.jit
@@ -235,35 +226,12 @@ if triton is not None:
         cm = c < n_rows
         addr = tl.load(table_ptr + c, mask=cm, other=0)
         length = tl.load(table_ptr + n_rows + c, mask=cm, other=0)
-        s0 = tl.zeros([BLOCK_C], tl.uint64)
-        s1 = tl.zeros([BLOCK_C], tl.uint64)
-        s2 = tl.zeros([BLOCK_C], tl.uint64)
-        s3 = tl.zeros([BLOCK_C], tl.uint64)
-        for k in range(SPLITS):
-            src = part_ptr + (c * SPLITS + k) * 4
-            p0 = tl.load(src + 0, mask=cm, other=0).to(tl.uint64, bitcast=True)
-            p1 = tl.load(src + 1, mask=cm, other=0).to(tl.uint64, bitcast=True)
-            p2 = tl.load(src + 2, mask=cm, other=0).to(tl.uint64, bitcast=True)
-            p3 = tl.load(src + 3, mask=cm, other=0).to(tl.uint64, bitcast=True)
-            s0 += _t_weight(k, _T_WM0, _T_WA0) * p0
-            s1 += _t_weight(k, _T_WM1, _T_WA1) * p1
-            s2 += _t_weight(k, _T_WM2, _T_WA2) * p2
-            s3 += _t_weight(k, _T_WM3, _T_WA3) * p3
+        s0, s1, s2, s3 = _t_weighted_parts(part_ptr, c, cm, SPLITS)
         pt = length // 8  # whole pairs; a last chunk's leftover bytes form pair pt
         tail = length - pt * 8
         i = tl.arange(0, 8)[None, :]
         tail_ptr = (addr + pt * 8).to(tl.pointer_type(tl.uint8))
         byte = tl.load(tail_ptr[:, None] + i, mask=cm[:, None] & (i < tail[:, None]), other=0)
         xt = tl.sum(byte.to(tl.uint64) << (i * 8).to(tl.uint64), axis=1)
-        kt = pt // PERIOD
-        t0, t1, t2, t3 = _t_terms(xt.to(tl.int64, bitcast=True), (pt % PERIOD).to(tl.int32))
-        has = tail > 0
-        s0 += tl.where(has, _t_weight(kt, _T_WM0, _T_WA0) * t0.to(tl.uint64, bitcast=True), 0)
-        s1 += tl.where(has, _t_weight(kt, _T_WM1, _T_WA1) * t1.to(tl.uint64, bitcast=True), 0)
-        s2 += tl.where(has, _t_weight(kt, _T_WM2, _T_WA2) * t2.to(tl.uint64, bitcast=True), 0)
-        s3 += tl.where(has, _t_weight(kt, _T_WM3, _T_WA3) * t3.to(tl.uint64, bitcast=True), 0)
-        lu = length.to(tl.uint64)
-        h0 = _t_fmix64(_t_fmix64(s0 + lu * _T_LC0) ^ s1)
-        h1 = _t_fmix64(_t_fmix64(s2 + lu * _T_LC1) ^ s3)
-        tl.store(out_ptr + c * 2, h0.to(tl.int64, bitcast=True), mask=cm)
-        tl.store(out_ptr + c * 2 + 1, h1.to(tl.int64, bitcast=True), mask=cm)
+        s0, s1, s2, s3 = _t_add_pair(s0, s1, s2, s3, xt, pt, tail > 0, PERIOD)
+        _t_store_hashes(out_ptr, c, cm, s0, s1, s2, s3, length.to(tl.uint64))
