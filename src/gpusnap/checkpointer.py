@@ -220,6 +220,7 @@ class Checkpointer:
             if device_bytes:
                 phases["reserve_staging"] = arena.reserve(device_bytes + self.config.piece_bytes())
             opened = time.perf_counter()
+            cow_budget, snapshot_budget = self._device_budgets(cuda)
             capture = ConcurrentSave(
                 flat,
                 txn,
@@ -230,7 +231,7 @@ class Checkpointer:
                 piece_bytes=self.config.piece_bytes(),
                 ahead=self.config.copy_ahead,
                 order=order,
-                cow_budget=self._cow_budget(cuda),
+                cow_budget=cow_budget,
                 eager_cpu_bytes=self.config.eager_cpu_bytes,
                 trace=Trace(pending.id) if self.config.trace_dir else None,
                 log_reads=self._access_paths is None,
@@ -238,7 +239,7 @@ class Checkpointer:
                 previous=previous,
                 eager=[sp.index for sp in flat.spans if self._eager_paths.intersection(sp.paths)],
                 eager_device_bytes=self.config.eager_device_bytes,
-                snapshot_budget=self._snapshot_budget(cuda) if self.config.device_snapshot else 0,
+                snapshot_budget=snapshot_budget if self.config.device_snapshot else 0,
                 snapshot_cpu_bytes=self.config.cpu_snapshot_bytes,
             )
             window = capture.window
@@ -282,28 +283,25 @@ class Checkpointer:
         keyed = [(min((rank.get(p, far) for p in s.paths), default=far), s.index) for s in flat.spans]
         return [index for _, index in sorted(keyed)]
 
-    def _snapshot_budget(self, cuda: list[torch.device]) -> int:
-        """Device bytes a whole-state snapshot may take: the copy-on-write budget, and at most
-        half of what the driver has free (the caching allocator's free blocks are the
-        program's activations of the next step; taking them would make it allocate, or make
-        this allocation free cached blocks, which synchronizes the device)."""
-        budget = self._cow_budget(cuda)
-        if cuda and not self.config.cow_budget_bytes:
-            budget = min([budget, *(torch.cuda.mem_get_info(d)[0] // 2 for d in cuda)])
-        return budget
+    def _device_budgets(self, cuda: list[torch.device]) -> tuple[int, int]:
+        """Device bytes for copy-on-write shadows, and for a whole-state snapshot.
 
-    def _cow_budget(self, cuda: list[torch.device]) -> int:
+        Copy-on-write: ``cow_budget_bytes``, else a quarter of what is free in the driver plus
+        what torch's caching allocator holds unused (host memory on CPU). Snapshot: the same,
+        and at most half of what the driver has free: the allocator's free blocks are the
+        program's activations of the next step; taking them would make it allocate, or make
+        this allocation free cached blocks, which synchronizes the device."""
         if self.config.cow_budget_bytes:
-            return self.config.cow_budget_bytes
-        if cuda:  # free in the driver plus what torch's caching allocator holds unused
-            return min(
-                torch.cuda.mem_get_info(d)[0] + torch.cuda.memory_reserved(d) - torch.cuda.memory_allocated(d)
-                for d in cuda
-            ) // 4
+            return self.config.cow_budget_bytes, self.config.cow_budget_bytes
+        if cuda:
+            free = {d: torch.cuda.mem_get_info(d)[0] for d in cuda}
+            cow = min(free[d] + torch.cuda.memory_reserved(d) - torch.cuda.memory_allocated(d) for d in cuda) // 4
+            return cow, min(cow, min(free.values()) // 2)
         try:
-            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+            cow = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
         except (ValueError, OSError, AttributeError):
-            return 1 << 30
+            cow = 1 << 30
+        return cow, cow
 
     def _staging_arena(self, *, pinned: bool) -> StagingArena:
         arena = self._staging

@@ -134,20 +134,11 @@ class Copier:
         skip = self.skip(ws) if self.skip is not None else set()
         if self.skip is not None:
             self._traced("skip", started)
-        chunks = -(-ws.nbytes // cs)
-        k = 0
-        while k < chunks:
+        for start, n in _changed_runs(ws.nbytes, skip, cs, piece):
             if self.window.error is not None:
                 raise self.window.error
-            if k in skip:  # unchanged since the previous checkpoint: nothing to copy
-                self.window.skip_to(ws, min((k + 1) * cs, ws.nbytes))
-                k += 1
-                continue
-            j = k + 1  # a piece: consecutive changed chunks, at most piece_bytes
-            while j < chunks and j not in skip and (j + 1 - k) * cs <= piece:
-                j += 1
-            start, n = k * cs, min(j * cs, ws.nbytes) - k * cs
-            k = j
+            if start > ws.issued:  # (only this thread advances ``issued``)
+                self.window.skip_to(ws, start)  # chunks unchanged since the last checkpoint
             if stream is not None:
                 self._drain(self.max_inflight - n)
                 self._yield_to_program_copy()
@@ -158,6 +149,8 @@ class Copier:
                 self.arena.release(region)
                 raise
             self._issued([(ws, start, n, 0)], region, n, event)
+        if ws.issued < ws.nbytes:
+            self.window.skip_to(ws, ws.nbytes)  # trailing unchanged chunks
 
     def _issued(self, segments: list[Segment], region: Region, n: int, event: Any) -> None:
         self.copies += 1
@@ -181,19 +174,9 @@ class Copier:
             segments: list[tuple[WindowSpan, int, int, torch.Tensor]] = []  # and source bytes
             for ws in spans:
                 skip = self.skip(ws) if self.skip is not None else set()
-                chunks = -(-ws.nbytes // cs)
-                k = 0
-                while k < chunks:
-                    if k in skip:
-                        k += 1
-                        continue
-                    j = k + 1
-                    while j < chunks and j not in skip and (j + 1 - k) * cs <= piece:
-                        j += 1
-                    start, n = k * cs, min(j * cs, ws.nbytes) - k * cs
-                    assert ws.shadow is not None
+                assert ws.shadow is not None
+                for start, n in _changed_runs(ws.nbytes, skip, cs, piece):
                     segments.append((ws, start, n, ws.shadow[start : start + n]))
-                    k = j
             if self.skip is not None:
                 self._traced("skip", started)
             for run, first, n in _adjacent_runs(segments, piece):
@@ -332,6 +315,23 @@ def wait_event(event: Any) -> None:
         return
     while not event.query():
         time.sleep(POLL_S)
+
+
+def _changed_runs(nbytes: int, skip: set[int], chunk_size: int, limit: int) -> Iterator[tuple[int, int]]:
+    """(start, bytes) of each run of consecutive chunks not in ``skip`` (unchanged since the
+    previous checkpoint), at most ``limit`` bytes each (whole chunks; a span's last chunk may
+    be short)."""
+    chunks = -(-nbytes // chunk_size)
+    k = 0
+    while k < chunks:
+        if k in skip:
+            k += 1
+            continue
+        j = k + 1
+        while j < chunks and j not in skip and (j + 1 - k) * chunk_size <= limit:
+            j += 1
+        yield k * chunk_size, min(j * chunk_size, nbytes) - k * chunk_size
+        k = j
 
 
 def _adjacent_runs(
