@@ -229,21 +229,35 @@ class _DoneEvent:
         return True
 
 
+def _bare_copier(arena: StagingArena, piece_bytes: int, in_flight: list[tuple[Any, int]]) -> Any:
+    """A Copier with only what ``_drain`` and ``_allocate`` use, and 1024-byte pieces in flight
+    (``(event, start)`` each, in order), each holding a region of ``arena``."""
+    from collections import deque
+
+    from gpusnap.capture.copier import Copier
+
+    copier = Copier.__new__(Copier)
+    copier.arena, copier.trace, copier.piece_bytes = arena, None, piece_bytes
+    copier._inflight = deque()
+    copier._inflight_bytes = 0
+    _put_in_flight(copier, in_flight)
+    return copier
+
+
+def _put_in_flight(copier: Any, in_flight: list[tuple[Any, int]]) -> None:
+    for event, start in in_flight:
+        copier._inflight.append((event, 0.0, [(None, start, 1024, 0)], copier.arena.allocate(1024), 1024))
+        copier._inflight_bytes += 1024
+
+
 def test_copier_drains_its_own_pieces_when_the_arena_is_full() -> None:
     """Pieces in flight hold staging regions until the copier itself drains them: with an
     arena smaller than ``ahead`` pieces, allocating the next piece must drain the oldest one
     instead of waiting for a release that only the copier could cause (a hang on the H200)."""
-    from gpusnap.capture.copier import Copier
-
     arena = StagingArena(2048, pinned=False, slab_bytes=2048)
     stored: list[int] = []
-    copier = Copier.__new__(Copier)
-    copier.arena, copier.trace, copier.piece_bytes = arena, None, 1 << 20
+    copier = _bare_copier(arena, 1 << 20, [(_DoneEvent(), 0), (_DoneEvent(), 1024)])  # a full arena
     copier.sink = lambda pieces: [(stored.append(segs[0][1]), arena.release(r)) for segs, r in pieces]
-    copier._inflight = __import__("collections").deque()
-    for start in (0, 1024):  # two pieces in flight fill the arena
-        copier._inflight.append((_DoneEvent(), 0.0, [(None, start, 1024, 0)], arena.allocate(1024), 1024))
-    copier._inflight_bytes = 2048
     done = threading.Event()
     result: list[Any] = []
     worker = threading.Thread(target=lambda: (result.append(copier._allocate(1024)), done.set()), daemon=True)
@@ -284,19 +298,11 @@ class _PendingEvent(_DoneEvent):
 
 
 def test_copier_takes_finished_pieces_in_one_batch_and_stops_at_a_pending_one() -> None:
-    from collections import deque
-
-    from gpusnap.capture.copier import Copier
-
     arena = StagingArena(4096, pinned=False, slab_bytes=4096)
     batches: list[list[int]] = []
-    copier = Copier.__new__(Copier)
-    copier.arena, copier.trace, copier.piece_bytes = arena, None, 1 << 20
+    events = [(_DoneEvent(), 0), (_DoneEvent(), 1024), (_PendingEvent(), 2048), (_DoneEvent(), 3072)]
+    copier = _bare_copier(arena, 1 << 20, events)
     copier.sink = lambda pieces: batches.append([segs[0][1] for segs, _r in pieces])
-    copier._inflight = deque()
-    for start, event in ((0, _DoneEvent()), (1024, _DoneEvent()), (2048, _PendingEvent()), (3072, _DoneEvent())):
-        copier._inflight.append((event, 0.0, [(None, start, 1024, 0)], arena.allocate(1024), 1024))
-    copier._inflight_bytes = 4096
     copier._drain(4096)  # under the limit: no waiting, only what has completed, in order
     assert batches == [[0, 1024]] and copier._inflight_bytes == 2048
     copier._drain(1024)  # over the limit: waits for the pending piece, then takes the done one
@@ -338,20 +344,12 @@ def test_snapshot_pieces_span_neighbouring_tensors_and_skip_unchanged_chunks(tmp
 def test_copier_cuts_drained_batches_at_a_piece_and_returns_regions_the_sink_refuses() -> None:
     """The final drain spreads over writer tasks (a batch is about one piece's bytes); if the
     sink cannot take a batch (its pool is gone), the regions go back to the arena."""
-    from collections import deque
-
-    from gpusnap.capture.copier import Copier
-
     arena = StagingArena(4096, pinned=False, slab_bytes=4096)
     batches: list[list[int]] = []
-    copier = Copier.__new__(Copier)
-    copier.arena, copier.trace, copier.piece_bytes = arena, None, 2048
-    copier._inflight = deque()
+    copier = _bare_copier(arena, 2048, [])
 
     def fill() -> None:
-        for start in range(0, 4096, 1024):
-            copier._inflight.append((_DoneEvent(), 0.0, [(None, start, 1024, 0)], arena.allocate(1024), 1024))
-        copier._inflight_bytes = 4096
+        _put_in_flight(copier, [(_DoneEvent(), start) for start in range(0, 4096, 1024)])
 
     def take(pieces: Any) -> None:
         batches.append([segs[0][1] for segs, _r in pieces])
