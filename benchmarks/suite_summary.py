@@ -65,12 +65,15 @@ def trace_summary(path: Path) -> list[str]:
     return out
 
 
-def main() -> None:
+def main() -> str | None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("source", help="suite.tgz, or the folder it was unpacked into")
     ap.add_argument("--traces", type=int, default=2, help="traces shown per variant (the last ones)")
     args = ap.parse_args()
-    root = unpack(args.source)
+    try:
+        root = unpack(args.source)
+    except (OSError, tarfile.TarError) as exc:
+        return f"suite_summary: cannot read {args.source}: {str(exc).splitlines()[0]}"
     gpu = root / "gpu.txt"
     if gpu.exists():
         print("GPU:", gpu.read_text().strip())
