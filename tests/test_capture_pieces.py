@@ -219,6 +219,94 @@ def test_opaque_launch_in_a_window_protects_every_buffer(
         assert torch.equal(state[k], before[k]), k
 
 
+class _FakeGraph:
+    """Stands in for ``torch.cuda.CUDAGraph`` on CPU: the hooks wrap it like the real class."""
+
+    fail = False
+    seen: list[Any] = []
+
+    def capture_begin(self) -> None:
+        from gpusnap import launch_hooks
+
+        _FakeGraph.seen.append(("begin", launch_hooks.capturing()))
+        if _FakeGraph.fail:
+            raise RuntimeError("capture refused")
+
+    def capture_end(self) -> None:
+        _FakeGraph.seen.append("end")
+
+    def replay(self) -> None:
+        _FakeGraph.seen.append("replay")
+
+
+def test_graph_capture_silences_launches_on_its_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between capture_begin and capture_end nothing runs (it is recorded): the capturing
+    thread's launches are not reported; other threads' are; ``on_capture`` runs first."""
+    from gpusnap import launch_hooks
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(_FakeGraph, "seen", [])
+    seen = _FakeGraph.seen
+    listener = lambda: seen.append("listener")  # noqa: E731
+    launch_hooks.add_listener(listener, on_capture=lambda: seen.append(("on_capture", launch_hooks.capturing())))
+    try:
+        g = torch.cuda.CUDAGraph()
+        g.capture_begin()
+        assert launch_hooks.capturing()
+        launch_hooks._before_launch()  # recorded into the graph: not a launch
+        other = threading.Thread(target=launch_hooks._before_launch)
+        other.start()
+        other.join()
+        g.capture_end()
+        assert not launch_hooks.capturing()
+        g.replay()
+        assert seen == [("on_capture", False), ("begin", True), "listener", "end", "listener", "replay"]
+        monkeypatch.setattr(_FakeGraph, "fail", True)
+        with pytest.raises(RuntimeError, match="capture refused"):
+            g.capture_begin()
+        assert not launch_hooks.capturing(), "a capture that failed to begin leaves the thread unmarked"
+    finally:
+        launch_hooks.remove_listener(listener)
+    assert not launch_hooks._on_capture, "removing a listener drops its on_capture"
+
+
+def test_ops_recorded_into_a_graph_capture_are_not_tracked(
+    tmp_path: Any, held: threading.Event, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An op inside a capture runs only at a replay (an opaque launch): the tracker must not
+    protect or log it now (a copy-on-write would be recorded into the program's graph)."""
+    from gpusnap import launch_hooks
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(_FakeGraph, "seen", [])
+    touched: list[str] = []
+    touch = CaptureWindow.touch
+
+    def spy(self: Any, tensors: Any, written: Any, op: str) -> None:
+        touched.append(op)
+        touch(self, tensors, written, op)
+
+    monkeypatch.setattr(CaptureWindow, "touch", spy)
+    state = {"a": torch.randn(4096), "b": torch.randn(4096)}
+    before = {k: v.clone() for k, v in state.items()}
+    with gpusnap.Checkpointer(tmp_path / "ck", config=_config(cow_budget_bytes=1 << 20)) as ck:
+        pending = ck.save(state)  # a tracked window: its listener installs the hooks
+        g = torch.cuda.CUDAGraph()
+        g.capture_begin()
+        state["a"].mul_(1.0)  # on a GPU: recorded, not run (here it runs, changing nothing)
+        launch_hooks._before_launch()
+        g.capture_end()
+        assert touched == [], "nothing inside the capture is tracked"
+        state["b"].mul_(1.0)
+        assert any(op.startswith("mul_") for op in touched)
+        held.set()
+        info = pending.wait()
+        ck.restore(state, info.id)
+    assert info.stats["opaque_launches"] == 0
+    for k in state:
+        assert torch.equal(state[k], before[k]), k
+
+
 class _DoneEvent:
     """A copy event that has completed (the copier's ``_drain`` waits on it)."""
 

@@ -7,6 +7,7 @@ so each test fails if the gate lets an op through early.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import subprocess
@@ -14,7 +15,9 @@ import sys
 import threading
 import time
 import types
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -340,19 +343,23 @@ def test_data_pointers_unchanged(tmp_path, device):
     assert all(torch.equal(a, b) for a, b in zip(target.parameters(), model.parameters()))
 
 
-@pytest.mark.cuda
-def test_cuda_graph_replayed_during_lazy_restore_sees_restored_weights(tmp_path, monkeypatch):
-    model = _model(0, "cuda")
-    target = _model(1, "cuda")
-    static_x = torch.randn(8, 16, device="cuda")
+def _graph_of(model: torch.nn.Module, static_x: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """``model(static_x)`` captured as a CUDA graph (after a warm-up on a side stream)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), torch.no_grad():
-        target(static_x)  # warm up
+        model(static_x)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), torch.no_grad():
-        static_out = target(static_x)
+        static_out = model(static_x)
+    return graph, static_out
+
+
+@contextlib.contextmanager
+def _lazy_restore_of(tmp_path, monkeypatch, model, target) -> Iterator[Any]:
+    """``model`` saved, then lazily restored into ``target`` from a root whose reads are held
+    for 0.1 s: yields the RestoreHandle while the restore is still loading."""
     with (
         held_root(tmp_path / "ck", monkeypatch) as backend,
         gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config()) as ck,
@@ -361,12 +368,37 @@ def test_cuda_graph_replayed_during_lazy_restore_sees_restored_weights(tmp_path,
         backend.hold()
         handle = ck.restore({"model": target}, lazy=True)
         release_after(backend, 0.1)
+        yield handle
+        handle.wait()
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replayed_during_lazy_restore_sees_restored_weights(tmp_path, monkeypatch):
+    model = _model(0, "cuda")
+    target = _model(1, "cuda")
+    static_x = torch.randn(8, 16, device="cuda")
+    graph, static_out = _graph_of(target, static_x)
+    with _lazy_restore_of(tmp_path, monkeypatch, model, target) as handle:
         graph.replay()  # the kernels bypass the dispatcher: the hook waits for everything
         got = static_out.clone()
-        handle.wait()
     with torch.no_grad():
         assert torch.equal(got, model(static_x))
     assert handle.stats["opaque_waits"] >= 1
+
+
+@pytest.mark.cuda
+def test_cuda_graph_captured_during_lazy_restore_records_restored_weights(tmp_path, monkeypatch):
+    """A capture cannot wait for copies on its thread (and the restore's own CUDA calls must
+    not invalidate it): the restore finishes loading before the capture begins."""
+    model = _model(0, "cuda")
+    target = _model(1, "cuda")
+    static_x = torch.randn(8, 16, device="cuda")
+    with _lazy_restore_of(tmp_path, monkeypatch, model, target):
+        graph, static_out = _graph_of(target, static_x)  # its warm-up waits for what it reads
+        graph.replay()
+        got = static_out.clone()
+    with torch.no_grad():
+        assert torch.equal(got, model(static_x))
 
 
 _COMPILE_LATE = """

@@ -30,6 +30,7 @@ from gpusnap.capture.staging import StagingArena
 from gpusnap.capture.trace import Trace
 from gpusnap.capture.validation import known_chunks
 from gpusnap.config import Config
+from gpusnap.device import outside_graph_captures
 from gpusnap.errors import CheckpointError, CheckpointNotFoundError, ValidationError
 from gpusnap.handles import CheckpointInfo, PendingSave, RestoreHandle
 from gpusnap.restore.restorer import Restorer, Verify
@@ -62,7 +63,7 @@ class _SaveJob:
     counters: CaptureCounters
     host_spans: list[torch.Tensor] = field(default_factory=list)  # stop-the-world path
     hashes: list[list[str] | None] = field(default_factory=list)  # device hashes (stop-the-world)
-    concurrent: ConcurrentSave | None = None  # concurrent path (its txn is already open)
+    concurrent: ConcurrentSave | None = None  # concurrent path (it opens its own txn)
     stall_s: float = 0.0  # a blocking save's stall is the whole save
     phases: dict[str, float] = field(default_factory=dict)  # where save() spent its time
     app_state: Any = None  # kept for one retry after a validation failure

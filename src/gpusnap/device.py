@@ -6,9 +6,20 @@ so that the CPU machine (CI) exercises the same code as the GPU machine.
 
 from __future__ import annotations
 
+import ctypes
+import threading
+
 import torch
 
-__all__ = ["device_exists", "host_buffer", "is_accelerator", "synchronize", "to_host", "waitable_event"]
+__all__ = [
+    "device_exists",
+    "host_buffer",
+    "is_accelerator",
+    "outside_graph_captures",
+    "synchronize",
+    "to_host",
+    "waitable_event",
+]
 
 
 def is_accelerator(device: torch.device) -> bool:
@@ -56,3 +67,40 @@ def waitable_event() -> torch.cuda.Event:
     training step down while a capture ran. Use this for every event a thread waits on.
     """
     return torch.cuda.Event(blocking=True)
+
+
+_thread = threading.local()
+_CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1
+
+
+def outside_graph_captures() -> bool:
+    """Let this (gpusnap) thread keep calling CUDA while the program captures a CUDA graph.
+
+    ``torch.cuda.graph`` captures in the driver's *global* mode: while it captures, any other
+    thread's "unsafe" call (an event wait or query, an allocation) fails and invalidates the
+    program's capture; measured on the H200 with a save's copier running. gpusnap's threads
+    never capture, so they switch themselves to *thread-local* mode, in which only a thread's
+    own captures restrict it (what PyTorch's NCCL watchdog thread does). Call it on the thread,
+    before its first CUDA call; cheap to repeat. Returns whether the mode is set.
+    """
+    if getattr(_thread, "relaxed", False):
+        return True
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return False
+    try:
+        exchange = _libcuda().cuThreadExchangeStreamCaptureMode
+    except (OSError, AttributeError):
+        return False
+    mode = ctypes.c_int(_CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+    _thread.relaxed = exchange(ctypes.byref(mode)) == 0  # CUDA_SUCCESS
+    return _thread.relaxed
+
+
+_cuda_lib: ctypes.CDLL | None = None
+
+
+def _libcuda() -> ctypes.CDLL:
+    global _cuda_lib
+    if _cuda_lib is None:
+        _cuda_lib = ctypes.CDLL("libcuda.so.1")  # the driver torch already loaded
+    return _cuda_lib

@@ -31,7 +31,7 @@ import torch
 
 from gpusnap.capture.staging import Region, StagingArena
 from gpusnap.capture.window import SNAPSHOT_ALIGN, CaptureWindow, WindowSpan
-from gpusnap.device import waitable_event
+from gpusnap.device import outside_graph_captures, waitable_event
 
 __all__ = ["Copier", "Piece", "PieceSink", "Segment"]
 
@@ -94,6 +94,8 @@ class Copier:
 
     def _run(self) -> None:
         try:
+            if self.streams:
+                outside_graph_captures()  # the program may capture a CUDA graph meanwhile
             for stream in self.streams.values():
                 torch.cuda.set_stream(stream)  # this thread's copies go to the copy streams
             if self.prepare is not None:

@@ -8,7 +8,9 @@ op's arguments in Python is the tracker's main cost), and notes the program's ow
 host<->device copies so that the copier yields to them. It declares
 ``ignore_compile_internals`` so that compiled code stays compiled (a plain mode turns every
 compiled function it sees back into eager code for good: docs/notes/dispatcher-research.md
-section 4); compiled regions are therefore opaque to it (see docs/capture.md).
+section 4); compiled regions are therefore opaque to it (see docs/capture.md). Ops recorded
+into a CUDA graph capture are let through untouched: they run at the replay, which the launch
+hooks report.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gpusnap.capture.schema import tensor_args, writes_nothing, written_tensors
 from gpusnap.capture.window import CaptureWindow
 from gpusnap.device import waitable_event
+from gpusnap.launch_hooks import capturing
 
 __all__ = ["TrackerMode"]
 
@@ -60,13 +63,15 @@ class TrackerMode(TorchDispatchMode):
             return func(*args, **kwargs)
         # Hot path (most ops): nothing written and no read log wanted: one dict lookup.
         if window.log_reads or not writes_nothing(func):
+            if capturing():  # recorded into a CUDA graph, not run: its replay is an opaque launch
+                return func(*args, **kwargs)
             written = written_tensors(func, args, kwargs)
             reads = tensor_args(args, kwargs) if window.log_reads else ()
             window.touch(reads, written, func.__name__)
         else:
             window.stats.ops_seen += 1
         out = func(*args, **kwargs)
-        if func in _COPIES:
+        if func in _COPIES and not capturing():
             device = _crosses_host(func, args, kwargs, out)
             if device is not None:
                 event = waitable_event()

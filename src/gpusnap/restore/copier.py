@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from gpusnap.device import waitable_event
+from gpusnap.device import outside_graph_captures, waitable_event
 from gpusnap.errors import IntegrityError
 from gpusnap.restore.device_check import DeviceCheck, ScratchSlot
 from gpusnap.restore.schedule import LoadSpan, Piece, Schedule
@@ -113,6 +113,7 @@ class Copier:
     def _run(self) -> None:
         error: BaseException | None = None
         try:
+            outside_graph_captures()  # the program may capture a CUDA graph meanwhile
             while (item := self._next()) is not _END:
                 self._handle(item)
                 self._reap()

@@ -78,7 +78,8 @@ class LazyRestore:
         """Start loading and return once ``finish()`` has run; raises (loading stopped) on failure."""
         _warm_dynamo()
         self.mode.__enter__()
-        launch_hooks.add_listener(self.gate.before_opaque_launch)
+        # A graph capture cannot wait for copies on the capturing thread: load everything first
+        launch_hooks.add_listener(self.gate.before_opaque_launch, on_capture=self.gate.need_all)
         try:
             self.loader.start()
             spans = self.loader.schedule.spans
