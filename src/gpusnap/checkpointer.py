@@ -209,7 +209,7 @@ class Checkpointer:
         # read before the transaction opens: its view of stored chunks must include every
         # chunk the previous checkpoint committed (a later commit may replace _previous)
         previous = self._previous_spans(repo) if self.config.incremental else None
-        txn = repo.begin_write()
+        capture: ConcurrentSave | None = None
         try:
             cuda = sorted({s.device for s in flat.spans if s.device.type == "cuda"}, key=str)
             order = self._copy_order(flat)
@@ -224,7 +224,7 @@ class Checkpointer:
             cow_budget, snapshot_budget = self._device_budgets(cuda)
             capture = ConcurrentSave(
                 flat,
-                txn,
+                repo.begin_write,  # opened by the writers, off save()'s time
                 staging=arena,
                 io_pool=self._pool,
                 streams={d: self._copy_stream(d) for d in cuda},
@@ -248,7 +248,8 @@ class Checkpointer:
             capture.start()
             phases["open_window"] = time.perf_counter() - opened
         except BaseException:
-            txn.abort()
+            if capture is not None:
+                capture.abort_txn()
             raise
         self._windows.append(capture)
         return capture
@@ -365,6 +366,8 @@ class Checkpointer:
     def _run_job(self, repo: Repository, job: _SaveJob) -> None:
         pending = job.pending
         capture = job.concurrent
+        if capture is not None and capture.copier.streams:
+            outside_graph_captures()  # finish() waits on events; the program may be capturing
         try:
             with capture.txn if capture is not None else repo.begin_write() as txn:
                 if capture is not None:
