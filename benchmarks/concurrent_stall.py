@@ -23,6 +23,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -261,6 +262,7 @@ def main() -> None:
         path = os.path.join(root, "torch_save.pt")
         res["torch_save_s"] = timed(loop, lambda: torch.save({"m": model.state_dict(), "o": optim.state_dict()}, path))
         os.remove(path)
+        print(f"baselines: stop-the-world {res['stw_pinned_copy_s'] * 1e3:.1f} ms, torch.save {res['torch_save_s'] * 1e3:.1f} ms", flush=True)
 
     app = {"model": model, "optim": optim, "step": 0}
     variants = [v for v in (args.configs or "").split(";") if v] or [""]
@@ -276,7 +278,8 @@ def main() -> None:
                                "copy_piece_bytes": cfg.copy_piece_bytes}
         res.setdefault("configs", []).append(key)
         res[key] = out
-        with gpusnap.Checkpointer(os.path.join(root, f"ck{n}"), config=cfg, keep_last=max(2, args.saves + 1)) as ck:
+        ck_root = os.path.join(root, f"ck{n}")
+        with gpusnap.Checkpointer(ck_root, config=cfg, keep_last=2) as ck:
             if not args.skip_baselines and n == 0:
                 res["gpusnap_blocking_s"] = timed(loop, lambda ck=ck: ck.save(app, blocking=True))
             # the first concurrent save grows the staging arena (pinned memory): measured alone
@@ -289,8 +292,16 @@ def main() -> None:
                                                                   median_rest, plain_peak))
             ck.wait()
             ck.list()  # a gpusnap call on this thread: pops any closed window's tracker
+        # each config's checkpoints go: on tmpfs, four configs of GPT-2 large filled the host
+        # memory (the H200 machine's 128 GiB) and the kernel killed the run
+        shutil.rmtree(ck_root, ignore_errors=True)
+        print(f"[{key}] stall after/cow {out['after']['stall_median_s'] * 1e3:.1f}/{out['cow']['stall_median_s'] * 1e3:.1f} ms, "
+              f"interval {out['after']['interval_stall_median_s'] * 1e3:.1f}/{out['cow']['interval_stall_median_s'] * 1e3:.1f} ms, "
+              f"exact {out['first_exact'] and out['after']['bit_exact'] and out['cow']['bit_exact']}", flush=True)
         from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _stack
         res["modes_at_rest"] = [type(m).__name__ for m in _stack()]  # must be empty
+    if args.root is None:
+        shutil.rmtree(root, ignore_errors=True)
     rest_after = [loop.step() for _ in range(10)]
     res["median_step_after_s"] = statistics.median(rest_after)
     res["at_rest_change"] = res["median_step_after_s"] / median_rest - 1
