@@ -163,6 +163,32 @@ def test_views_and_autograd_of_unloaded_weights(tmp_path, monkeypatch):
     assert torch.equal(target[0].weight.grad, ref[0].weight.grad)
 
 
+def test_an_op_saving_an_unloaded_weight_for_backward_trains(tmp_path, monkeypatch):
+    """Autograd saves an op's inputs (and their version) above the gate, before the op waits
+    there for their bytes: the restore's writes must not count as in-place modifications
+    (measured: the bench's lazy restore of GPT-2 failed in backward on the H200)."""
+    model = _model(0)
+    with (
+        held_root(tmp_path / "ck", monkeypatch) as backend,
+        gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config()) as ck,
+    ):
+        ck.save({"model": model}, blocking=True)
+        target = _model(5)
+        backend.hold()
+        handle = ck.restore({"model": target}, lazy=True)
+        release_after(backend, 0.1)
+        x = torch.randn(4, 32, requires_grad=True)
+        # mm saves the weight itself (as GPT-2's Conv1D addmm does), then waits for its bytes
+        out = torch.mm(x, target[0].weight)
+        out.sum().backward()
+        handle.wait()
+    x_ref = x.detach().clone().requires_grad_(True)
+    torch.mm(x_ref, model[0].weight).sum().backward()
+    assert torch.equal(out, torch.mm(x, model[0].weight))
+    assert torch.equal(x.grad, x_ref.grad)
+    assert torch.equal(target[0].weight.grad, model[0].weight.grad)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_adversarial_orders_tiny_chunks(tmp_path, monkeypatch, seed):
     rng = random.Random(seed)

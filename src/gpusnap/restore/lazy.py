@@ -60,6 +60,7 @@ class LazyRestore:
     def __init__(self, loader: Loader, plan: RestorePlan, handle: RestoreHandle, started: float) -> None:
         self.loader = loader
         self.plan = plan
+        plan.versioned_writes = False  # ops record their inputs' versions before the gate waits
         self.handle = handle
         self.started = started
         self.gate = Gate(loader.schedule, plan, started)

@@ -281,6 +281,11 @@ class RestorePlan:
         self._filled: dict[int, int] = {}  # bytes given to apply_range so far, per span
         self._streamable: dict[int, bool] = {}
         self._finished = False
+        # Whether the restore's writes advance the targets' autograd version counters. A lazy
+        # restore turns this off: autograd records an op's inputs (and their versions) above
+        # the gate, before the op waits there for their bytes, so the restore's own writes
+        # would read as in-place changes in backward (LazyRestore sets it; see docs/restore.md).
+        self.versioned_writes = True
 
     @property
     def pending_spans(self) -> frozenset[int]:
@@ -297,7 +302,7 @@ class RestorePlan:
         self._claim(index, data)
         for copy in self._copies.get(index, ()):
             try:
-                _copy_into(copy.target, data, copy.spec)
+                _copy_into(copy.target, data, copy.spec, versioned=self.versioned_writes)
             except Exception as exc:
                 raise CheckpointError(f"{copy.path}: copying the restored bytes failed: {exc!r}") from exc
 
@@ -339,7 +344,9 @@ class RestorePlan:
             if lo >= hi:
                 continue
             try:
-                _copy_bytes(copy.target, lo - spec.byte_offset, data[lo - offset : hi - offset])
+                _copy_bytes(
+                    copy.target, lo - spec.byte_offset, data[lo - offset : hi - offset], versioned=self.versioned_writes
+                )
             except Exception as exc:
                 raise CheckpointError(f"{copy.path}: copying the restored bytes failed: {exc!r}") from exc
 
@@ -728,12 +735,12 @@ def _device_here(name: str) -> torch.device:
     return device if ok else torch.device("cpu")
 
 
-def _copy_into(target: torch.Tensor, data: torch.Tensor, spec: _Spec) -> None:
+def _copy_into(target: torch.Tensor, data: torch.Tensor, spec: _Spec, *, versioned: bool = True) -> None:
     """Bitwise ``target[...] = span bytes`` through integer views; works for strided targets."""
     if spec.numel == 0:
         return
     src = _source_view(data, spec)
-    dst = _int_view(target.detach())
+    dst = _int_view(_writable(target, versioned))
     non_blocking = src.device.type == "cpu" and dst.device.type != "cpu" and src.is_pinned()
     with _write_mode(target):
         dst.copy_(src, non_blocking=non_blocking)
@@ -751,12 +758,18 @@ def _byte_contiguous(target: torch.Tensor, spec: _Spec) -> bool:
     return target.is_contiguous()
 
 
-def _copy_bytes(target: torch.Tensor, start: int, data: torch.Tensor) -> None:
+def _copy_bytes(target: torch.Tensor, start: int, data: torch.Tensor, *, versioned: bool = True) -> None:
     """``target``'s bytes ``[start, start + len(data))`` = ``data`` (a contiguous target)."""
     non_blocking = data.device.type == "cpu" and target.device.type != "cpu" and data.is_pinned()
     with _write_mode(target):
-        dst = _int_view(target.detach()).reshape(-1).view(torch.uint8)
+        dst = _int_view(_writable(target, versioned)).reshape(-1).view(torch.uint8)
         dst[start : start + data.numel()].copy_(data, non_blocking=non_blocking)
+
+
+def _writable(target: torch.Tensor, versioned: bool) -> torch.Tensor:
+    """``target``'s memory, through an alias that shares its autograd version counter
+    (``detach``) or not (``.data``: the write is invisible to autograd's in-place checks)."""
+    return target.detach() if versioned else target.data
 
 
 def _int_view(tensor: torch.Tensor) -> torch.Tensor:
