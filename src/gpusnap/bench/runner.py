@@ -178,7 +178,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
                 results["workloads"].append(_run_workload(name, opts, budget))
             except Exception as exc:  # noqa: BLE001  e.g. a model that does not build here: next workload
                 results["workloads"].append({"name": name, "status": f"failed: {type(exc).__name__}: {exc}",
-                                             "traceback": traceback.format_exc(limit=8)})
+                                             "traceback": _short_traceback(exc)})
                 opts.log(f"[{name}] failed: {type(exc).__name__}: {exc}")
                 _free(opts.device)
     finally:
@@ -331,7 +331,7 @@ def _run_system(
         row["status"] = f"unavailable: {exc}"
     except Exception as exc:  # noqa: BLE001  one system's failure is a row, not the end of the run
         row["status"] = f"failed: {type(exc).__name__}: {exc}"
-        row["traceback"] = traceback.format_exc(limit=8)
+        row["traceback"] = _short_traceback(exc)
     finally:
         try:
             system.teardown()
@@ -341,6 +341,22 @@ def _run_system(
             empty_host_cache()
         _free(wl.device)
     return row
+
+
+def _short_traceback(exc: BaseException, outer: int = 4, inner: int = 16) -> str:
+    """``exc``'s traceback, short enough for results.json: its outermost frames (which call of
+    the bench) and its innermost (where it was raised, often deep in a library: a plain
+    ``format_exc(limit=...)`` keeps only the outer end), the frames between counted."""
+    te = traceback.TracebackException.from_exception(exc)
+    frames = list(te.stack)
+    if len(frames) <= outer + inner:
+        return "".join(te.format())
+    lines = ["Traceback (most recent call last):\n"]
+    lines += traceback.StackSummary.from_list(frames[:outer]).format()
+    lines.append(f"  ... {len(frames) - outer - inner} frames left out ...\n")
+    lines += traceback.StackSummary.from_list(frames[-inner:]).format()
+    lines += te.format_exception_only()
+    return "".join(lines)
 
 
 def _every_steps(n: int) -> int:
@@ -365,7 +381,7 @@ def _restore(wl: Workload, fresh: Workload, system: System) -> dict[str, Any] | 
     try:
         restored = system.restore(wl, fresh)
     except Exception as exc:  # noqa: BLE001  the save figures stand without the restore
-        return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=8)}
+        return {"error": f"{type(exc).__name__}: {exc}", "traceback": _short_traceback(exc)}
     return None if restored is None else jsonable(dict(restored.__dict__))
 
 

@@ -9,6 +9,16 @@ first save (pinning the whole state: slow) and warm saves are reported apart.
 upload (one checkpoint in flight), and the training step waits for the staging copy before
 its first write to checkpointed state (``SaveHandle.before_mutation``), because DCP copies
 on its own stream from a background thread while the program runs.
+
+torch 2.11's ``DefaultStager._stage`` ends every stage with ``self._state_dict_stager.close()``
+("release reference cycle to prevent memory leaks in async_save"). ``StateDictStager.close``
+clears its pinned-copy cache and its deepcopy dispatch table, so a stager cannot stage twice:
+the second ``async_save`` deep-copies the dict through ``__reduce_ex__``, meets the class
+``dict`` and fails at ``self._deepcopy_dispatch[type]`` with ``KeyError: <class 'type'>``.
+torch 2.13 no longer closes in ``_stage`` (``async_save`` closes only a stager it made
+itself). The bench gives 2.11 the later behaviour: the per-stage ``close`` of the stager's
+``StateDictStager`` is deferred to teardown (``_DeferredClose``), counted, and named in the
+row's notes, so the warm saves reuse the pinned copy there as they do on later torch.
 """
 
 from __future__ import annotations
@@ -135,6 +145,7 @@ class DcpAsyncSave(_DcpBase):
         self._pinned = 0
         self._options = ""
         self._fallback = False
+        self._deferred: _DeferredClose | None = None
 
     def setup(self, wl: Workload) -> None:
         super().setup(wl)
@@ -152,6 +163,7 @@ class DcpAsyncSave(_DcpBase):
         )
         self._options = repr(options)
         self._stager = DefaultStager(options)
+        self._deferred = _DeferredClose.install(self._stager)
         self._pinned = wl.state_bytes() if cuda else 0
 
     def save(self, wl: Workload, index: int) -> SaveHandle:
@@ -199,18 +211,56 @@ class DcpAsyncSave(_DcpBase):
     def notes(self) -> list[str]:
         if self._fallback:
             return ["this torch's async_save takes no async_stager: its built-in staging was used"]
-        return [f"DefaultStager({self._options})"] if self._options else []
+        out = [f"DefaultStager({self._options})"] if self._options else []
+        if self._deferred is not None and self._deferred.calls:
+            out.append(
+                f"this torch's DefaultStager closed its StateDictStager after each stage ({self._deferred.calls} "
+                "times; a reused stager then fails with KeyError: <class 'type'>): the bench deferred that close "
+                "to teardown, as torch 2.13 does, so warm saves reuse the staged host copy (pinned on CUDA)"
+            )
+        return out
 
     def teardown(self) -> None:
-        if self._upload is not None:
-            try:
-                self._upload.result()
-            finally:
-                self._upload = None
-        if self._stager is not None:
-            self._stager.close()
-            self._stager = None
-        super().teardown()
+        try:
+            if self._upload is not None:
+                try:
+                    self._upload.result()
+                finally:
+                    self._upload = None
+        finally:
+            if self._deferred is not None:
+                self._deferred.uninstall()  # DefaultStager.close below now really closes it
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+            super().teardown()
+
+
+class _DeferredClose:
+    """Turns ``close()`` of a ``DefaultStager``'s ``StateDictStager`` into a counted no-op until
+    :meth:`uninstall`. torch 2.11 calls it at the end of every ``DefaultStager._stage``, which
+    drops the pinned cache and empties the deepcopy dispatch table (the next stage then fails
+    with ``KeyError: <class 'type'>``); torch 2.13 never calls it there, and ``calls`` stays 0.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.calls = 0
+
+    @classmethod
+    def install(cls, stager: Any) -> _DeferredClose | None:
+        inner = getattr(stager, "_state_dict_stager", None)  # private: absent on some torch
+        if inner is None or not callable(getattr(inner, "close", None)):
+            return None
+        deferred = cls(inner)
+        inner.close = deferred._close  # an instance attribute, shadowing the class's method
+        return deferred
+
+    def _close(self) -> None:
+        self.calls += 1  # from the stager's staging thread or the caller's: an int under the GIL
+
+    def uninstall(self) -> None:
+        vars(self.inner).pop("close", None)
 
 
 def _futures(response: Any) -> tuple[Future[Any], Future[Any]]:
