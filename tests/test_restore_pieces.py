@@ -287,3 +287,74 @@ def test_config_knobs_reach_the_loader(tmp_path):
     assert handle.stats["pieces"] >= 64 // 4
     with pytest.raises(ValueError, match="restore_verify_on_device"):
         tiny_config(restore_verify_on_device="maybe")
+
+
+# -- batches of small spans ---------------------------------------------------------------------------
+def _small_state() -> dict[str, torch.Tensor]:
+    """Many small tensors of odd sizes (a model's biases and norms) and one large one."""
+    g = torch.Generator().manual_seed(3)
+    state = {f"s{i}": torch.randn(3 + 37 * i, generator=g) for i in range(24)}
+    state["bytes"] = torch.randint(0, 256, (1001,), dtype=torch.uint8, generator=g)
+    state["big"] = torch.randn(128 * 24, generator=g)
+    return state
+
+
+def test_take_batch_joins_whole_small_spans_of_one_kind() -> None:
+    from gpusnap.restore.schedule import BATCH_ALIGN, LoadSpan
+
+    cpu = frozenset({torch.device("cpu")})
+    spans = [
+        LoadSpan(0, 700, 2, True, cpu, device_check=True),
+        LoadSpan(1, 100, 1, True, cpu, device_check=True),
+        LoadSpan(2, 300, 1, True, cpu, device_check=True),
+        LoadSpan(3, 100, 1, True, cpu, device_check=False),  # another kind: ends the batch
+        LoadSpan(4, 5000, 10, True, cpu, device_check=False),
+    ]
+    schedule = Schedule(spans, range(5), chunk_size=CS, piece_chunks=4)
+    batch = schedule.take_batch(room=4 * CS, max_chunks=8)
+    assert [(p.span.index, o) for p, o in batch] == [(0, 0), (1, 768), (2, 1024)]
+    assert all(o % BATCH_ALIGN == 0 for _, o in batch)
+    assert [p.span.index for p, _ in schedule.take_batch(room=4 * CS, max_chunks=8)] == [3]
+    big = schedule.take_batch(room=4 * CS, max_chunks=8)  # a large span: pieces, never batched
+    assert [(p.span.index, p.first, p.count) for p, _ in big] == [(4, 0, 4)]
+    # a span the program waits for goes first, and alone
+    spans = [LoadSpan(i, 100, 1, True, cpu) for i in range(4)]
+    schedule = Schedule(spans, range(4), chunk_size=CS, piece_chunks=4)
+    threading.Thread(target=schedule.wait, args=(spans[2],), daemon=True).start()
+    while not schedule._urgent:
+        pass
+    assert [p.span.index for p, _ in schedule.take_batch(room=4 * CS, max_chunks=8)] == [2]
+    assert [p.span.index for p, _ in schedule.take_batch(room=4 * CS, max_chunks=8)] == [0, 1, 3]
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_small_spans_travel_in_batches(tmp_path, monkeypatch, on_device):
+    """One region, one copy and (checked on the device) one hash launch for many small
+    tensors; every byte lands where it belongs, and a batch's stats say so."""
+    root = tmp_path / "ck"
+    source = _small_state()
+    checkpoint = _save(root, source)
+    _add_device_hashes(root, checkpoint)
+    monkeypatch.setattr(restorer_mod, "VERIFY_ON_DEVICE", on_device)
+    with gpusnap.Checkpointer(root, config=tiny_config(io_threads=2, staging_bytes=64 * CS, restore_piece_bytes=16 * CS)) as ck:
+        target = {k: torch.zeros_like(v) for k, v in source.items()}
+        handle = ck.restore(target, checkpoint, verify="stream")
+    for k, v in source.items():
+        assert torch.equal(target[k], v), k
+    assert handle.stats["batched_spans"] >= 10
+    assert handle.stats["verify_path"] == ("device" if on_device else "host")
+
+
+def test_a_corrupt_chunk_in_a_batch_is_named_and_never_written(tmp_path, monkeypatch):
+    root = tmp_path / "ck"
+    source = _small_state()
+    checkpoint = _save(root, source)
+    _add_device_hashes(root, checkpoint)
+    victim = source["s9"]
+    _corrupt(root, victim.numpy().tobytes()[:64], 5)
+    monkeypatch.setattr(restorer_mod, "VERIFY_ON_DEVICE", True)
+    with gpusnap.Checkpointer(root, config=tiny_config(io_threads=1, staging_bytes=64 * CS, restore_piece_bytes=16 * CS)) as ck:
+        target = {k: torch.zeros_like(v) for k, v in source.items()}
+        with pytest.raises(IntegrityError, match=r"s9.*does not match its device hash"):
+            ck.restore(target, checkpoint, verify="stream")
+    assert not target["s9"].any(), "the corrupt chunk's tensor was written"

@@ -3,9 +3,11 @@
 Readers only read files and hash (both release the GIL) and hand over filled host regions;
 this thread, in the order pieces arrive::
 
-    piece -> H2D copy into the targets (host-verified)           -> region in flight (event)
-          or H2D into a scratch slot, hash, flags D2H (device-checked) -> region in flight;
-             later, when the slot comes round: flags -> D2D copy into the targets
+    batch (one piece, or several small whole spans of one kind; Schedule.take_batch)
+          -> H2D copies into the targets (host-verified)          -> region in flight (event)
+          or one H2D into a scratch slot, one hash launch for the batch, flags D2H
+             (device-checked) -> region in flight;
+             later, when the slot comes round: flags -> D2D copies into the targets
     whole span (non-contiguous targets) -> apply_span from its host buffer
     a span's last piece issued -> event on the copy stream -> span loaded (the gate may let
                                    ops through: their streams wait for that event)
@@ -48,7 +50,7 @@ __all__ = ["Copier"]
 
 @dataclass(frozen=True, eq=False)
 class _PieceItem:
-    piece: Piece
+    pieces: list[tuple[Piece, int]]  # a batch: (piece, offset in region); spans of one kind
     region: torch.Tensor
 
 
@@ -63,7 +65,7 @@ _END = object()
 class Copier:
     """Copies what the readers staged into the targets; see the module docstring.
 
-    Call order: ``start()`` -> readers ``put_piece``/``put_whole`` -> the last reader
+    Call order: ``start()`` -> readers ``put_pieces``/``put_whole`` -> the last reader
     ``put_end()`` -> ``on_close(error)`` runs on this thread once every copy has completed.
     """
 
@@ -96,8 +98,9 @@ class Copier:
         self.thread: threading.Thread | None = None
 
     # -- readers -------------------------------------------------------------------------------
-    def put_piece(self, piece: Piece, region: torch.Tensor) -> None:
-        self._queue.put(_PieceItem(piece, region))
+    def put_pieces(self, pieces: list[tuple[Piece, int]], region: torch.Tensor) -> None:
+        """A batch read into ``region`` (each piece at its offset): schedule.take_batch."""
+        self._queue.put(_PieceItem(pieces, region))
 
     def put_whole(self, ls: LoadSpan) -> None:
         self._queue.put(_WholeItem(ls))
@@ -156,47 +159,50 @@ class Copier:
             self._loaded(ls)
             return
         assert isinstance(item, _PieceItem)
-        piece, region = item.piece, item.region
+        pieces, region = item.pieces, item.region
         self._holding = region  # given back in _finish if this raises
-        ls = piece.span
-        data = region[: piece.nbytes]
+        ls = pieces[0][0].span  # every piece of a batch has the same devices and check
         if ls.device_check:
             assert self.check is not None
             (device,) = ls.devices
             slot = self.check.next_slot(device)
-            if slot.piece is not None:
+            if slot.pieces:
                 self._resolve(slot)
             with self._on_copy_streams(ls):
-                self.check.stage(slot, piece, data)
+                self.check.stage(slot, pieces, region)
                 slot.event = self._event(device) if self._evented(device) else None
             self._checking.append(slot)
             self._hold(region, [slot.event] if slot.event is not None else [])
             return
         with self._on_copy_streams(ls):
-            self.plan.apply_range(ls.index, piece.offset, data)
+            for piece, offset in pieces:
+                self.plan.apply_range(piece.span.index, piece.offset, region[offset : offset + piece.nbytes])
             events = [self._event(d) for d in ls.devices if self._evented(d)]
         self._hold(region, events)
-        self._piece_done(piece)
+        for piece, _ in pieces:
+            self._piece_done(piece)
 
     def _resolve(self, slot: ScratchSlot) -> None:
-        """Read ``slot``'s flags (after its event) and copy its piece into the targets, or raise."""
-        piece = slot.piece
-        assert piece is not None and self.check is not None
+        """Read ``slot``'s flags (after its event) and copy its batch into the targets, or raise."""
+        pieces = slot.pieces
+        assert pieces and self.check is not None
         self._wait(slot.event)
         bad = self.check.mismatch(slot)
         self._checking.remove(slot)
         if bad is not None:
-            slot.piece = None
-            digest = self.manifest.storages[piece.span.index].chunks[bad]
+            slot.pieces = []
+            piece, chunk = bad
+            digest = self.manifest.storages[piece.span.index].chunks[chunk]
             raise IntegrityError(
-                f"chunk {digest} (#{bad}) of {self.describe(piece.span.index)} does not match its device hash "
+                f"chunk {digest} (#{chunk}) of {self.describe(piece.span.index)} does not match its device hash "
                 f"({DEVICE_HASH}) after the copy to {slot.device} (corrupt); it was not written to the target"
             )
-        ls = piece.span
-        with self._on_copy_streams(ls):
-            self.plan.apply_range(ls.index, piece.offset, slot.data[: piece.nbytes])
-        slot.piece = None  # the next stage() of this slot queues after this copy on the same stream
-        self._piece_done(piece)
+        with self._on_copy_streams(pieces[0][0].span):
+            for piece, offset in pieces:
+                self.plan.apply_range(piece.span.index, piece.offset, slot.data[offset : offset + piece.nbytes])
+        slot.pieces = []  # the next stage() of this slot queues after these copies on the same stream
+        for piece, _ in pieces:
+            self._piece_done(piece)
 
     def _piece_done(self, piece: Piece) -> None:
         if self.schedule.piece_done(piece, piece.nbytes):
@@ -249,7 +255,7 @@ class Copier:
     def _drain(self) -> None:
         """After a failure: give back every region handed over until the readers have stopped."""
         for slot in self._checking:
-            slot.piece = None
+            slot.pieces = []
         self._checking.clear()
         while True:
             item = self._queue.get()

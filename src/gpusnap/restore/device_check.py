@@ -20,13 +20,14 @@ mismatch handling is exercised without a GPU.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from gpusnap.errors import CheckpointError
-from gpusnap.kernels.chunk_hash import HASH_WORDS, chunk_hashes
+from gpusnap.kernels.chunk_hash import HASH_WORDS
+from gpusnap.kernels.chunk_hash_many import chunk_hashes_many
 from gpusnap.restore.schedule import LoadSpan, Piece
 from gpusnap.storage.manifest import Manifest
 
@@ -63,26 +64,33 @@ _LITTLE_ENDIAN = torch.tensor([1], dtype=torch.int16).view(torch.uint8)[0].item(
 
 @dataclass(eq=False)
 class ScratchSlot:
-    """One piece's room on the device, and its check until the copy thread resolves it."""
+    """One batch's room on the device (a piece, or several small whole spans), and its check
+    until the copy thread resolves it."""
 
     device: torch.device
     data: torch.Tensor  # uint8 on ``device``, one region long
-    flags: torch.Tensor  # bool on the host, one per chunk of a piece: True where it mismatched
-    piece: Piece | None = None  # the piece in this slot, checked but not yet applied
-    event: Any = None  # after the piece's hash and flags copy (None on CPU)
+    flags: torch.Tensor  # bool on the host, one per chunk of the batch: True where it mismatched
+    rows: torch.Tensor  # int64 on the host: the expected hashes' rows of the batch's chunks
+    hashes: torch.Tensor  # int64 (max_chunks, 2) on ``device``: the batch's chunk hashes
+    pieces: list[tuple[Piece, int]] = field(default_factory=list)  # (piece, offset in data), checked, not yet applied
+    event: Any = None  # after the batch's hash and flags copy (None on CPU)
 
 
 class DeviceCheck:
     """Expected hashes of the spans checked on the device, and each device's scratch ring.
 
     Only the copy thread uses it. Call order: :meth:`next_slot` (resolve the slot's previous
-    piece first if it has one) -> :meth:`stage` on the device's copy stream -> later
-    :meth:`mismatch` once the slot's event has completed -> apply ``slot.data`` -> ``slot.piece = None``.
+    batch first if it has one) -> :meth:`stage` on the device's copy stream -> later
+    :meth:`mismatch` once the slot's event has completed -> apply ``slot.data`` ->
+    ``slot.pieces = []``. A batch holds at most ``max_chunks`` chunks.
     """
 
-    def __init__(self, manifest: Manifest, spans: Sequence[LoadSpan], *, slot_bytes: int, slots: int) -> None:
+    def __init__(
+        self, manifest: Manifest, spans: Sequence[LoadSpan], *, slot_bytes: int, slots: int, max_chunks: int = 0
+    ) -> None:
         self.chunk_size = manifest.chunk_size
         self.slot_bytes = slot_bytes
+        self.max_chunks = max(max_chunks, slot_bytes // self.chunk_size)
         self.slots = max(1, slots)
         self._rows: dict[int, int] = {}  # span index -> its first row in the table
         hexes: list[str] = []
@@ -109,34 +117,55 @@ class DeviceCheck:
 
     def _new_slot(self, device: torch.device) -> ScratchSlot:
         pinned = device.type == "cuda"
-        flags = torch.zeros(self.slot_bytes // self.chunk_size, dtype=torch.bool, pin_memory=pinned)
-        return ScratchSlot(device, torch.empty(self.slot_bytes, dtype=torch.uint8, device=device), flags)
+        n = self.max_chunks
+        return ScratchSlot(
+            device,
+            data=torch.empty(self.slot_bytes, dtype=torch.uint8, device=device),
+            flags=torch.zeros(n, dtype=torch.bool, pin_memory=pinned),
+            rows=torch.zeros(n, dtype=torch.int64, pin_memory=pinned),
+            hashes=torch.empty((n, HASH_WORDS), dtype=torch.int64, device=device),
+        )
 
-    def stage(self, slot: ScratchSlot, piece: Piece, data: torch.Tensor) -> None:
-        """Queue, on the current stream: copy ``data`` (the piece's bytes) into ``slot``, hash
-        its chunks, compare, and copy the mismatch flags back to the host."""
-        assert slot.piece is None, "resolve the slot's previous piece first"
-        dst = slot.data[: piece.nbytes]
-        dst.copy_(data, non_blocking=data.device.type == "cpu" and data.is_pinned())
-        got = chunk_hashes(dst, self.chunk_size)
+    def stage(self, slot: ScratchSlot, pieces: Sequence[tuple[Piece, int]], region: torch.Tensor) -> None:
+        """Queue, on the current stream: copy the batch's bytes (``region``, each piece at its
+        offset) into ``slot`` with one copy, hash every piece's chunks with one launch,
+        compare them with the expected rows, and copy the mismatch flags back to the host."""
+        assert not slot.pieces, "resolve the slot's previous batch first"
+        end = max(offset + piece.nbytes for piece, offset in pieces)
+        total = sum(piece.count for piece, _ in pieces)
+        if end > self.slot_bytes or total > self.max_chunks:
+            raise CheckpointError(f"a batch of {end} bytes, {total} chunks exceeds a scratch slot")
+        pinned = slot.flags.is_pinned()
+        slot.data[:end].copy_(region[:end], non_blocking=region.device.type == "cpu" and region.is_pinned())
+        got = slot.hashes[:total]
+        chunk_hashes_many([slot.data[o : o + p.nbytes] for p, o in pieces], self.chunk_size, got)
+        rows: list[int] = []
+        for piece, _ in pieces:
+            first = self._rows[piece.span.index] + piece.first
+            rows.extend(range(first, first + piece.count))
+        slot.rows[:total].copy_(torch.tensor(rows, dtype=torch.int64))  # host; read by the copy below
         table = self._tables.get(slot.device)
         if table is None:  # on the current (copy) stream, so ordered before every comparison
             table = self._tables[slot.device] = self._host_table.to(slot.device)
-        row = self._rows[piece.span.index] + piece.first
-        want = table[row : row + piece.count]
+        want = table.index_select(0, slot.rows[:total].to(slot.device, non_blocking=pinned))
         bad = (got != want).any(dim=1)
-        slot.flags[: piece.count].copy_(bad, non_blocking=slot.flags.is_pinned())
-        slot.piece = piece
+        slot.flags[:total].copy_(bad, non_blocking=pinned)
+        slot.pieces = list(pieces)
 
     def spans_checked(self) -> frozenset[int]:
         return frozenset(self._rows)
 
     @staticmethod
-    def mismatch(slot: ScratchSlot) -> int | None:
-        """Index (in the span) of the first chunk of ``slot.piece`` that failed; None if all passed."""
-        piece = slot.piece
-        assert piece is not None
-        flags = slot.flags[: piece.count]
+    def mismatch(slot: ScratchSlot) -> tuple[Piece, int] | None:
+        """The piece of the slot's batch whose chunk failed first, and that chunk's index in
+        its span; None if every chunk passed."""
+        assert slot.pieces
+        flags = slot.flags[: sum(piece.count for piece, _ in slot.pieces)]
         if not bool(flags.any()):
             return None
-        return piece.first + int(torch.nonzero(flags)[0, 0])
+        k = int(torch.nonzero(flags)[0, 0])
+        for piece, _ in slot.pieces:
+            if k < piece.count:
+                return piece, piece.first + k
+            k -= piece.count
+        raise AssertionError("a mismatch flag past the batch's chunks")

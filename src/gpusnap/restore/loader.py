@@ -44,6 +44,7 @@ from gpusnap.storage.repository import Repository
 __all__ = ["DEVICE_CHECK_MIN_BYTES", "SCRATCH_SLOTS", "Loader", "describe_span"]
 
 SCRATCH_SLOTS = 3  # device scratch slots per device when checking on the device (one region each)
+BATCH_CHUNKS = 512  # chunks per batch of small spans at most (sizes the check's flag buffers)
 # Smaller spans keep BLAKE2b on the host (verify_on_device=None): a hash launch costs the copy
 # thread ~0.2 ms (measured on the H200 host), more than hashing a few hundred KiB on a reader.
 DEVICE_CHECK_MIN_BYTES = 1 << 20
@@ -115,9 +116,11 @@ class Loader:
                 )
             )
         piece_chunks = slots.slot_bytes // self.chunk_size
+        self.batch_room = piece_chunks * self.chunk_size  # a batch fits a region and a scratch slot
+        self.batch_chunks = max(piece_chunks, BATCH_CHUNKS)
         self.schedule = Schedule(spans, order, chunk_size=self.chunk_size, piece_chunks=piece_chunks)
         self.check = (
-            DeviceCheck(manifest, spans, slot_bytes=piece_chunks * self.chunk_size,
+            DeviceCheck(manifest, spans, slot_bytes=piece_chunks * self.chunk_size, max_chunks=self.batch_chunks,
                         slots=SCRATCH_SLOTS if scratch_slots is None else scratch_slots)
             if any(ls.device_check for ls in spans)
             else None
@@ -187,8 +190,8 @@ class Loader:
     # -- reader threads ------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while (piece := self.schedule.take()) is not None:
-                self._read(piece)
+            while batch := self.schedule.take_batch(self.batch_room, self.batch_chunks):
+                self._read(batch)
         except BaseException as exc:  # noqa: BLE001 (any failure stops the load; waiters must not hang)
             self.schedule.fail(exc)
         finally:
@@ -198,29 +201,37 @@ class Loader:
             if last:
                 self.copier.put_end()
 
-    def _read(self, piece: Piece) -> None:
+    def _read(self, batch: list[tuple[Piece, int]]) -> None:
+        """Read a batch (one piece, or several whole small spans of one kind; schedule.py)."""
+        piece = batch[0][0]
         ls = piece.span
+        if len(batch) > 1:
+            self.stats.add(batched_spans=len(batch))
         if ls.streamed:
             started = time.perf_counter()
             region = self.slots.acquire()
             self.stats.add(region_wait_s=time.perf_counter() - started)
             if ls.device_check or any(Copier._evented(d) for d in ls.devices):
                 try:
-                    self._read_into(piece, region[: piece.nbytes], host_verify=self.verify and not ls.device_check)
+                    for p, offset in batch:
+                        self._read_into(p, region[offset : offset + p.nbytes], host_verify=self.verify and not ls.device_check)
                 except BaseException:
                     self.slots.release(region)  # never handed over: no copy reads it
                     raise
-                self.copier.put_piece(piece, region)
+                self.copier.put_pieces(batch, region)
                 return
             # Host targets only: the copy is a memcpy done on return, no CUDA involved, so each
             # reader does its own rather than queueing every byte behind one copy thread.
             try:
-                self._read_into(piece, region[: piece.nbytes], host_verify=self.verify)
-                self.plan.apply_range(ls.index, piece.offset, region[: piece.nbytes])
+                for p, offset in batch:
+                    data = region[offset : offset + p.nbytes]
+                    self._read_into(p, data, host_verify=self.verify)
+                    self.plan.apply_range(p.span.index, p.offset, data)
             finally:
                 self.slots.release(region)
-            if self.schedule.piece_done(piece, piece.nbytes):
-                self.schedule.mark_loaded(ls, ())
+            for p, _ in batch:
+                if self.schedule.piece_done(p, p.nbytes):
+                    self.schedule.mark_loaded(p.span, ())
             return
         with self._lock:
             if ls.buffer is None:

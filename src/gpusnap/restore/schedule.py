@@ -25,7 +25,9 @@ import torch
 
 from gpusnap.errors import CheckpointError
 
-__all__ = ["LoadSpan", "Piece", "Schedule", "SpanState"]
+__all__ = ["BATCH_ALIGN", "LoadSpan", "Piece", "Schedule", "SpanState"]
+
+BATCH_ALIGN = 256  # byte alignment of each span in a batch's region (hash kernels, wide copies)
 
 
 class SpanState(enum.Enum):
@@ -98,22 +100,67 @@ class Schedule:
     def take(self) -> Piece | None:
         """The next piece to load; None when none is left (or the load failed)."""
         with self.cond:
-            if self.error is not None:
-                return None
-            for source in (self._urgent, self._queue):
-                while source:
-                    ls = source[0]
-                    if ls.next_chunk >= ls.chunks:
-                        source.popleft()
-                        continue
-                    k = ls.next_chunk
-                    count = min(self.piece_chunks, ls.chunks - k)
-                    ls.next_chunk += count
-                    if ls.state is SpanState.PENDING:
-                        ls.state = SpanState.LOADING
-                    offset = k * self.chunk_size
-                    return Piece(ls, k, count, offset, min(ls.nbytes, offset + count * self.chunk_size) - offset)
+            return self._take_locked()
+
+    def take_batch(self, room: int, max_chunks: int) -> list[tuple[Piece, int]]:
+        """The next piece at offset 0, plus the *whole* spans that follow it in the load order
+        while they fit in ``room`` bytes and ``max_chunks`` chunks, each at a
+        :data:`BATCH_ALIGN`-aligned offset; empty when nothing is left.
+
+        Batched spans share the first one's kind (streamed, same devices, same check), so one
+        host region, one device copy and one hash launch serve them all: GPT-2 large has ~1700
+        spans, most far smaller than a piece, and the per-piece work of the copy thread
+        bounded the restore at 6.7 GB/s on the H200. Nothing is batched while the program
+        waits for a span (``urgent``): a batch would delay it.
+        """
+        with self.cond:
+            first = self._take_locked()
+            if first is None:
+                return []
+            batch = [(first, 0)]
+            head = first.span
+            if self._urgent or not head.streamed or first.first or first.count != head.chunks:
+                return batch
+            end, chunks = first.nbytes, first.count
+            while self._queue:
+                ls = self._queue[0]
+                if ls.next_chunk >= ls.chunks:  # taken already (or nothing to load)
+                    self._queue.popleft()
+                    continue
+                offset = -(-end // BATCH_ALIGN) * BATCH_ALIGN
+                if (
+                    ls.next_chunk
+                    or not ls.streamed
+                    or ls.devices != head.devices
+                    or ls.device_check != head.device_check
+                    or offset + ls.nbytes > room
+                    or chunks + ls.chunks > max_chunks
+                ):
+                    break
+                self._queue.popleft()
+                ls.next_chunk = ls.chunks
+                ls.state = SpanState.LOADING
+                batch.append((Piece(ls, 0, ls.chunks, 0, ls.nbytes), offset))
+                end, chunks = offset + ls.nbytes, chunks + ls.chunks
+            return batch
+
+    def _take_locked(self) -> Piece | None:
+        if self.error is not None:
             return None
+        for source in (self._urgent, self._queue):
+            while source:
+                ls = source[0]
+                if ls.next_chunk >= ls.chunks:
+                    source.popleft()
+                    continue
+                k = ls.next_chunk
+                count = min(self.piece_chunks, ls.chunks - k)
+                ls.next_chunk += count
+                if ls.state is SpanState.PENDING:
+                    ls.state = SpanState.LOADING
+                offset = k * self.chunk_size
+                return Piece(ls, k, count, offset, min(ls.nbytes, offset + count * self.chunk_size) - offset)
+        return None
 
     def piece_done(self, piece: Piece, applied: int) -> bool:
         """``piece`` is through (``applied`` bytes written); True when it was its span's last."""
