@@ -34,7 +34,7 @@ from gpusnap.device import outside_graph_captures
 from gpusnap.errors import CheckpointError, CheckpointNotFoundError, ValidationError
 from gpusnap.handles import CheckpointInfo, PendingSave, RestoreHandle
 from gpusnap.restore.restorer import Restorer, Verify
-from gpusnap.state.flatten import FlatState, flatten
+from gpusnap.state.flatten import FlatPlan, FlatState, flatten
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.repository import Repository
 
@@ -113,6 +113,7 @@ class Checkpointer:
         self._writer: threading.Thread | None = None
         self._windows: list[ConcurrentSave] = []
         self._write_order: list[str] = []  # key paths, soonest-written first (last window)
+        self._flat_plan: FlatPlan | None = None  # the last save's per-tensor work (state/flatten.py)
         self._access_paths: list[str] | None = None  # key paths in the first window's read order
         self._previous: dict[str, str] | None = None  # latest checkpoint: device hash -> digest
         self._eager_paths: set[str] = set()  # written unseen once: captured at save() from now on
@@ -170,7 +171,9 @@ class Checkpointer:
         self._reap()
         self._wait_for_open_window()  # one window at a time: counted in this save's stall
         waited = time.perf_counter()
-        flat = flatten(app_state, allow_pickle=self.allow_pickle)
+        # the previous save's plan: the per-tensor work is reused when nothing was re-laid out
+        flat = flatten(app_state, allow_pickle=self.allow_pickle, plan=self._flat_plan)
+        self._flat_plan = flat.plan
         flattened = time.perf_counter()
         repo = self._repository(create=True)
         created = time.time()
@@ -238,7 +241,7 @@ class Checkpointer:
                 log_reads=self._access_paths is None,
                 validate=self.config.validate,
                 previous=previous,
-                eager=[sp.index for sp in flat.spans if self._eager_paths.intersection(sp.paths)],
+                eager=[sp.index for sp in flat.spans if self._eager_paths.intersection(sp.paths)] if self._eager_paths else (),
                 eager_device_bytes=self.config.eager_device_bytes,
                 snapshot_budget=snapshot_budget if self.config.device_snapshot else 0,
                 snapshot_cpu_bytes=self.config.cpu_snapshot_bytes,
@@ -399,6 +402,7 @@ class Checkpointer:
                     "bytes_skipped": job.counters.bytes_skipped,
                     "validation": "not needed: stop-the-world capture",
                     "save_phases_s": dict(job.phases),
+                    "flatten_planned": job.flat.planned,  # the previous save's plan was reused
                 }
                 if capture is not None:
                     stats.update(_window_stats(capture))

@@ -7,6 +7,16 @@ because every :class:`StorageSpan` holds references to its tensors until it is d
 
 Call order: ``flatten(app_state)`` once at the consistent point (it calls ``state_dict()``
 and encodes plain values synchronously), then copy each ``span.as_bytes()`` out.
+
+The per-tensor work (tree node, storage grouping, byte extents) is most of ``save()``'s host
+time for a model of a few thousand tensors. It depends only on each tensor's *layout*: its
+storage, the storage's size, offset, shape, stride, dtype, device, ``requires_grad`` and
+type. ``flatten(..., plan=previous.plan)`` compares the layouts of this walk with the
+previous one's (a :class:`FlatPlan`, which holds no tensor: nothing is kept alive by it) and,
+when every one matches, in order, fills the nodes and rebuilds the spans from the plan
+instead of working them out again. Any difference (a new parameter, ``.data`` swapped, a
+storage resized, ``requires_grad`` flipped, a fresh tensor in a state dict) takes the full
+path. Plain values are encoded on every walk.
 """
 
 from __future__ import annotations
@@ -22,7 +32,16 @@ from torch import nn
 from ..errors import CheckpointError
 from .plain import dtype_name, encode_plain, join_path, type_name
 
-__all__ = ["Stateful", "is_stateful", "StorageSpan", "FlatState", "flatten", "tensor_extent", "tensor_problem"]
+__all__ = [
+    "FlatPlan",
+    "FlatState",
+    "Stateful",
+    "StorageSpan",
+    "flatten",
+    "is_stateful",
+    "tensor_extent",
+    "tensor_problem",
+]
 
 
 @runtime_checkable
@@ -68,12 +87,25 @@ class StorageSpan:
         return out.set_(self.storage, self.start, (self.nbytes,), (1,))
 
 
+@dataclass(frozen=True, eq=False)
+class FlatPlan:
+    """What a walk worked out per tensor, keyed by the tensors' layouts (see the module
+    docstring). Holds ints, types and strings only: no tensor, no storage."""
+
+    layouts: list[tuple[Any, ...]]  # per tensor leaf, in walk order
+    nodes: list[dict[str, Any]]  # per tensor leaf: its finished tree node (copied into each walk's own)
+    spans: list[tuple[list[int], int, int]]  # per span: (its leaves, start, end)
+
+
 @dataclass(frozen=True)
 class FlatState:
-    """The manifest tree of ``app_state`` (``{"t": "dict", ...}``) and its storage spans."""
+    """The manifest tree of ``app_state`` (``{"t": "dict", ...}``) and its storage spans;
+    ``plan`` speeds up the next ``flatten`` of a state laid out the same way."""
 
     tree: dict[str, Any]
     spans: list[StorageSpan]
+    plan: FlatPlan | None = None
+    planned: bool = False  # whether this walk reused the plan it was given
 
 
 def tensor_extent(tensor: torch.Tensor) -> tuple[int, int] | None:
@@ -89,13 +121,19 @@ def tensor_extent(tensor: torch.Tensor) -> tuple[int, int] | None:
     return first * item, (last + 1) * item
 
 
-def flatten(app_state: Mapping[str, Any], *, allow_pickle: bool = False) -> FlatState:
-    """Tree and spans of ``app_state``; CheckpointError naming the key path of anything unstorable."""
+def flatten(app_state: Mapping[str, Any], *, allow_pickle: bool = False, plan: FlatPlan | None = None) -> FlatState:
+    """Tree and spans of ``app_state``; CheckpointError naming the key path of anything unstorable.
+
+    ``plan``: the previous result's ``plan``; reused when every tensor is laid out as then.
+    """
     if not isinstance(app_state, Mapping):
         raise CheckpointError(f"app_state must be a mapping, got {type_name(app_state)}")
-    walker = _Walker(allow_pickle)
+    walker = _Walker(allow_pickle, plan)
     tree = walker.walk_mapping(app_state, "")
-    return FlatState(tree=tree, spans=walker.spans.finish())
+    if plan is not None and walker.matching and len(walker.tensors) == len(plan.layouts):
+        return FlatState(tree=tree, spans=walker.spans_from(plan), plan=plan, planned=True)
+    spans = walker.spans_in_full()
+    return FlatState(tree=tree, spans=spans, plan=walker.plan(spans))
 
 
 @dataclass(slots=True)
@@ -154,10 +192,61 @@ class _SpanTable:
 class _Walker:
     """One pass over ``app_state``; ``active`` holds the containers on the current path."""
 
-    def __init__(self, allow_pickle: bool) -> None:
+    def __init__(self, allow_pickle: bool, plan: FlatPlan | None = None) -> None:
         self.allow_pickle = allow_pickle
-        self.spans = _SpanTable()
         self.active: set[int] = set()
+        # per tensor leaf, in walk order (parallel lists: no tuple per leaf to collect later)
+        self.tensors: list[torch.Tensor] = []
+        self.paths: list[str] = []
+        self.nodes: list[dict[str, Any]] = []  # filled at the end, in full or from the plan
+        self._layouts = plan.layouts if plan is not None else None
+        self.matching = plan is not None  # every leaf so far laid out as in the plan
+
+    # -- after the walk: the per-tensor work, done in full or taken from a plan ------------------
+    def spans_in_full(self) -> list[StorageSpan]:
+        table = _SpanTable()
+        for tensor, path, node in zip(self.tensors, self.paths, self.nodes):
+            node.update(
+                {
+                    "storage": -1,
+                    "dtype": _dtype_names.get(tensor.dtype) or _dtype_names.setdefault(tensor.dtype, dtype_name(tensor.dtype)),
+                    # tuples of ints: Python's collector stops tracking them, so a save that lives
+                    # for seconds does not bring its next full collection closer (JSON: arrays)
+                    "shape": tuple(tensor.shape),
+                    "stride": tensor.stride(),
+                    "byte_offset": 0,
+                    "device": _device_names.get(tensor.device) or _device_names.setdefault(tensor.device, str(tensor.device)),
+                    "requires_grad": bool(tensor.requires_grad),
+                }
+            )
+            node["storage"] = table.add(tensor, path, node)
+        return table.finish()
+
+    def plan(self, spans: list[StorageSpan]) -> FlatPlan:
+        members: list[list[int]] = [[] for _ in spans]
+        for i, node in enumerate(self.nodes):
+            members[node["storage"]].append(i)
+        return FlatPlan(
+            layouts=[_layout(t) for t in self.tensors],
+            nodes=[dict(node) for node in self.nodes],
+            spans=[(members[span.index], span.start, span.end) for span in spans],
+        )
+
+    def spans_from(self, plan: FlatPlan) -> list[StorageSpan]:
+        for node, done in zip(self.nodes, plan.nodes):
+            node.update(done)
+        tensors, paths = self.tensors, self.paths
+        spans = []
+        for index, (members, start, end) in enumerate(plan.spans):
+            first = tensors[members[0]]
+            if len(members) == 1:
+                held, named = [first], [paths[members[0]]]
+            else:  # views and tied weights: each tensor object once
+                held = list({id(tensors[i]): tensors[i] for i in members}.values())
+                named = [paths[i] for i in members]
+            storage = first.untyped_storage()
+            spans.append(StorageSpan(index, storage, storage.device, start, end, held, named))
+        return spans
 
     def walk(self, value: Any, path: str) -> dict[str, Any]:
         if isinstance(value, torch.Tensor):
@@ -187,8 +276,9 @@ class _Walker:
         for key, item in value.items():
             if isinstance(key, torch.Tensor):
                 raise CheckpointError(f"{path or '<root>'}: a dict key is a tensor; keys must be plain values")
-            key_node = encode_plain(key, join_path(path, key), self.allow_pickle)
-            items.append([key_node, self.walk(item, join_path(path, key))])
+            where = join_path(path, key)
+            key_node = _key_node(key) if type(key) is str else encode_plain(key, where, self.allow_pickle)
+            items.append([key_node, self.walk(item, where)])
         return {"t": "dict", "items": items}
 
     def walk_sequence(self, value: list[Any] | tuple[Any, ...], path: str) -> dict[str, Any]:
@@ -216,20 +306,44 @@ class _Walker:
             if len(_supported) > 1 << 17:
                 _supported.clear()  # dead entries of tensors long gone
             _supported[id(tensor)] = weakref.ref(tensor)
-        node: dict[str, Any] = {
-            "t": "tensor",
-            "storage": -1,
-            "dtype": _dtype_names.get(tensor.dtype) or _dtype_names.setdefault(tensor.dtype, dtype_name(tensor.dtype)),
-            # tuples of ints: Python's collector stops tracking them, so a save that lives
-            # for seconds does not bring its next full collection closer (JSON: arrays)
-            "shape": tuple(tensor.shape),
-            "stride": tensor.stride(),
-            "byte_offset": 0,
-            "device": _device_names.get(tensor.device) or _device_names.setdefault(tensor.device, str(tensor.device)),
-            "requires_grad": bool(tensor.requires_grad),
-        }
-        node["storage"] = self.spans.add(tensor, path, node)
+        if self.matching:
+            layouts = self._layouts
+            assert layouts is not None
+            i = len(self.tensors)
+            if i >= len(layouts) or layouts[i] != _layout(tensor):
+                self.matching = False
+        node: dict[str, Any] = {"t": "tensor"}
+        self.tensors.append(tensor)
+        self.paths.append(path)
+        self.nodes.append(node)
         return node
+
+
+def _layout(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """Everything a tensor's node and its span grouping are worked out from (module docstring)."""
+    storage = tensor.untyped_storage()
+    return (
+        type(tensor),
+        storage._cdata,
+        storage.nbytes(),
+        tensor.storage_offset(),
+        tensor.shape,
+        tensor.stride(),
+        tensor.dtype,
+        tensor.device,
+        tensor.requires_grad,
+    )
+
+
+def _key_node(key: str) -> dict[str, Any]:
+    """The node of a str dict key, shared by every tree that has it (trees are only read once
+    built): parameter names repeat in every save."""
+    node = _str_nodes.get(key)
+    if node is None:
+        if len(_str_nodes) > 1 << 16:
+            _str_nodes.clear()
+        node = _str_nodes[key] = {"t": "v", "v": key}
+    return node
 
 
 def _call_state_dict(obj: Any, path: str, **kwargs: Any) -> Any:
@@ -243,6 +357,7 @@ def _call_state_dict(obj: Any, path: str, **kwargs: Any) -> Any:
 _dtype_names: dict[torch.dtype, str] = {}
 _supported: dict[int, weakref.ref[torch.Tensor]] = {}  # id -> the tensor checked (by identity)
 _device_names: dict[torch.device, str] = {}
+_str_nodes: dict[str, dict[str, Any]] = {}
 
 
 def tensor_problem(tensor: torch.Tensor) -> str | None:
