@@ -22,7 +22,8 @@ def _app() -> dict[str, Any]:
     model(torch.randn(2, 8)).sum().backward()
     optim.step()
     view_base = torch.arange(64.0)
-    return {"model": model, "optim": optim, "views": [view_base[:16], view_base[8:40].view(4, 8)], "step": 3}
+    views = [view_base[:16], view_base[8:40].view(4, 8)]
+    return {"model": model, "optim": optim, "views": views, "rng": gpusnap.RNGState(), "step": 3}
 
 
 def _same(a: FlatState, b: FlatState) -> None:
@@ -42,6 +43,17 @@ def test_an_unchanged_state_reuses_the_plan_and_equals_a_full_walk() -> None:
     assert not first.planned and again.planned
     _same(again, flatten(app))
     assert again.plan is first.plan
+
+
+def test_rng_state_keeps_its_tensors_and_their_values_follow_the_generators() -> None:
+    rng = gpusnap.RNGState()
+    first = rng.state_dict()["torch"]
+    snapshot = first.clone()
+    torch.rand(3)
+    second = rng.state_dict()["torch"]
+    assert second is first, "the same tensor object, so a state's layout does not change per save"
+    assert not torch.equal(second, snapshot), "refilled with the generator's new state"
+    assert torch.equal(second, torch.get_rng_state())
 
 
 def test_plain_values_are_encoded_on_every_walk() -> None:
