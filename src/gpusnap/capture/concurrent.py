@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Collection
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -60,6 +60,7 @@ class ConcurrentSave:
         eager_device_bytes: int = 0,
         snapshot_budget: int = 0,
         snapshot_cpu_bytes: int = 0,
+        copier_runner: Executor | None = None,
     ) -> None:
         self.flat = flat
         self._open_txn = open_txn
@@ -119,6 +120,7 @@ class ConcurrentSave:
             skip=self._skip if previous else None,
             after_copy=self._after_copy if validate else None,
             on_drained=self._hashes_to_host if validate else None,
+            runner=copier_runner,
         )
         self.tracker = TrackerMode(self.window)
         self.owner = threading.get_ident()
