@@ -31,7 +31,8 @@ for s in "${steps[@]}"; do
            t 200 python3 -X faulthandler -m pytest -v -p no:cacheprovider --timeout 50 -m cuda \
              tests/test_concurrent_capture.py tests/test_capture_pieces.py tests/test_validation_cuda.py \
              tests/test_restore_pipelined.py tests/test_restore_lazy.py tests/test_restore_pieces.py \
-             tests/test_chunk_hash.py tests/test_chunk_hash_many.py > "$L/tests.log" 2>&1; tail -3 "$L/tests.log" ;;
+             tests/test_chunk_hash.py tests/test_chunk_hash_many.py tests/test_bench_dcp.py tests/test_state_rng.py \
+             > "$L/tests.log" 2>&1; tail -3 "$L/tests.log" ;;
     stall) t 420 python3 benchmarks/concurrent_stall.py --model gpt2-large --saves 2 --every 20 --batch 4 \
              --configs "${STALL_CONFIGS:-device_snapshot=0,validate=0,incremental=0;device_snapshot=0;device_snapshot=1,incremental=0;device_snapshot=1}" --json "$L/stall.json" \
              > "$L/stall.log" 2>&1; tail -44 "$L/stall.log" ;;
