@@ -17,6 +17,21 @@ MiB = 1 << 20
 _MAY_BE_ZERO = {"cow_budget_bytes", "cpu_snapshot_bytes", "eager_cpu_bytes", "eager_device_bytes", "staging_bytes"}
 
 
+def _default_io_threads() -> int:
+    """4, or half the usable cores up to 8 on larger machines.
+
+    While the program runs Python, each writer thread waits for the GIL after every chunk's
+    hash and write (up to the 5 ms switch interval each time): on the H200 host, 4 writers
+    stored 9.3 GB at ~1.1 GB/s during training (BENCHMARKS.md, fourth session). More writers
+    wait side by side; the number of GIL hand-overs per byte stays the same.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 4
+    return max(4, min(8, cores // 2))
+
+
 def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(f"GPUSNAP_{name.upper()}")
     if raw is None or raw == "":
@@ -37,7 +52,9 @@ class Config:
 
     chunk_size: int = field(default=4 * MiB, metadata={"doc": "bytes per chunk (hash, copy, dedup unit)"})
     pack_size: int = field(default=256 * MiB, metadata={"doc": "a pack file is closed past this size"})
-    io_threads: int = field(default=4, metadata={"doc": "writer/reader threads for pack files"})
+    io_threads: int = field(
+        default=_default_io_threads(), metadata={"doc": "writer/reader threads for pack files (4, or half the cores up to 8)"}
+    )
     hash_threads: int = field(default=4, metadata={"doc": "threads hashing chunks on the host"})
     staging_bytes: int = field(
         default=0,
