@@ -196,3 +196,32 @@ def test_save_returns_while_a_retention_gc_holds_the_root(tmp_path):
         info = pending.wait()
         ck.restore(state, info.id)
     assert torch.equal(state["w"], before)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_blocking_save_of_device_state_goes_through_a_window_and_returns_durable(tmp_path, monkeypatch, device):
+    """Device state: a blocking save is a concurrent save the caller waits for (pinned
+    staging, writers free of the caller's GIL use); host state keeps the stop-the-world path.
+    On CPU the choice is forced, to exercise the wiring."""
+    if device == "cpu":
+        monkeypatch.setattr(gpusnap.Checkpointer, "_blocking_via_window", staticmethod(lambda flat: True))
+    state = {"w": torch.randn(4096, device=device), "b": torch.randn(100, device=device)}
+    before = {k: v.clone() for k, v in state.items()}
+    with gpusnap.Checkpointer(tmp_path / "ck", config=_cfg(device_snapshot=True)) as ck:
+        pending = ck.save(state, blocking=True)
+        assert pending.done(), "a blocking save returns durable"
+        for v in state.values():
+            v.add_(1)
+        info = pending.wait()
+        assert "copies" in info.stats, "it went through a capture window"
+        assert info.stats["stall_s"] == pytest.approx(info.stats["duration_s"], rel=0.5)
+        ck.restore(state, info.id)
+    for k in state:
+        assert torch.equal(state[k], before[k]), k
+
+
+def test_blocking_save_of_host_state_stays_stop_the_world(tmp_path):
+    state = {"w": torch.randn(4096)}
+    with gpusnap.Checkpointer(tmp_path / "ck", config=_cfg()) as ck:
+        info = ck.save(state, blocking=True).wait()
+    assert info.stats["validation"] == "not needed: stop-the-world capture"
