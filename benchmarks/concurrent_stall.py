@@ -227,6 +227,8 @@ def main() -> None:
     ap.add_argument("--root", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip-baselines", action="store_true")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="gc.freeze() once the model is built (docs/capture.md): full collections then skip it")
     ap.add_argument("--configs", default=None,
                     help="Config variants measured one after another, e.g. 'io_threads=6;io_threads=12,copy_ahead=8'")
     args = ap.parse_args()
@@ -236,6 +238,9 @@ def main() -> None:
     loop = Loop(model, optim, data, dev)
     for _ in range(3):
         loop.step()
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
     tensors = state_tensors(model, optim)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     rest_before = [loop.step() for _ in range(10)]
@@ -248,7 +253,7 @@ def main() -> None:
         "model": args.model, "state_bytes": nbytes, "tensors": len(tensors), "median_step_s": median_rest,
         "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
         "date": time.strftime("%Y-%m-%d"), "batch": args.batch, "seq": args.seq,
-        "tracker_step_s": res_tracker,
+        "tracker_step_s": res_tracker, "gc_freeze": args.gc_freeze,
     }
     if not args.skip_baselines:
         pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=dev.type == "cuda") for t in tensors]

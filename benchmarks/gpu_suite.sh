@@ -5,6 +5,7 @@
 # the GPU machine; read what comes back with benchmarks/suite_summary.py suite.tgz. SUITE_S
 # (default 570) bounds the whole call: a step gets at most the time left,
 # and one with under 30 s left is skipped, so the logs of the steps before it always come back.
+# STALL_CONFIGS and STALL_ARGS (e.g. --gc-freeze) vary the stall step.
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 # Logs go to $L; after every step they are packed into $OUT/suite.tgz (the device tool returns
@@ -33,7 +34,7 @@ for s in "${steps[@]}"; do
              tests/test_restore_pipelined.py tests/test_restore_lazy.py tests/test_restore_pieces.py \
              tests/test_chunk_hash.py tests/test_chunk_hash_many.py tests/test_bench_dcp.py tests/test_state_rng.py \
              > "$L/tests.log" 2>&1; tail -3 "$L/tests.log" ;;
-    stall) t 420 python3 benchmarks/concurrent_stall.py --model gpt2-large --saves 2 --every 20 --batch 4 \
+    stall) t 420 python3 benchmarks/concurrent_stall.py --model gpt2-large --saves 2 --every 20 --batch 4 ${STALL_ARGS:-} \
              --configs "${STALL_CONFIGS:-device_snapshot=0,validate=0,incremental=0;device_snapshot=0;device_snapshot=1,incremental=0;device_snapshot=1}" --json "$L/stall.json" \
              > "$L/stall.log" 2>&1; tail -44 "$L/stall.log" ;;
     diag) t 240 python3 benchmarks/stall_diagnosis.py --variants "${DIAG_VARIANTS:-full,plain,no-store,poll,switch}" \
