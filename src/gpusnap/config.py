@@ -55,7 +55,6 @@ class Config:
     io_threads: int = field(
         default=_default_io_threads(), metadata={"doc": "writer/reader threads for pack files (4, or half the cores up to 8)"}
     )
-    hash_threads: int = field(default=4, metadata={"doc": "threads hashing chunks on the host"})
     staging_bytes: int = field(
         default=0,
         metadata={"doc": "host staging memory at most, pinned for CUDA (0: a quarter of physical RAM); "
