@@ -9,14 +9,16 @@ Call order: ``flatten(app_state)`` once at the consistent point (it calls ``stat
 and encodes plain values synchronously), then copy each ``span.as_bytes()`` out.
 
 The per-tensor work (tree node, storage grouping, byte extents) is most of ``save()``'s host
-time for a model of a few thousand tensors. It depends only on each tensor's *layout*: its
-storage, the storage's size, offset, shape, stride, dtype, device, ``requires_grad`` and
-type. ``flatten(..., plan=previous.plan)`` compares the layouts of this walk with the
-previous one's (a :class:`FlatPlan`, which holds no tensor: nothing is kept alive by it) and,
-when every one matches, in order, fills the nodes and rebuilds the spans from the plan
-instead of working them out again. Any difference (a new parameter, ``.data`` swapped, a
-storage resized, ``requires_grad`` flipped, a fresh tensor in a state dict) takes the full
-path. Plain values are encoded on every walk.
+time for a model of a few thousand tensors. It depends only on each tensor's *layout*: which
+earlier tensor of the walk (if any) shares its storage, the storage's size, the tensor's
+offset, shape, stride, dtype, device, ``requires_grad`` and type; not on which storage it
+is. ``flatten(..., plan=previous.plan)`` compares the layouts of this walk with the previous
+one's (a :class:`FlatPlan`, which holds no tensor: nothing is kept alive by it) and, when
+every one matches, in order, fills the nodes and builds the spans from the plan and the
+walk's own tensors instead of working them out again. So a state dict that hands out fresh
+tensors each call (``RNGState``) still matches. Any other difference (a new parameter, a
+view onto another tensor's storage, a storage resized, ``requires_grad`` flipped) takes the
+full path. Plain values are encoded on every walk.
 """
 
 from __future__ import annotations
@@ -205,6 +207,7 @@ class _Walker:
         self.nodes: list[dict[str, Any]] = []  # filled at the end, in full or from the plan
         self._layouts = plan.layouts if plan is not None else None
         self.matching = plan is not None  # every leaf so far laid out as in the plan
+        self._groups: dict[int, int] = {}  # storage -> its first leaf's storage group
 
     # -- after the walk: the per-tensor work, done in full or taken from a plan ------------------
     def spans_in_full(self) -> list[StorageSpan]:
@@ -230,8 +233,9 @@ class _Walker:
         members: list[list[int]] = [[] for _ in spans]
         for i, node in enumerate(self.nodes):
             members[node["storage"]].append(i)
+        groups: dict[int, int] = {}
         return FlatPlan(
-            layouts=[_layout(t) for t in self.tensors],
+            layouts=[_layout(t, groups) for t in self.tensors],
             nodes=[dict(node) for node in self.nodes],
             spans=[(members[span.index], span.start, span.end) for span in spans],
         )
@@ -314,7 +318,7 @@ class _Walker:
             layouts = self._layouts
             assert layouts is not None
             i = len(self.tensors)
-            if i >= len(layouts) or layouts[i] != _layout(tensor):
+            if i >= len(layouts) or layouts[i] != _layout(tensor, self._groups):
                 self.matching = False
         node: dict[str, Any] = {"t": "tensor"}
         self.tensors.append(tensor)
@@ -323,12 +327,13 @@ class _Walker:
         return node
 
 
-def _layout(tensor: torch.Tensor) -> tuple[Any, ...]:
-    """Everything a tensor's node and its span grouping are worked out from (module docstring)."""
+def _layout(tensor: torch.Tensor, groups: dict[int, int]) -> tuple[Any, ...]:
+    """Everything a tensor's node and its span grouping are worked out from (module docstring);
+    ``groups`` numbers the walk's storages in order of first appearance."""
     storage = tensor.untyped_storage()
     return (
         type(tensor),
-        storage._cdata,
+        groups.setdefault(storage._cdata, len(groups)),
         storage.nbytes(),
         tensor.storage_offset(),
         tensor.shape,

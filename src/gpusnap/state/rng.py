@@ -27,35 +27,15 @@ class RNGState:
     ``load_state_dict`` restores each part present in the state (a checkpoint taken without
     CUDA restores fine on a GPU machine, and the reverse skips the CUDA part). CUDA states are
     restored for the devices both machines have.
-
-    ``state_dict`` returns the same tensor objects every call, refilled in place (the
-    generators hand out fresh ones): a state laid out as at the previous save lets ``save()``
-    reuse its per-tensor work (``state/flatten.py``). A save reads them at its consistent
-    point, before the next ``state_dict`` call refills them.
     """
 
-    def __init__(self) -> None:
-        self._held: dict[str, torch.Tensor] = {}
-
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"torch": self._hold("torch", torch.get_rng_state()), "python": random.getstate()}
+        state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = [self._hold(f"cuda{i}", s) for i, s in enumerate(torch.cuda.get_rng_state_all())]
+            state["cuda"] = list(torch.cuda.get_rng_state_all())
         if _np is not None:
             state["numpy"] = _numpy_state()
-            state["numpy"]["keys"] = self._hold("numpy", state["numpy"]["keys"])
         return state
-
-    def _hold(self, key: str, fresh: torch.Tensor) -> torch.Tensor:
-        held = getattr(self, "_held", None)
-        if held is None:  # an instance unpickled from before __init__ existed
-            held = self._held = {}
-        tensor = held.get(key)
-        if tensor is None or tensor.shape != fresh.shape or tensor.dtype != fresh.dtype:
-            tensor = held[key] = fresh.clone()
-        else:
-            tensor.copy_(fresh)
-        return tensor
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "torch" in state_dict:
