@@ -225,3 +225,40 @@ def test_blocking_save_of_host_state_stays_stop_the_world(tmp_path):
     with gpusnap.Checkpointer(tmp_path / "ck", config=_cfg()) as ck:
         info = ck.save(state, blocking=True).wait()
     assert info.stats["validation"] == "not needed: stop-the-world capture"
+
+
+def test_a_copier_that_cannot_start_leaves_no_window_behind(tmp_path, monkeypatch):
+    """save() raises, and no tracker or listener is left to hold the program's writes."""
+    from gpusnap.capture.copier import Copier
+
+    state = {"w": torch.zeros(1000)}
+    with gpusnap.Checkpointer(tmp_path / "ck", config=_cfg(cow_budget_bytes=1)) as ck:
+        ck.save(state).wait()
+        real_start = Copier.start
+
+        def refuse(self):
+            raise RuntimeError("no thread for the copier")
+
+        monkeypatch.setattr(Copier, "start", refuse)
+        with pytest.raises(RuntimeError, match="no thread for the copier"):
+            ck.save(state)
+        assert not _get_current_dispatch_mode_stack()
+        state["w"].add_(1)  # would wait forever on a window nobody copies
+        monkeypatch.setattr(Copier, "start", real_start)
+        info = ck.save(state).wait()
+        state["w"].zero_()
+        ck.restore(state, info.id)
+    assert torch.equal(state["w"], torch.ones(1000))
+
+
+def test_a_shut_down_copier_runner_falls_back_to_a_thread(tmp_path):
+    state = {"w": torch.randn(1000)}
+    before = state["w"].clone()
+    with gpusnap.Checkpointer(tmp_path / "ck", config=_cfg()) as ck:
+        ck.save(state).wait()
+        ck._copier_runner.shutdown()  # what interpreter exit does to a save from a late thread
+        pending = ck.save(state)
+        state["w"].add_(1)
+        info = pending.wait()
+        ck.restore(state, info.id)
+    assert torch.equal(state["w"], before)

@@ -134,7 +134,14 @@ class ConcurrentSave:
 
             self.tracker.__enter__()
             launch_hooks.add_listener(self.window.before_opaque_launch)
-        self.copier.start()
+        try:
+            self.copier.start()
+        except BaseException as exc:  # no copier will ever close this window: undo it here
+            self.window.close(exc)
+            launch_hooks.remove_listener(self.window.before_opaque_launch)
+            if self.tracked:
+                self.reap()
+            raise
 
     @property
     def txn(self) -> WriteTxn:

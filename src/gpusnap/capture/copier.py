@@ -93,9 +93,12 @@ class Copier:
         for device, stream in self.streams.items():
             stream.wait_event(self.events[device])  # copies read the state as of save()
         if self._runner is not None:
-            self._runner.submit(self._run)
-        else:
-            threading.Thread(target=self._run, name="gpusnap-copier", daemon=True).start()
+            try:
+                self._runner.submit(self._run)
+                return
+            except RuntimeError:  # shut down (a close() racing this save, interpreter exit)
+                pass
+        threading.Thread(target=self._run, name="gpusnap-copier", daemon=True).start()
 
     def join(self, timeout: float | None = None) -> None:
         self._finished.wait(timeout)
