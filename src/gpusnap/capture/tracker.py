@@ -8,9 +8,9 @@ op's arguments in Python is the tracker's main cost), and notes the program's ow
 host<->device copies so that the copier yields to them. It declares
 ``ignore_compile_internals`` so that compiled code stays compiled (a plain mode turns every
 compiled function it sees back into eager code for good: docs/notes/dispatcher-research.md
-section 4); compiled regions are therefore opaque to it (see docs/capture.md). Ops recorded
-into a CUDA graph capture are let through untouched: they run at the replay, which the launch
-hooks report.
+section 4); compiled regions are therefore opaque to it (see docs/capture.md). Device ops
+recorded into a CUDA graph capture are let through untouched: they run at the replay, which
+the launch hooks report. Writes to host tensors during a capture run at once and are tracked.
 """
 
 from __future__ import annotations
@@ -63,7 +63,12 @@ class TrackerMode(TorchDispatchMode):
             return func(*args, **kwargs)
         # Hot path (most ops): nothing written and no read log wanted: one dict lookup.
         if window.log_reads or not writes_nothing(func):
-            if capturing():  # recorded into a CUDA graph, not run: its replay is an opaque launch
+            if capturing():
+                # Recorded into a CUDA graph, not run (its replay is an opaque launch), except
+                # writes to host tensors, which run now like any other
+                host = [t for t in written_tensors(func, args, kwargs) if t.device.type == "cpu"]
+                if host:
+                    window.touch((), host, func.__name__)
                 return func(*args, **kwargs)
             written = written_tensors(func, args, kwargs)
             reads = tensor_args(args, kwargs) if window.log_reads else ()

@@ -177,10 +177,9 @@ class Copier:
         with self._on_copy_streams(ls):
             for piece, offset in pieces:
                 self.plan.apply_range(piece.span.index, piece.offset, region[offset : offset + piece.nbytes])
+                self._piece_done(piece)  # loaded once its own copy is queued, member by member
             events = [self._event(d) for d in ls.devices if self._evented(d)]
         self._hold(region, events)
-        for piece, _ in pieces:
-            self._piece_done(piece)
 
     def _resolve(self, slot: ScratchSlot) -> None:
         """Read ``slot``'s flags (after its event) and copy its batch into the targets, or raise."""
@@ -197,12 +196,11 @@ class Copier:
                 f"chunk {digest} (#{chunk}) of {self.describe(piece.span.index)} does not match its device hash "
                 f"({DEVICE_HASH}) after the copy to {slot.device} (corrupt); it was not written to the target"
             )
+        slot.pieces = []  # the next stage() of this slot queues after these copies on the same stream
         with self._on_copy_streams(pieces[0][0].span):
             for piece, offset in pieces:
                 self.plan.apply_range(piece.span.index, piece.offset, slot.data[offset : offset + piece.nbytes])
-        slot.pieces = []  # the next stage() of this slot queues after these copies on the same stream
-        for piece, _ in pieces:
-            self._piece_done(piece)
+                self._piece_done(piece)
 
     def _piece_done(self, piece: Piece) -> None:
         if self.schedule.piece_done(piece, piece.nbytes):

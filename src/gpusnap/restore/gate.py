@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gpusnap import launch_hooks
 from gpusnap.capture.schema import tensor_args
 from gpusnap.restore.schedule import LoadSpan, Schedule, SpanState
 from gpusnap.state.apply import RestorePlan
@@ -76,7 +77,10 @@ class Gate:
             waited = self.schedule.wait(ls)
             with self._lock:
                 self.wait_s += waited
-        if ls.ready and not self.complete:
+        if ls.ready and not self.complete and not launch_hooks.capturing():
+            # (inside a CUDA graph capture nothing runs now, and a capturing stream may not
+            # wait on an event from outside it: the capture began after every span was
+            # loaded, and its replays wait through before_opaque_launch)
             self._order_after(ls)
 
     def before_opaque_launch(self) -> None:
@@ -93,6 +97,8 @@ class Gate:
         waited = self.schedule.wait_all()
         with self._lock:
             self.wait_s += waited
+        if launch_hooks.capturing():
+            return  # see need(): nothing runs inside a capture; its replays order themselves
         for ls in self.schedule.spans:
             if ls.ready:
                 self._order_after(ls)

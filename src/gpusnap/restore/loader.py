@@ -227,11 +227,12 @@ class Loader:
                     data = region[offset : offset + p.nbytes]
                     self._read_into(p, data, host_verify=self.verify)
                     self.plan.apply_range(p.span.index, p.offset, data)
+                    # each member counts once written: a later member's failure must not
+                    # hide the tensors already restored (the error lists them)
+                    if self.schedule.piece_done(p, p.nbytes):
+                        self.schedule.mark_loaded(p.span, ())
             finally:
                 self.slots.release(region)
-            for p, _ in batch:
-                if self.schedule.piece_done(p, p.nbytes):
-                    self.schedule.mark_loaded(p.span, ())
             return
         with self._lock:
             if ls.buffer is None:
