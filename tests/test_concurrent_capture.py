@@ -262,3 +262,44 @@ def test_a_shut_down_copier_runner_falls_back_to_a_thread(tmp_path):
         info = pending.wait()
         ck.restore(state, info.id)
     assert torch.equal(state["w"], before)
+
+
+@pytest.mark.parametrize("tracked", [False, True])
+def test_save_inside_inference_mode_restores_exactly(tmp_path, tracked):
+    """A serving loop saves inside torch.inference_mode(): the window's own tensors (hash
+    tables, snapshots, staging) must still be writable by gpusnap's threads."""
+    with torch.inference_mode():
+        state = {"w": torch.randn(1000), "kv": torch.zeros(4096), "rng": gpusnap.RNGState()}
+    config = _cfg() if tracked else _cfg(cpu_snapshot_bytes=1 << 30)
+    with gpusnap.Checkpointer(tmp_path / "ck", config=config) as ck:
+        with torch.inference_mode():
+            state["kv"][:10] = 1.0
+            expected = state["kv"].clone()
+            pending = ck.save(state)
+            state["kv"][:20] = 5.0  # right after save(), inside the same block: tracked or snapshotted
+            info = pending.wait()
+        ck.restore(state, info.id)
+    assert torch.equal(state["kv"], expected)
+    assert info.stats["bytes_snapshot"] == (0 if tracked else info.stats["bytes_total"])
+
+
+def test_a_window_that_outlives_its_inference_mode_block_is_never_committed_wrong(tmp_path):
+    """Leaving an inference_mode block restores the dispatch keys it found, dropping the one
+    the tracker's mode added inside it (PyTorch): later writes are unseen. Validation catches
+    them; the retry captures the offender at save()."""
+    with torch.inference_mode():
+        state = {"kv": torch.zeros(4096)}
+    with gpusnap.Checkpointer(tmp_path / "ck", config=_cfg(validate=True)) as ck:
+        with torch.inference_mode():
+            state["kv"][:10] = 1.0
+            expected = state["kv"].clone()
+            pending = ck.save(state)
+        with torch.inference_mode():
+            state["kv"].add_(7.0)  # unseen by the tracker now
+        info = pending.wait()
+        ck.restore(state, info.id)
+    assert torch.equal(state["kv"], expected) or torch.equal(state["kv"], expected + 7.0), (
+        "either the consistent point, or (after the retry) the state at the retry's save()"
+    )
+    if not torch.equal(state["kv"], expected):
+        assert "retry" in info.stats["validation"]

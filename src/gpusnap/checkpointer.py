@@ -239,31 +239,37 @@ class Checkpointer:
             # pays for it, like async_save's first call), never while a window copies.
             device_bytes = sum(s.nbytes for s in flat.spans if s.device.type != "cpu")
             if device_bytes:
-                phases["reserve_staging"] = arena.reserve(device_bytes + self.config.piece_bytes())
+                with torch.inference_mode(False):  # the copier writes it (see below)
+                    phases["reserve_staging"] = arena.reserve(device_bytes + self.config.piece_bytes())
             opened = time.perf_counter()
             cow_budget, snapshot_budget = self._device_budgets(cuda)
-            capture = ConcurrentSave(
-                flat,
-                repo.begin_write,  # opened by the writers, off save()'s time
-                staging=arena,
-                io_pool=self._pool,
-                streams={d: self._copy_stream(d) for d in cuda},
-                chunk_size=self.config.chunk_size,
-                piece_bytes=self.config.piece_bytes(),
-                ahead=self.config.copy_ahead,
-                order=order,
-                cow_budget=cow_budget,
-                eager_cpu_bytes=self.config.eager_cpu_bytes,
-                trace=Trace(pending.id) if self.config.trace_dir else None,
-                log_reads=self._access_paths is None,
-                validate=self.config.validate,
-                previous=previous,
-                eager=[sp.index for sp in flat.spans if self._eager_paths.intersection(sp.paths)] if self._eager_paths else (),
-                eager_device_bytes=self.config.eager_device_bytes,
-                snapshot_budget=snapshot_budget if self.config.device_snapshot else 0,
-                snapshot_cpu_bytes=self.config.cpu_snapshot_bytes,
-                copier_runner=self._copier_runner,
-            )
+            # The window's own tensors (snapshots, hash tables) are written later by gpusnap's
+            # threads, which are never in inference mode: made inside it (a save from a
+            # serving loop), they would refuse those writes. Only the construction: a
+            # tracker pushed inside this block would lose its dispatch key when it exits.
+            with torch.inference_mode(False):
+                capture = ConcurrentSave(
+                    flat,
+                    repo.begin_write,  # opened by the writers, off save()'s time
+                    staging=arena,
+                    io_pool=self._pool,
+                    streams={d: self._copy_stream(d) for d in cuda},
+                    chunk_size=self.config.chunk_size,
+                    piece_bytes=self.config.piece_bytes(),
+                    ahead=self.config.copy_ahead,
+                    order=order,
+                    cow_budget=cow_budget,
+                    eager_cpu_bytes=self.config.eager_cpu_bytes,
+                    trace=Trace(pending.id) if self.config.trace_dir else None,
+                    log_reads=self._access_paths is None,
+                    validate=self.config.validate,
+                    previous=previous,
+                    eager=[sp.index for sp in flat.spans if self._eager_paths.intersection(sp.paths)] if self._eager_paths else (),
+                    eager_device_bytes=self.config.eager_device_bytes,
+                    snapshot_budget=snapshot_budget if self.config.device_snapshot else 0,
+                    snapshot_cpu_bytes=self.config.cpu_snapshot_bytes,
+                    copier_runner=self._copier_runner,
+                )
             window = capture.window
             window.on_close(lambda: pending._set_staged() if window.error is None else None)
             capture.start()
