@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -159,3 +160,30 @@ def test_a_failed_validation_is_retried_once_at_the_next_call(tmp_path: Any, hel
         ck.restore(fresh, info.id)
     for k in state:
         assert torch.equal(fresh[k], retried_from[k]), k
+
+
+def test_a_retried_blocking_save_reports_the_callers_whole_wait(
+    tmp_path: Any, held: threading.Event, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Device state's blocking saves go through a window; one that fails validation is retried
+    inside the caller's wait, and its stall_s is the whole wait, first attempt included."""
+    monkeypatch.setattr(gpusnap.Checkpointer, "_blocking_via_window", staticmethod(lambda flat: True))
+    state = _state()
+
+    def unseen_write_then_release() -> None:
+        time.sleep(0.5)  # inside the first attempt, which the caller waits through
+        state["b"].numpy()[3] = 99.0
+        held.set()
+
+    with gpusnap.Checkpointer(tmp_path / "ck", config=_config(retry_validation=True)) as ck:
+        held.set()
+        ck.save(state).wait()  # the first window of a Checkpointer is tracked anyway
+        held.clear()
+        for v in state.values():
+            v.add_(1)  # every chunk changed: none is skipped, the copier stalls on staging
+        writer = threading.Thread(target=unseen_write_then_release)
+        writer.start()
+        info = ck.save(state, blocking=True).wait()
+        writer.join()
+    assert "a retry" in info.stats["validation"]
+    assert info.stats["stall_s"] >= 0.5, info.stats["stall_s"]

@@ -186,6 +186,9 @@ class Checkpointer:
         job.app_state, job.owner = app_state, threading.get_ident()
         if retry_of is not None:
             job.retry_note = retry_of.retry_note
+            # its stats describe the save the caller made: a blocking caller has waited since
+            # the first attempt (the retry itself runs inside that caller's wait)
+            job.started, job.blocking = retry_of.started, retry_of.blocking
         job.phases.update(wait_previous=waited - started, flatten=flattened - waited)
         windowed = self.config.concurrent and (not blocking or self._blocking_via_window(flat))
         if not windowed:
