@@ -28,7 +28,7 @@ def tensor_nodes(node: Any) -> list[dict[str, Any]]:
     if isinstance(node, dict):
         found = [node] if node.get("t") == "tensor" else []
         return found + [n for v in node.values() for n in tensor_nodes(v)]
-    if isinstance(node, list):
+    if isinstance(node, (list, tuple)):
         return [n for v in node for n in tensor_nodes(v)]
     return []
 

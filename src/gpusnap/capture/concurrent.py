@@ -36,6 +36,8 @@ from gpusnap.storage.repository import WriteTxn
 
 __all__ = ["ConcurrentSave"]
 
+_NOTHING: frozenset[int] = frozenset()
+
 
 class ConcurrentSave:
     def __init__(
@@ -91,7 +93,7 @@ class ConcurrentSave:
         self.previous = previous if previous is not None else {}  # into the manifest
         self.before: HashTable | None = None
         self.after: HashTable | None = None
-        self.skipped: dict[int, set[int]] = {}  # span index -> chunks not copied (incremental)
+        self.skipped: dict[int, Collection[int]] = {}  # span index -> chunks not copied (incremental)
         self.mismatched: list[str] = []
         if validate or incremental:
             # Spans not snapshotted are hashed now, in the program's stream order; snapshots
@@ -101,7 +103,7 @@ class ConcurrentSave:
             self.before.fill_many(now, [flat.spans[i].as_bytes() for i in now])
         if validate:
             self.after = HashTable(flat.spans, chunk_size)
-        self._before_hex: list[list[str]] | None = None
+        self._before_hex: list[tuple[str, ...]] | None = None
         events = {}
         for device in streams:
             event = torch.cuda.Event()
@@ -180,7 +182,7 @@ class ConcurrentSave:
             self._before_hex = self.before.hex()
         return self._before_hex
 
-    def _skip(self, ws: WindowSpan) -> set[int]:
+    def _skip(self, ws: WindowSpan) -> Collection[int]:
         """Copier thread: chunks of ``ws`` unchanged since the previous checkpoint (their
         stored digests are reused)."""
         span = ws.span
@@ -190,8 +192,11 @@ class ConcurrentSave:
             with self._lock:
                 self.bytes_skipped += min(self.chunk_size, span.nbytes - k * self.chunk_size)
         if same:
-            self.skipped[ws.index] = set(same)
-        return self.skipped.get(ws.index, set())
+            # every chunk unchanged (frozen weights: the common case) is a range, which the
+            # garbage collector does not track; a save keeps one per span for seconds
+            chunks = len(self.digests[ws.index])
+            self.skipped[ws.index] = range(chunks) if len(same) == chunks else set(same)
+        return self.skipped.get(ws.index, _NOTHING)
 
     def _after_copy(self, ws: WindowSpan, start: int, src: torch.Tensor) -> None:
         assert self.after is not None

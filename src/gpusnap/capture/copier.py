@@ -24,7 +24,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import Executor
 from typing import Any
 
@@ -58,7 +58,7 @@ class Copier:
         consistent_events: dict[torch.device, Any],
         streams: dict[torch.device, Any],
         prepare: Callable[[], None] | None = None,
-        skip: Callable[[WindowSpan], set[int]] | None = None,
+        skip: Callable[[WindowSpan], Collection[int]] | None = None,
         after_copy: Callable[[WindowSpan, int, torch.Tensor], None] | None = None,
         on_drained: Callable[[], None] | None = None,
         runner: Executor | None = None,
@@ -150,7 +150,7 @@ class Copier:
         held: set[str] = set()  # which sources (live, shadow) were recorded on the copy stream
         cs = self.chunk_size
         started = time.perf_counter()
-        skip = self.skip(ws) if self.skip is not None else set()
+        skip = self.skip(ws) if self.skip is not None else ()
         if self.skip is not None:
             self._traced("skip", started)
         for start, n in _changed_runs(ws.nbytes, skip, cs, piece):
@@ -192,7 +192,7 @@ class Copier:
             started = time.perf_counter()
             segments: list[tuple[WindowSpan, int, int, torch.Tensor]] = []  # and source bytes
             for ws in spans:
-                skip = self.skip(ws) if self.skip is not None else set()
+                skip = self.skip(ws) if self.skip is not None else ()
                 assert ws.shadow is not None
                 for start, n in _changed_runs(ws.nbytes, skip, cs, piece):
                     segments.append((ws, start, n, ws.shadow[start : start + n]))
@@ -336,7 +336,7 @@ def wait_event(event: Any) -> None:
         time.sleep(POLL_S)
 
 
-def _changed_runs(nbytes: int, skip: set[int], chunk_size: int, limit: int) -> Iterator[tuple[int, int]]:
+def _changed_runs(nbytes: int, skip: Collection[int], chunk_size: int, limit: int) -> Iterator[tuple[int, int]]:
     """(start, bytes) of each run of consecutive chunks not in ``skip`` (unchanged since the
     previous checkpoint), at most ``limit`` bytes each (whole chunks; a span's last chunk may
     be short)."""

@@ -122,15 +122,16 @@ class HashTable:
             else:
                 self._host[device] = table
 
-    def hex(self) -> list[list[str]]:
-        """Hex hashes per span (waits for the device tables' copies)."""
+    def hex(self) -> list[tuple[str, ...]]:
+        """Hex hashes per span (waits for the device tables' copies). Tuples of str: Python's
+        collector stops tracking them (a save keeps them for seconds, one per span)."""
         for event in self._events.values():
             event.synchronize()
         self._events.clear()
         out = []
         for i, device in enumerate(self.devices):
             host = self._host[device]
-            out.append(hashes_to_hex(host[self.first[i] : self.first[i] + self.counts[i]]) if self.counts[i] else [])
+            out.append(tuple(hashes_to_hex(host[self.first[i] : self.first[i] + self.counts[i]])) if self.counts[i] else ())
         return out
 
 

@@ -432,7 +432,7 @@ class _Planner:
     def keyed(self, node: dict[str, Any], path: str) -> list[tuple[Any, dict[str, Any]]]:
         """Decoded keys and value nodes of a ``dict`` node."""
         items = node.get("items")
-        if not isinstance(items, list) or not all(isinstance(p, list) and len(p) == 2 for p in items):
+        if not isinstance(items, list) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in items):
             raise CheckpointError(f"{path or '<root>'}: malformed 'dict' node")
         pairs = []
         for key_node, value_node in items:
@@ -672,7 +672,7 @@ def _is_plain_node(node: Any) -> bool:
     kind, items = node.get("t"), node.get("items")
     if kind in ("dict", "list", "tuple") and isinstance(items, list):
         if kind == "dict":
-            items = [p[1] for p in items if isinstance(p, list) and len(p) == 2]
+            items = [p[1] for p in items if isinstance(p, (list, tuple)) and len(p) == 2]
         return all(_is_plain_node(v) for v in items)
     return kind in PLAIN_KINDS
 

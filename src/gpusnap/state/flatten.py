@@ -286,7 +286,7 @@ class _Walker:
                 raise CheckpointError(f"{path or '<root>'}: a dict key is a tensor; keys must be plain values")
             where = join_path(path, key)
             key_node = _key_node(key) if type(key) is str else encode_plain(key, where, self.allow_pickle)
-            items.append([key_node, self.walk(item, where)])
+            items.append((key_node, self.walk(item, where)))  # a tuple: untracked by the collector once built
         return {"t": "dict", "items": items}
 
     def walk_sequence(self, value: list[Any] | tuple[Any, ...], path: str) -> dict[str, Any]:
