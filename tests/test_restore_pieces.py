@@ -327,12 +327,13 @@ def test_take_batch_joins_whole_small_spans_of_one_kind() -> None:
     assert [p.span.index for p, _ in schedule.take_batch(room=4 * CS, max_chunks=8)] == [0, 1, 3]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("on_device", [False, True])
-def test_small_spans_travel_in_batches(tmp_path, monkeypatch, on_device):
+def test_small_spans_travel_in_batches(tmp_path, monkeypatch, on_device, device):
     """One region, one copy and (checked on the device) one hash launch for many small
     tensors; every byte lands where it belongs, and a batch's stats say so."""
     root = tmp_path / "ck"
-    source = _small_state()
+    source = {k: v.to(device) for k, v in _small_state().items()}
     checkpoint = _save(root, source)
     _add_device_hashes(root, checkpoint)
     monkeypatch.setattr(restorer_mod, "VERIFY_ON_DEVICE", on_device)
