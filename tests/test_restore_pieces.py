@@ -371,13 +371,15 @@ def test_a_failed_batch_reports_the_members_it_already_wrote(tmp_path, monkeypat
     checkpoint = _save(root, source)
     _corrupt(root, source["s9"].numpy().tobytes()[:64], 5)
     monkeypatch.setattr(restorer_mod, "VERIFY_ON_DEVICE", False)
+    monkeypatch.setattr("gpusnap.restore.restorer.os.sched_getaffinity", lambda pid: {0}, raising=False)
     with gpusnap.Checkpointer(root, config=tiny_config(io_threads=1, staging_bytes=64 * CS, restore_piece_bytes=16 * CS)) as ck:
         target = {k: torch.zeros_like(v) for k, v in source.items()}
         with pytest.raises(IntegrityError) as error:
             ck.restore(target, checkpoint, verify="stream")
     written = [k for k, v in target.items() if v.any()]
-    assert written and "s9" not in written
-    for k in written:
-        assert torch.equal(target[k], source[k]), k
+    whole = [k for k in written if torch.equal(target[k], source[k])]
+    assert whole and "s9" not in written
     found = re.search(r"(\d+) of \d+ storages were restored", str(error.value))
-    assert found and int(found.group(1)) == len(written), str(error.value)
+    assert found and int(found.group(1)) == len(whole), str(error.value)
+    for k in set(written) - set(whole):  # a span cut off mid-way is named as partly written
+        assert f"partly written: tensor {k}" in str(error.value) or f"; tensor {k}" in str(error.value), k
