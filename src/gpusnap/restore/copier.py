@@ -175,9 +175,7 @@ class Copier:
             self._hold(region, [slot.event] if slot.event is not None else [])
             return
         with self._on_copy_streams(ls):
-            for piece, offset in pieces:
-                self.plan.apply_range(piece.span.index, piece.offset, region[offset : offset + piece.nbytes])
-                self._piece_done(piece)  # loaded once its own copy is queued, member by member
+            self._apply(pieces, region)
             events = [self._event(d) for d in ls.devices if self._evented(d)]
         self._hold(region, events)
 
@@ -198,9 +196,14 @@ class Copier:
             )
         slot.pieces = []  # the next stage() of this slot queues after these copies on the same stream
         with self._on_copy_streams(pieces[0][0].span):
-            for piece, offset in pieces:
-                self.plan.apply_range(piece.span.index, piece.offset, slot.data[offset : offset + piece.nbytes])
-                self._piece_done(piece)
+            self._apply(pieces, slot.data)
+
+    def _apply(self, pieces: list[tuple[Piece, int]], data: torch.Tensor) -> None:
+        """Copy each piece of a batch from ``data`` (at its offset) into its targets; each
+        counts as applied (and its span, if complete, as loaded) once its own copy is queued."""
+        for piece, offset in pieces:
+            self.plan.apply_range(piece.span.index, piece.offset, data[offset : offset + piece.nbytes])
+            self._piece_done(piece)
 
     def _piece_done(self, piece: Piece) -> None:
         if self.schedule.piece_done(piece, piece.nbytes):
