@@ -116,7 +116,7 @@ class Checkpointer:
         self._windows: list[ConcurrentSave] = []
         self._write_order: list[str] = []  # key paths, soonest-written first (last window)
         self._flat_plan: FlatPlan | None = None  # the last save's per-tensor work (state/flatten.py)
-        self._order_memo: tuple[tuple[Any, ...], list[int]] | None = None  # (plan, write order) -> copy order
+        self._order_memo: tuple[FlatPlan | None, list[str], list[int]] | None = None  # plan, write order, copy order
         self._access_paths: list[str] | None = None  # key paths in the first window's read order
         self._previous: dict[str, str] | None = None  # latest checkpoint: device hash -> digest
         self._eager_paths: set[str] = set()  # written unseen once: captured at save() from now on
@@ -313,14 +313,14 @@ class Checkpointer:
 
         The same as last time when this save reused the last flatten plan and no window
         learned a new write order since (a few ms of Python per thousand spans, every save)."""
-        key = (flat.plan, self._write_order)
-        if flat.planned and self._order_memo is not None and all(a is b for a, b in zip(self._order_memo[0], key)):
-            return self._order_memo[1]
+        memo = self._order_memo
+        if memo is not None and memo[0] is flat.plan and memo[1] is self._write_order:
+            return memo[2]  # (a walk that did not reuse the plan made a new one)
         rank = {path: i for i, path in enumerate(self._write_order)}
         far = len(rank)
         keyed = [(min((rank.get(p, far) for p in s.paths), default=far), s.index) for s in flat.spans]
         order = [index for _, index in sorted(keyed)]
-        self._order_memo = (key, order)
+        self._order_memo = (flat.plan, self._write_order, order)
         return order
 
     def _device_budgets(self, cuda: list[torch.device]) -> tuple[int, int]:

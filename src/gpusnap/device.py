@@ -7,6 +7,7 @@ so that the CPU machine (CI) exercises the same code as the GPU machine.
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 
 import torch
@@ -96,11 +97,6 @@ def outside_graph_captures() -> bool:
     return _thread.relaxed
 
 
-_cuda_lib: ctypes.CDLL | None = None
-
-
+@functools.cache
 def _libcuda() -> ctypes.CDLL:
-    global _cuda_lib
-    if _cuda_lib is None:
-        _cuda_lib = ctypes.CDLL("libcuda.so.1")  # the driver torch already loaded
-    return _cuda_lib
+    return ctypes.CDLL("libcuda.so.1")  # the driver torch already loaded
