@@ -40,6 +40,22 @@ def _model(seed: int, device: torch.device | str = "cpu") -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4)).to(device)
 
 
+@contextlib.contextmanager
+def _lazy_restore_of(tmp_path, monkeypatch, model, target) -> Iterator[Any]:
+    """``model`` saved, then lazily restored into ``target`` from a root whose reads are held
+    for 0.1 s: yields the RestoreHandle while the restore is still loading."""
+    with (
+        held_root(tmp_path / "ck", monkeypatch) as backend,
+        gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config()) as ck,
+    ):
+        ck.save({"model": model}, blocking=True)
+        backend.hold()
+        handle = ck.restore({"model": target}, lazy=True)
+        release_after(backend, 0.1)
+        yield handle
+        handle.wait()
+
+
 def _scramble(module: nn.Module) -> None:
     with torch.no_grad():
         for p in module.parameters():
@@ -142,20 +158,12 @@ def test_reads_and_writes_of_unloaded_buffers_see_restored_bytes_first(tmp_path,
 
 def test_views_and_autograd_of_unloaded_weights(tmp_path, monkeypatch):
     model = _model(0)
-    with (
-        held_root(tmp_path / "ck", monkeypatch) as backend,
-        gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config()) as ck,
-    ):
-        ck.save({"model": model}, blocking=True)
-        target = _model(5)
-        backend.hold()
-        handle = ck.restore({"model": target}, lazy=True)
-        release_after(backend, 0.1)
+    target = _model(5)
+    with _lazy_restore_of(tmp_path, monkeypatch, model, target):
         w_t = target[0].weight.t()  # a view: waits as well
         x = torch.randn(4, 16)
         out = target(x)
         out.sum().backward()
-        handle.wait()
     assert torch.equal(w_t, model[0].weight.t())
     assert torch.equal(out, model(x))
     ref = _model(0)
@@ -168,20 +176,12 @@ def test_an_op_saving_an_unloaded_weight_for_backward_trains(tmp_path, monkeypat
     there for their bytes: the restore's writes must not count as in-place modifications
     (measured: the bench's lazy restore of GPT-2 failed in backward on the H200)."""
     model = _model(0)
-    with (
-        held_root(tmp_path / "ck", monkeypatch) as backend,
-        gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config()) as ck,
-    ):
-        ck.save({"model": model}, blocking=True)
-        target = _model(5)
-        backend.hold()
-        handle = ck.restore({"model": target}, lazy=True)
-        release_after(backend, 0.1)
+    target = _model(5)
+    with _lazy_restore_of(tmp_path, monkeypatch, model, target):
         x = torch.randn(4, 32, requires_grad=True)
         # mm saves the weight itself (as GPT-2's Conv1D addmm does), then waits for its bytes
         out = torch.mm(x, target[0].weight)
         out.sum().backward()
-        handle.wait()
     x_ref = x.detach().clone().requires_grad_(True)
     torch.mm(x_ref, model[0].weight).sum().backward()
     assert torch.equal(out, torch.mm(x, model[0].weight))
@@ -380,22 +380,6 @@ def _graph_of(model: torch.nn.Module, static_x: torch.Tensor) -> tuple[torch.cud
     with torch.cuda.graph(graph), torch.no_grad():
         static_out = model(static_x)
     return graph, static_out
-
-
-@contextlib.contextmanager
-def _lazy_restore_of(tmp_path, monkeypatch, model, target) -> Iterator[Any]:
-    """``model`` saved, then lazily restored into ``target`` from a root whose reads are held
-    for 0.1 s: yields the RestoreHandle while the restore is still loading."""
-    with (
-        held_root(tmp_path / "ck", monkeypatch) as backend,
-        gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config()) as ck,
-    ):
-        ck.save({"model": model}, blocking=True)
-        backend.hold()
-        handle = ck.restore({"model": target}, lazy=True)
-        release_after(backend, 0.1)
-        yield handle
-        handle.wait()
 
 
 @pytest.mark.cuda
