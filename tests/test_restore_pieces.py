@@ -337,6 +337,9 @@ def test_small_spans_travel_in_batches(tmp_path, monkeypatch, on_device, device)
     checkpoint = _save(root, source)
     _add_device_hashes(root, checkpoint)
     monkeypatch.setattr(restorer_mod, "VERIFY_ON_DEVICE", on_device)
+    # two readers whatever the core count: more would split the staging into regions too
+    # small to batch in (20 regions of 3 chunks on the 16-core H200 host)
+    monkeypatch.setattr(restorer_mod, "reader_threads", lambda io_threads: io_threads)
     with gpusnap.Checkpointer(root, config=tiny_config(io_threads=2, staging_bytes=64 * CS, restore_piece_bytes=16 * CS)) as ck:
         target = {k: torch.zeros_like(v) for k, v in source.items()}
         handle = ck.restore(target, checkpoint, verify="stream")
