@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks and measurements, each step time-boxed, logs under
 # $OUT (default ./gpu-out). Usage: benchmarks/gpu_suite.sh [demo] [tests] [stall] [diag] [incr]
-# [restore] [hash] [quick] (default: all but hash and quick). Run from the repository root on
+# [restore] [rdiag] [hash] [quick] (default: all but rdiag, hash and quick). Run from the repository root on
 # the GPU machine; read what comes back with benchmarks/suite_summary.py suite.tgz. SUITE_S
 # (default 570) bounds the whole call: a step gets at most the time left,
 # and one with under 30 s left is skipped, so the logs of the steps before it always come back.
-# STALL_CONFIGS and STALL_ARGS (e.g. --gc-freeze) vary the stall step.
+# STALL_CONFIGS and STALL_ARGS (e.g. --gc-freeze) vary the stall step; TEST_FILES picks the
+# tests step's files, RDIAG_ARGS the restore diagnosis's options.
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 # Logs go to $L; after every step they are packed into $OUT/suite.tgz (the device tool returns
@@ -30,9 +31,9 @@ for s in "${steps[@]}"; do
     # SIGABRT at the limit: faulthandler prints every thread's stack (a hang shows where it is)
     tests) [ -d .whl ] && pip install -q --no-index --find-links .whl pytest-timeout > /dev/null 2>&1
            t 200 python3 -X faulthandler -m pytest -v -p no:cacheprovider --timeout 50 -m cuda \
-             tests/test_concurrent_capture.py tests/test_capture_pieces.py tests/test_validation_cuda.py \
+             ${TEST_FILES:-tests/test_concurrent_capture.py tests/test_capture_pieces.py tests/test_validation_cuda.py \
              tests/test_restore_pipelined.py tests/test_restore_lazy.py tests/test_restore_pieces.py \
-             tests/test_chunk_hash.py tests/test_chunk_hash_many.py tests/test_bench_dcp.py tests/test_state_rng.py \
+             tests/test_chunk_hash.py tests/test_chunk_hash_many.py tests/test_bench_dcp.py tests/test_state_rng.py} \
              > "$L/tests.log" 2>&1; tail -3 "$L/tests.log" ;;
     stall) t 420 python3 benchmarks/concurrent_stall.py --model gpt2-large --saves 2 --every 20 --batch 4 ${STALL_ARGS:-} \
              --configs "${STALL_CONFIGS:-device_snapshot=0,validate=0,incremental=0;device_snapshot=0;device_snapshot=1,incremental=0;device_snapshot=1}" --json "$L/stall.json" \
@@ -44,6 +45,8 @@ for s in "${steps[@]}"; do
           tail -9 "$L/incr.log" ;;
     restore) t 200 python3 benchmarks/restore_bench.py --repeat 1 --out "$L/restore.json" \
                > "$L/restore.log" 2>&1; tail -8 "$L/restore.log" ;;
+    rdiag) t 240 python3 benchmarks/restore_diagnosis.py --sample ${RDIAG_ARGS:-} > "$L/rdiag.log" 2>&1
+           tail -12 "$L/rdiag.log" ;;
     hash) t 120 python3 benchmarks/hash_kernel.py --out "$L/hash.json" > "$L/hash.log" 2>&1
           tail -20 "$L/hash.log" ;;
     quick) t 560 python3 -m gpusnap bench --quick --out "$L/bench" > "$L/quick.log" 2>&1

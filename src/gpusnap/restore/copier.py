@@ -25,12 +25,11 @@ reports (``on_close``).
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,6 +116,12 @@ class Copier:
         error: BaseException | None = None
         try:
             outside_graph_captures()  # the program may capture a CUDA graph meanwhile
+            for device, stream in self.streams.items():
+                # this thread's current stream on each device, once: a stream guard per
+                # copy costs host time on the thread that bounds the restore rate
+                torch.cuda.set_stream(stream)
+                start = self._timing[device] = torch.cuda.Event(enable_timing=True)
+                start.record(stream)
             while (item := self._next()) is not _END:
                 self._handle(item)
                 self._reap()
@@ -153,8 +158,7 @@ class Copier:
         if isinstance(item, _WholeItem):
             ls = item.span
             assert ls.buffer is not None
-            with self._on_copy_streams(ls):
-                self.plan.apply_span(ls.index, ls.buffer)  # pageable source: copied before it returns
+            self.plan.apply_span(ls.index, ls.buffer)  # pageable source: copied before it returns
             ls.applied_bytes = ls.nbytes
             self._loaded(ls)
             return
@@ -168,15 +172,13 @@ class Copier:
             slot = self.check.next_slot(device)
             if slot.pieces:
                 self._resolve(slot)
-            with self._on_copy_streams(ls):
-                self.check.stage(slot, pieces, region)
-                slot.event = self._event(device) if self._evented(device) else None
+            self.check.stage(slot, pieces, region)
+            slot.event = self._event(device) if self._evented(device) else None
             self._checking.append(slot)
             self._hold(region, [slot.event] if slot.event is not None else [])
             return
-        with self._on_copy_streams(ls):
-            self._apply(pieces, region)
-            events = [self._event(d) for d in ls.devices if self._evented(d)]
+        self._apply(pieces, region)
+        events = [self._event(d) for d in ls.devices if self._evented(d)]
         self._hold(region, events)
 
     def _resolve(self, slot: ScratchSlot) -> None:
@@ -195,8 +197,7 @@ class Copier:
                 f"({DEVICE_HASH}) after the copy to {slot.device} (corrupt); it was not written to the target"
             )
         slot.pieces = []  # the next stage() of this slot queues after these copies on the same stream
-        with self._on_copy_streams(pieces[0][0].span):
-            self._apply(pieces, slot.data)
+        self._apply(pieces, slot.data)
 
     def _apply(self, pieces: list[tuple[Piece, int]], data: torch.Tensor) -> None:
         """Copy each piece of a batch from ``data`` (at its offset) into its targets; each
@@ -211,8 +212,7 @@ class Copier:
 
     def _loaded(self, ls: LoadSpan) -> None:
         """``ls``'s last copy is queued: ops may use it once their stream passed this event."""
-        with self._on_copy_streams(ls):
-            ready = [(d, self._event(d)) for d in ls.devices if self._evented(d)]
+        ready = [(d, self._event(d)) for d in ls.devices if self._evented(d)]
         self.schedule.mark_loaded(ls, ready)
 
     # -- regions and events --------------------------------------------------------------------
@@ -282,15 +282,3 @@ class Copier:
             spans.append(start.elapsed_time(end) / 1000.0)
         if spans:
             self.stats.copy_stream_s = max(spans)
-
-    @contextlib.contextmanager
-    def _on_copy_streams(self, ls: LoadSpan) -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            for device in ls.devices:
-                if device.type == "cuda":
-                    stream = self.streams[device]
-                    stack.enter_context(torch.cuda.stream(stream))
-                    if device not in self._timing:
-                        start = self._timing[device] = torch.cuda.Event(enable_timing=True)
-                        start.record(stream)
-            yield

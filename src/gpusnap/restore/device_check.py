@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from gpusnap.errors import CheckpointError
-from gpusnap.kernels.chunk_hash import HASH_WORDS
+from gpusnap.kernels.chunk_hash import HASH_WORDS, chunk_hashes
 from gpusnap.kernels.chunk_hash_many import chunk_hashes_many
 from gpusnap.restore.schedule import LoadSpan, Piece
 from gpusnap.storage.manifest import Manifest
@@ -72,6 +72,7 @@ class ScratchSlot:
     flags: torch.Tensor  # bool on the host, one per chunk of the batch: True where it mismatched
     rows: torch.Tensor  # int64 on the host: the expected hashes' rows of the batch's chunks
     hashes: torch.Tensor  # int64 (max_chunks, 2) on ``device``: the batch's chunk hashes
+    bad: torch.Tensor  # bool (max_chunks,) on ``device``: the flags before their copy to the host
     pieces: list[tuple[Piece, int]] = field(default_factory=list)  # (piece, offset in data), checked, not yet applied
     event: Any = None  # after the batch's hash and flags copy (None on CPU)
 
@@ -124,6 +125,7 @@ class DeviceCheck:
             flags=torch.zeros(n, dtype=torch.bool, pin_memory=pinned),
             rows=torch.zeros(n, dtype=torch.int64, pin_memory=pinned),
             hashes=torch.empty((n, HASH_WORDS), dtype=torch.int64, device=device),
+            bad=torch.empty(n, dtype=torch.bool, device=device),
         )
 
     def stage(self, slot: ScratchSlot, pieces: Sequence[tuple[Piece, int]], region: torch.Tensor) -> None:
@@ -138,18 +140,27 @@ class DeviceCheck:
         pinned = slot.flags.is_pinned()
         slot.data[:end].copy_(region[:end], non_blocking=region.device.type == "cpu" and region.is_pinned())
         got = slot.hashes[:total]
-        chunk_hashes_many([slot.data[o : o + p.nbytes] for p, o in pieces], self.chunk_size, got)
-        rows: list[int] = []
-        for piece, _ in pieces:
-            first = self._rows[piece.span.index] + piece.first
-            rows.extend(range(first, first + piece.count))
-        slot.rows[:total].copy_(torch.tensor(rows, dtype=torch.int64))  # host; read by the copy below
         table = self._tables.get(slot.device)
         if table is None:  # on the current (copy) stream, so ordered before every comparison
             table = self._tables[slot.device] = self._host_table.to(slot.device)
-        want = table.index_select(0, slot.rows[:total].to(slot.device, non_blocking=pinned))
-        bad = (got != want).any(dim=1)
-        slot.flags[:total].copy_(bad, non_blocking=pinned)
+        if len(pieces) == 1:
+            # one piece (most bytes of a large model): one span's chunks in a row, so the
+            # single-span kernel (no row table) and a slice of the expected hashes; the copy
+            # thread's few host calls per piece bound the restore rate (BENCHMARKS.md)
+            piece = pieces[0][0]
+            chunk_hashes(slot.data[: piece.nbytes], self.chunk_size, out=got)
+            first = self._rows[piece.span.index] + piece.first
+            want = table[first : first + total]
+        else:
+            chunk_hashes_many([slot.data[o : o + p.nbytes] for p, o in pieces], self.chunk_size, got)
+            rows: list[int] = []
+            for piece, _ in pieces:
+                first = self._rows[piece.span.index] + piece.first
+                rows.extend(range(first, first + piece.count))
+            slot.rows[:total].copy_(torch.tensor(rows, dtype=torch.int64))  # host; read by the copy below
+            want = table.index_select(0, slot.rows[:total].to(slot.device, non_blocking=pinned))
+        torch.any(got != want, dim=1, out=slot.bad[:total])
+        slot.flags[:total].copy_(slot.bad[:total], non_blocking=pinned)
         slot.pieces = list(pieces)
 
     def spans_checked(self) -> frozenset[int]:
