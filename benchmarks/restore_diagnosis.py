@@ -7,7 +7,7 @@ waits for host regions, and (``--sample``) a sampled profile of the copy thread:
 was in, counted every ~0.5 ms through ``sys._current_frames`` (a poor man's py-spy; the copy
 thread being busy all the time is what the quick bench showed).
 
-Variants (comma list, ``--variants``): default, piece64 (64 MiB pieces), readers8, readers4,
+Variants (comma list, ``--variants``): default, piece64 (64 MiB pieces), readers16/12/8/4,
 slots8 (device scratch slots), big (piece64 + readers8 + slots8), host (BLAKE2b on the host),
 off (no verification), switch (GIL switch interval 0.5 ms instead of 5 ms).
 Run: PYTHONPATH=src python3 benchmarks/restore_diagnosis.py --sample
@@ -28,12 +28,15 @@ from typing import Any
 import torch
 
 import gpusnap
+from gpusnap.restore import loader as loader_mod
 from gpusnap.restore import restorer as restorer_mod
 
 MiB = 1 << 20
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
     "piece64": {"config": {"restore_piece_bytes": 64 * MiB}},
+    "readers16": {"readers": 16},
+    "readers12": {"readers": 12},
     "readers8": {"readers": 8},
     "readers4": {"readers": 4},
     "slots8": {"config": {"restore_scratch_slots": 8}},
@@ -124,8 +127,10 @@ def run_variant(name: str, root: str, app: dict[str, Any], cid: str, dev: torch.
                 repeat: int) -> dict[str, Any]:
     spec = VARIANTS[name]
     saved_threads, saved_switch = restorer_mod.reader_threads, sys.getswitchinterval()
+    saved_cap = loader_mod.DEVICE_CHECK_READERS
     if "readers" in spec:
         restorer_mod.reader_threads = lambda io_threads, n=spec["readers"]: n
+        loader_mod.DEVICE_CHECK_READERS = spec["readers"]
     sys.setswitchinterval(spec.get("switch", saved_switch))
     try:
         config = gpusnap.Config.from_env(fsync=False, **spec.get("config", {}))
@@ -150,6 +155,7 @@ def run_variant(name: str, root: str, app: dict[str, Any], cid: str, dev: torch.
         return best
     finally:
         restorer_mod.reader_threads = saved_threads
+        loader_mod.DEVICE_CHECK_READERS = saved_cap
         sys.setswitchinterval(saved_switch)
 
 

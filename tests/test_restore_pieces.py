@@ -193,14 +193,15 @@ def test_a_span_is_loaded_right_after_its_last_piece(tmp_path, on_device):
     target = {k: torch.zeros(128 * 6) for k in source}
     plan = plan_restore(target, manifest.tree, [SpanInfo(e.nbytes, e.device) for e in manifest.storages])
     log: list[tuple[str, int]] = []
-    real_apply, real_loaded = plan.apply_range, Schedule.mark_loaded
-    plan.apply_range = lambda i, off, data: (log.append(("copy", i)), real_apply(i, off, data))[1]  # type: ignore[method-assign]
+    real_apply, real_loaded = plan.apply_range, Schedule.mark_loaded_many
+    plan.apply_range = lambda i, off, data, **kw: (log.append(("copy", i)), real_apply(i, off, data, **kw))[1]  # type: ignore[method-assign]
     order = [3, 0, 4, 1, 2]
     loader = Loader(
         repo, manifest, plan, order=order, threads=1, slots=SlotPool(4, 2 * CS, pinned=False), streams={},
         verify=True, verify_on_device=on_device,
     )
-    loader.schedule.mark_loaded = lambda ls, ready: (log.append(("loaded", ls.index)), real_loaded(loader.schedule, ls, ready))[1]  # type: ignore[method-assign]
+    loader.schedule.mark_loaded_many = lambda spans: (  # type: ignore[method-assign]
+        log.extend(("loaded", ls.index) for ls, _ in spans), real_loaded(loader.schedule, spans))[1]
     loader.start()
     loader.wait()
     assert log == [e for i in order for e in [("copy", i)] * 3 + [("loaded", i)]]

@@ -220,7 +220,7 @@ def test_loader_follows_the_order_with_one_reader(tmp_path):
     plan = plan_restore(target, manifest.tree, spans)
     seen: list[int] = []
     real_apply = plan.apply_range
-    plan.apply_range = lambda i, off, data: (seen.append(i), real_apply(i, off, data))[1]  # type: ignore[method-assign]
+    plan.apply_range = lambda i, off, data, **kw: (seen.append(i), real_apply(i, off, data, **kw))[1]  # type: ignore[method-assign]
     order = [4, 1, 5, 0, 3, 2]
     loader = Loader(
         repo, manifest, plan, order=order, threads=1, slots=SlotPool(2, 512, pinned=False), streams={}, verify=True

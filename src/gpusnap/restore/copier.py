@@ -160,7 +160,7 @@ class Copier:
             assert ls.buffer is not None
             self.plan.apply_span(ls.index, ls.buffer)  # pageable source: copied before it returns
             ls.applied_bytes = ls.nbytes
-            self._loaded(ls)
+            self._loaded([ls])
             return
         assert isinstance(item, _PieceItem)
         pieces, region = item.pieces, item.region
@@ -172,7 +172,7 @@ class Copier:
             slot = self.check.next_slot(device)
             if slot.pieces:
                 self._resolve(slot)
-            self.check.stage(slot, pieces, region)
+            self.check.stage(slot, pieces, region, pinned_region=self.slots.pinned)
             slot.event = self._event(device) if self._evented(device) else None
             self._checking.append(slot)
             self._hold(region, [slot.event] if slot.event is not None else [])
@@ -200,20 +200,28 @@ class Copier:
         self._apply(pieces, slot.data)
 
     def _apply(self, pieces: list[tuple[Piece, int]], data: torch.Tensor) -> None:
-        """Copy each piece of a batch from ``data`` (at its offset) into its targets; each
-        counts as applied (and its span, if complete, as loaded) once its own copy is queued."""
-        for piece, offset in pieces:
-            self.plan.apply_range(piece.span.index, piece.offset, data[offset : offset + piece.nbytes])
-            self._piece_done(piece)
+        """Copy each piece of a batch from ``data`` (at its offset) into its targets. Each
+        counts as applied once its own copy is queued; the spans the batch completes are
+        loaded after one event per device (also when a later piece's copy fails: the error
+        then lists them as restored)."""
+        pinned = data.device.type == "cpu" and self.slots.pinned  # regions (host) or scratch (device)
+        complete: list[LoadSpan] = []
+        try:
+            for piece, offset in pieces:
+                self.plan.apply_range(piece.span.index, piece.offset, data[offset : offset + piece.nbytes],
+                                      non_blocking=pinned)
+                if self.schedule.piece_done(piece, piece.nbytes):
+                    complete.append(piece.span)
+        finally:
+            if complete:
+                self._loaded(complete)
 
-    def _piece_done(self, piece: Piece) -> None:
-        if self.schedule.piece_done(piece, piece.nbytes):
-            self._loaded(piece.span)
-
-    def _loaded(self, ls: LoadSpan) -> None:
-        """``ls``'s last copy is queued: ops may use it once their stream passed this event."""
-        ready = [(d, self._event(d)) for d in ls.devices if self._evented(d)]
-        self.schedule.mark_loaded(ls, ready)
+    def _loaded(self, spans: list[LoadSpan]) -> None:
+        """The spans' last copies are queued: ops may use them once their stream passed the
+        event recorded now (one per device, shared by the spans of a batch)."""
+        devices = {d for ls in spans for d in ls.devices if self._evented(d)}
+        events = {d: self._event(d) for d in devices}
+        self.schedule.mark_loaded_many([(ls, [(d, events[d]) for d in ls.devices if d in events]) for ls in spans])
 
     # -- regions and events --------------------------------------------------------------------
     @staticmethod

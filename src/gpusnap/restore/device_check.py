@@ -73,6 +73,7 @@ class ScratchSlot:
     rows: torch.Tensor  # int64 on the host: the expected hashes' rows of the batch's chunks
     hashes: torch.Tensor  # int64 (max_chunks, 2) on ``device``: the batch's chunk hashes
     bad: torch.Tensor  # bool (max_chunks,) on ``device``: the flags before their copy to the host
+    pinned: bool = False  # flags and rows are page-locked (CUDA): their copies are asynchronous
     pieces: list[tuple[Piece, int]] = field(default_factory=list)  # (piece, offset in data), checked, not yet applied
     event: Any = None  # after the batch's hash and flags copy (None on CPU)
 
@@ -126,19 +127,22 @@ class DeviceCheck:
             rows=torch.zeros(n, dtype=torch.int64, pin_memory=pinned),
             hashes=torch.empty((n, HASH_WORDS), dtype=torch.int64, device=device),
             bad=torch.empty(n, dtype=torch.bool, device=device),
+            pinned=pinned,
         )
 
-    def stage(self, slot: ScratchSlot, pieces: Sequence[tuple[Piece, int]], region: torch.Tensor) -> None:
+    def stage(
+        self, slot: ScratchSlot, pieces: Sequence[tuple[Piece, int]], region: torch.Tensor, *, pinned_region: bool
+    ) -> None:
         """Queue, on the current stream: copy the batch's bytes (``region``, each piece at its
-        offset) into ``slot`` with one copy, hash every piece's chunks with one launch,
+        offset; ``pinned_region``: page-locked host memory) into ``slot`` with one copy, hash every piece's chunks with one launch,
         compare them with the expected rows, and copy the mismatch flags back to the host."""
         assert not slot.pieces, "resolve the slot's previous batch first"
         end = max(offset + piece.nbytes for piece, offset in pieces)
         total = sum(piece.count for piece, _ in pieces)
         if end > self.slot_bytes or total > self.max_chunks:
             raise CheckpointError(f"a batch of {end} bytes, {total} chunks exceeds a scratch slot")
-        pinned = slot.flags.is_pinned()
-        slot.data[:end].copy_(region[:end], non_blocking=region.device.type == "cpu" and region.is_pinned())
+        pinned = slot.pinned
+        slot.data[:end].copy_(region[:end], non_blocking=pinned_region)
         got = slot.hashes[:total]
         table = self._tables.get(slot.device)
         if table is None:  # on the current (copy) stream, so ordered before every comparison
@@ -171,10 +175,10 @@ class DeviceCheck:
         """The piece of the slot's batch whose chunk failed first, and that chunk's index in
         its span; None if every chunk passed."""
         assert slot.pieces
-        flags = slot.flags[: sum(piece.count for piece, _ in slot.pieces)]
-        if not bool(flags.any()):
+        flags = slot.flags.numpy()[: sum(piece.count for piece, _ in slot.pieces)]  # host memory: no torch call
+        if not flags.any():
             return None
-        k = int(torch.nonzero(flags)[0, 0])
+        k = int(flags.argmax())  # the first True
         for piece, _ in slot.pieces:
             if k < piece.count:
                 return piece, piece.first + k

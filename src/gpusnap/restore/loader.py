@@ -41,9 +41,10 @@ from gpusnap.state.apply import RestorePlan
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.repository import Repository
 
-__all__ = ["DEVICE_CHECK_MIN_BYTES", "SCRATCH_SLOTS", "Loader", "describe_span"]
+__all__ = ["DEVICE_CHECK_MIN_BYTES", "DEVICE_CHECK_READERS", "SCRATCH_SLOTS", "Loader", "describe_span"]
 
 SCRATCH_SLOTS = 3  # device scratch slots per device when checking on the device (one region each)
+DEVICE_CHECK_READERS = 8  # readers at most when the device checks nearly every byte (below)
 BATCH_CHUNKS = 512  # chunks per batch of small spans at most (sizes the check's flag buffers)
 # Smaller spans keep BLAKE2b on the host (verify_on_device=None): a hash launch costs the copy
 # thread ~0.2 ms (measured on the H200 host), more than hashing a few hundred KiB on a reader.
@@ -127,6 +128,11 @@ class Loader:
         )
         pieces = sum(-(-ls.chunks // piece_chunks) for ls in spans)
         self.threads = max(1, min(threads, pieces or 1))
+        host_hashed = sum(ls.nbytes for ls in spans if verify and not ls.device_check)
+        if self.check is not None and host_hashed * 8 < sum(ls.nbytes for ls in spans):
+            # nearly every byte is checked on the device: readers only copy from the page
+            # cache, and more of them take the GIL from the copy thread that bounds the rate
+            self.threads = min(self.threads, DEVICE_CHECK_READERS)
         self.stats = LoadStats()
         self.started = 0.0
         self.finished: float | None = None

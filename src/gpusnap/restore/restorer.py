@@ -150,6 +150,7 @@ class Restorer:
             scratch_slots=self.scratch_slots,
             device_check_min_bytes=self.device_check_min_bytes,
         )
+        handle.stats["threads"] = loader.threads  # fewer when the device checks nearly everything
         if lazy:
             session = LazyRestore(loader, plan, handle, started)
             handle._on_wait = lambda: (session.refresh(), self.reap())

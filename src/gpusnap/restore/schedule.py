@@ -171,11 +171,16 @@ class Schedule:
             return ls.left == 0
 
     def mark_loaded(self, ls: LoadSpan, ready: Sequence[tuple[torch.device, Any]]) -> None:
+        self.mark_loaded_many([(ls, ready)])
+
+    def mark_loaded_many(self, spans: Sequence[tuple[LoadSpan, Sequence[tuple[torch.device, Any]]]]) -> None:
+        """Each span is loaded; ``ready``: (device, event) its users' streams must wait for."""
         with self.cond:
-            ls.ready = tuple(ready)
-            ls.state = SpanState.LOADED
-            ls.buffer = None
-            self._loaded += 1
+            for ls, ready in spans:
+                ls.ready = tuple(ready)
+                ls.state = SpanState.LOADED
+                ls.buffer = None
+            self._loaded += len(spans)
             self.cond.notify_all()
 
     def fail(self, error: BaseException) -> None:

@@ -280,6 +280,7 @@ class RestorePlan:
         self._applied: set[int] = set()
         self._filled: dict[int, int] = {}  # bytes given to apply_range so far, per span
         self._streamable: dict[int, bool] = {}
+        self._byte_views: dict[int, tuple[bool, list[tuple[int, int, torch.Tensor, bool, str]]]] = {}
         self._finished = False
         # Whether the restore's writes advance the targets' autograd version counters. A lazy
         # restore turns this off: autograd records an op's inputs (and their versions) above
@@ -328,27 +329,50 @@ class RestorePlan:
             )
         return known
 
-    def apply_range(self, index: int, offset: int, data: torch.Tensor) -> None:
+    def apply_range(self, index: int, offset: int, data: torch.Tensor, *, non_blocking: bool | None = None) -> None:
         """Fill the targets' bytes that span ``index`` holds in ``[offset, offset + len(data))``.
 
         Ranges of one span may come in any order and from several threads; once they cover
         the span it counts as applied. Only for :meth:`streamable` spans. Like
         :meth:`apply_span`, a copy from pinned memory to a device is queued on the current
         stream: keep ``data`` unchanged until that stream has passed this point.
+        ``non_blocking``: whether host ``data`` is pinned, when the caller knows (None: ask).
         """
         self._claim_range(index, offset, data)
         end = offset + data.numel()
-        for copy in self._copies.get(index, ()):
-            spec = copy.spec
-            lo, hi = max(offset, spec.byte_offset), min(end, spec.byte_offset + spec.extent)
+        for start, stop, dst, inference, path in self._byte_targets(index):
+            lo, hi = max(offset, start), min(end, stop)
             if lo >= hi:
                 continue
+            if non_blocking is None:
+                non_blocking = data.device.type == "cpu" and dst.device.type != "cpu" and data.is_pinned()
             try:
-                _copy_bytes(
-                    copy.target, lo - spec.byte_offset, data[lo - offset : hi - offset], versioned=self.versioned_writes
-                )
+                # dst is a detached (or .data) alias: the write is never recorded by autograd
+                if inference:  # inference tensors may only be written in inference mode
+                    with torch.inference_mode():
+                        dst[lo - start : hi - start].copy_(data[lo - offset : hi - offset], non_blocking=non_blocking)
+                else:
+                    dst[lo - start : hi - start].copy_(data[lo - offset : hi - offset], non_blocking=non_blocking)
             except Exception as exc:
-                raise CheckpointError(f"{copy.path}: copying the restored bytes failed: {exc!r}") from exc
+                raise CheckpointError(f"{path}: copying the restored bytes failed: {exc!r}") from exc
+
+    def _byte_targets(self, index: int) -> list[tuple[int, int, torch.Tensor, bool, str]]:
+        """Per target of a streamable span: its byte range in the span, its bytes as a flat
+        uint8 alias, whether it is an inference tensor, its path. Built once per span and
+        write mode: a restore applies a large model's spans in thousands of ranges, on the
+        one thread that bounds its rate."""
+        cached = self._byte_views.get(index)
+        if cached is not None and cached[0] == self.versioned_writes:
+            return cached[1]
+        views = []
+        for copy in self._copies.get(index, ()):
+            spec = copy.spec
+            if spec.numel == 0:
+                continue
+            dst = _int_view(_writable(copy.target, self.versioned_writes)).reshape(-1).view(torch.uint8)
+            views.append((spec.byte_offset, spec.byte_offset + spec.extent, dst, copy.target.is_inference(), copy.path))
+        self._byte_views[index] = (self.versioned_writes, views)
+        return views
 
     def finish(self) -> None:
         """Call ``load_state_dict`` on Stateful values and put plain values back; once."""
@@ -756,14 +780,6 @@ def _byte_contiguous(target: torch.Tensor, spec: _Spec) -> bool:
             return False
         expected *= n
     return target.is_contiguous()
-
-
-def _copy_bytes(target: torch.Tensor, start: int, data: torch.Tensor, *, versioned: bool = True) -> None:
-    """``target``'s bytes ``[start, start + len(data))`` = ``data`` (a contiguous target)."""
-    non_blocking = data.device.type == "cpu" and target.device.type != "cpu" and data.is_pinned()
-    with _write_mode(target):
-        dst = _int_view(_writable(target, versioned)).reshape(-1).view(torch.uint8)
-        dst[start : start + data.numel()].copy_(data, non_blocking=non_blocking)
 
 
 def _writable(target: torch.Tensor, versioned: bool) -> torch.Tensor:
