@@ -7,7 +7,7 @@ waits for host regions, and (``--sample``) a sampled profile of the copy thread:
 was in, counted every ~0.5 ms through ``sys._current_frames`` (a poor man's py-spy; the copy
 thread being busy all the time is what the quick bench showed).
 
-Variants (comma list, ``--variants``): default, piece64 (64 MiB pieces), readers16/12/8/4,
+Variants (comma list, ``--variants``): default, piece16/piece64 (16/64 MiB pieces), readers16/12/8/6/4,
 slots8 (device scratch slots), big (piece64 + readers8 + slots8), host (BLAKE2b on the host),
 off (no verification), switch (GIL switch interval 0.5 ms instead of 5 ms).
 Run: PYTHONPATH=src python3 benchmarks/restore_diagnosis.py --sample
@@ -34,10 +34,12 @@ from gpusnap.restore import restorer as restorer_mod
 MiB = 1 << 20
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
+    "piece16": {"config": {"restore_piece_bytes": 16 * MiB}},
     "piece64": {"config": {"restore_piece_bytes": 64 * MiB}},
     "readers16": {"readers": 16},
     "readers12": {"readers": 12},
     "readers8": {"readers": 8},
+    "readers6": {"readers": 6},
     "readers4": {"readers": 4},
     "slots8": {"config": {"restore_scratch_slots": 8}},
     "big": {"config": {"restore_piece_bytes": 64 * MiB, "restore_scratch_slots": 8}, "readers": 8},

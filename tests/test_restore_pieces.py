@@ -387,3 +387,58 @@ def test_a_failed_batch_reports_the_members_it_already_wrote(tmp_path, monkeypat
     assert found and int(found.group(1)) == len(whole), str(error.value)
     for k in set(written) - set(whole):  # a span cut off mid-way is named as partly written
         assert f"partly written: tensor {k}" in str(error.value) or f"; tensor {k}" in str(error.value), k
+
+
+def _plan_of(root: Path, checkpoint: str, target: dict):
+    manifest = Repository.open(root).load_manifest(checkpoint)
+    return manifest, plan_restore(target, manifest.tree, [SpanInfo(e.nbytes, e.device) for e in manifest.storages])
+
+
+@pytest.mark.parametrize("fail_batch_call", [False, True])
+def test_apply_ranges_writes_every_member_of_a_batch(tmp_path, monkeypatch, fail_batch_call):
+    """One call for a batch: plain, Parameter (its version moves, as with copy_) and inference
+    targets all get their bytes; if the batched call fails, the one-by-one path still does."""
+    source = {"a": torch.arange(10.0), "p": torch.arange(7, dtype=torch.int64), "i": torch.arange(5, dtype=torch.int16)}
+    checkpoint = _save(tmp_path / "ck", source)
+    with torch.inference_mode():
+        frozen = torch.zeros(5, dtype=torch.int16)
+    target = {"a": torch.zeros(10), "p": torch.nn.Parameter(torch.zeros(7, dtype=torch.int64), requires_grad=False),
+              "i": frozen}
+    manifest, plan = _plan_of(tmp_path / "ck", checkpoint, target)
+    index = {paths[0]: i for i, paths in plan.span_paths.items() if paths}
+    region = torch.zeros(1024, dtype=torch.uint8)
+    ranges, at = [], 0
+    for key, t in source.items():
+        raw = t.view(torch.uint8)
+        region[at : at + raw.numel()] = raw
+        ranges.append((index[key], 0, at, raw.numel()))
+        at += 256  # members at aligned offsets, padding between them
+    if fail_batch_call:
+        monkeypatch.setattr(torch, "_foreach_copy_", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no")))
+    version = target["p"]._version
+    plan.apply_ranges(ranges, region, non_blocking=False)
+    for key, t in source.items():
+        assert torch.equal(target[key], t), key
+    assert target["p"]._version > version
+    assert plan.pending_spans == frozenset()
+
+
+def test_apply_ranges_names_the_tensor_it_could_not_write(tmp_path, monkeypatch):
+    source = {"a": torch.arange(4.0), "b": torch.arange(4.0) + 10}
+    checkpoint = _save(tmp_path / "ck", source)
+    target = {"a": torch.zeros(4), "b": torch.zeros(4)}
+    _, plan = _plan_of(tmp_path / "ck", checkpoint, target)
+    index = {paths[0]: i for i, paths in plan.span_paths.items() if paths}
+    region = torch.cat([source["a"].view(torch.uint8), source["b"].view(torch.uint8)])
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no")))
+    real = gpusnap.state.apply._copy_bytes
+
+    def copy_bytes(dst, src, inference, non_blocking):  # noqa: ANN001 (the second target fails)
+        if dst.data_ptr() == target["b"].data_ptr():
+            raise RuntimeError("device lost")
+        real(dst, src, inference, non_blocking)
+
+    monkeypatch.setattr(gpusnap.state.apply, "_copy_bytes", copy_bytes)
+    with pytest.raises(gpusnap.CheckpointError, match=r"b: copying the restored bytes failed.*device lost"):
+        plan.apply_ranges([(index["a"], 0, 0, 16), (index["b"], 0, 16, 16)], region, non_blocking=False)
+    assert torch.equal(target["a"], source["a"])  # written before the failure

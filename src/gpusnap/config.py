@@ -103,7 +103,7 @@ class Config:
         metadata={"doc": "device spans up to this size are copied at save(), all in one batched copy"},
     )
     restore_piece_bytes: int = field(
-        default=16 * MiB, metadata={"doc": "restore: bytes per read run / host region / device copy"}
+        default=32 * MiB, metadata={"doc": "restore: bytes per read run / host region / device copy"}
     )
     restore_verify_on_device: str = field(
         default="auto",

@@ -200,21 +200,26 @@ class Copier:
         self._apply(pieces, slot.data)
 
     def _apply(self, pieces: list[tuple[Piece, int]], data: torch.Tensor) -> None:
-        """Copy each piece of a batch from ``data`` (at its offset) into its targets. Each
-        counts as applied once its own copy is queued; the spans the batch completes are
-        loaded after one event per device (also when a later piece's copy fails: the error
-        then lists them as restored)."""
+        """Copy each piece of a batch from ``data`` (at its offset) into its targets; then the
+        spans the batch completes are loaded, after one event per device. If a copy of a
+        batch of small spans fails, the error names every member as partly written (those
+        before the failing one were written, the rest were not)."""
         pinned = data.device.type == "cpu" and self.slots.pinned  # regions (host) or scratch (device)
-        complete: list[LoadSpan] = []
-        try:
-            for piece, offset in pieces:
-                self.plan.apply_range(piece.span.index, piece.offset, data[offset : offset + piece.nbytes],
-                                      non_blocking=pinned)
-                if self.schedule.piece_done(piece, piece.nbytes):
-                    complete.append(piece.span)
-        finally:
-            if complete:
-                self._loaded(complete)
+        if len(pieces) == 1:
+            piece, offset = pieces[0]
+            self.plan.apply_range(piece.span.index, piece.offset, data[offset : offset + piece.nbytes],
+                                  non_blocking=pinned)
+        else:  # small whole spans: one call queues every copy
+            try:
+                self.plan.apply_ranges([(p.span.index, p.offset, o, p.nbytes) for p, o in pieces], data,
+                                       non_blocking=pinned)
+            except BaseException:
+                for piece, _ in pieces:  # some were written: the error must not call them untouched
+                    self.schedule.piece_done(piece, piece.nbytes)
+                raise
+        complete = [piece.span for piece, _ in pieces if self.schedule.piece_done(piece, piece.nbytes)]
+        if complete:
+            self._loaded(complete)
 
     def _loaded(self, spans: list[LoadSpan]) -> None:
         """The spans' last copies are queued: ops may use them once their stream passed the

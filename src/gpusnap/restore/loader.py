@@ -44,7 +44,7 @@ from gpusnap.storage.repository import Repository
 __all__ = ["DEVICE_CHECK_MIN_BYTES", "DEVICE_CHECK_READERS", "SCRATCH_SLOTS", "Loader", "describe_span"]
 
 SCRATCH_SLOTS = 3  # device scratch slots per device when checking on the device (one region each)
-DEVICE_CHECK_READERS = 8  # readers at most when the device checks nearly every byte (below)
+DEVICE_CHECK_READERS = 6  # readers at most when the device checks nearly every byte (below)
 BATCH_CHUNKS = 512  # chunks per batch of small spans at most (sizes the check's flag buffers)
 # Smaller spans keep BLAKE2b on the host (verify_on_device=None): a hash launch costs the copy
 # thread ~0.2 ms (measured on the H200 host), more than hashing a few hundred KiB on a reader.

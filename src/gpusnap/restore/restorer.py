@@ -43,7 +43,7 @@ __all__ = ["AUTO_UPFRONT_BYTES", "Restorer", "Verify", "load_order", "reader_thr
 Verify = Literal["auto", "upfront", "stream", "off"]
 VERIFY_MODES: tuple[str, ...] = ("auto", "upfront", "stream", "off")
 AUTO_UPFRONT_BYTES = 256 << 20  # verify="auto": checkpoints up to this size are verified before any write
-PIECE_BYTES = 16 << 20  # a piece: one read run, one host region, one device copy (whole chunks)
+PIECE_BYTES = 32 << 20  # a piece: one read run, one host region, one device copy (whole chunks)
 EXTRA_REGIONS = 4  # host regions beyond one per reader: pieces queued or in flight on the copy stream
 VERIFY_ON_DEVICE: bool | None = None  # Loader's verify_on_device: None = where device hashes allow
 

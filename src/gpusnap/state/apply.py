@@ -31,6 +31,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, MutableMapping, MutableSequence, Sequence
+import contextlib
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -339,22 +340,62 @@ class RestorePlan:
         ``non_blocking``: whether host ``data`` is pinned, when the caller knows (None: ask).
         """
         self._claim_range(index, offset, data)
+        if non_blocking is None:
+            non_blocking = data.device.type == "cpu" and data.is_pinned()
+        for dst, src, inference, path in self._range_copies(index, offset, data):
+            try:
+                _copy_bytes(dst, src, inference, non_blocking)
+            except Exception as exc:
+                raise CheckpointError(f"{path}: copying the restored bytes failed: {exc!r}") from exc
+
+    def apply_ranges(
+        self, ranges: Sequence[tuple[int, int, int, int]], data: torch.Tensor, *, non_blocking: bool
+    ) -> None:
+        """:meth:`apply_range` for several ranges of one buffer at once: ``(index, offset, at,
+        nbytes)`` fills span ``index``'s bytes ``[offset, offset + nbytes)`` with
+        ``data[at : at + nbytes]``. ``data`` is a restore's host region or device scratch;
+        ``non_blocking``: it is pinned host memory. All copies are queued by one call
+        (``torch._foreach_copy_``: one kernel for device-to-device), as a batch of small spans
+        would otherwise cost a Python round of torch calls per tensor. If that call fails, the
+        ranges are copied one by one, so an error names its tensor (the ones before stay written)."""
+        pairs: list[tuple[torch.Tensor, torch.Tensor, bool, str]] = []
+        for index, offset, at, nbytes in ranges:
+            piece = data[at : at + nbytes]
+            self._claim_range(index, offset, piece)
+            pairs += self._range_copies(index, offset, piece)
+        try:
+            for inference in (False, True):
+                group = [(d, s) for d, s, inf, _ in pairs if inf is inference]
+                if group:
+                    with torch.inference_mode() if inference else contextlib.nullcontext():
+                        torch._foreach_copy_([d for d, _ in group], [s for _, s in group], non_blocking=non_blocking)
+        except Exception:
+            for dst, src, inference, path in pairs:  # one by one: the error names the tensor
+                try:
+                    _copy_bytes(dst, src, inference, non_blocking)
+                except Exception as exc:
+                    raise CheckpointError(f"{path}: copying the restored bytes failed: {exc!r}") from exc
+
+    def _range_copies(
+        self, index: int, offset: int, data: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor, bool, str]]:
+        """(target bytes, source bytes, inference target, path) for the targets that span
+        ``index``'s bytes ``[offset, offset + len(data))`` overlap."""
         end = offset + data.numel()
+        out = []
         for start, stop, dst, inference, path in self._byte_targets(index):
             lo, hi = max(offset, start), min(end, stop)
             if lo >= hi:
                 continue
-            if non_blocking is None:
-                non_blocking = data.device.type == "cpu" and dst.device.type != "cpu" and data.is_pinned()
-            try:
-                # dst is a detached (or .data) alias: the write is never recorded by autograd
-                if inference:  # inference tensors may only be written in inference mode
-                    with torch.inference_mode():
-                        dst[lo - start : hi - start].copy_(data[lo - offset : hi - offset], non_blocking=non_blocking)
-                else:
-                    dst[lo - start : hi - start].copy_(data[lo - offset : hi - offset], non_blocking=non_blocking)
-            except Exception as exc:
-                raise CheckpointError(f"{path}: copying the restored bytes failed: {exc!r}") from exc
+            whole_dst = lo == start and hi == stop
+            whole_src = lo == offset and hi == end
+            out.append((
+                dst if whole_dst else dst[lo - start : hi - start],
+                data if whole_src else data[lo - offset : hi - offset],
+                inference,
+                path,
+            ))
+        return out
 
     def _byte_targets(self, index: int) -> list[tuple[int, int, torch.Tensor, bool, str]]:
         """Per target of a streamable span: its byte range in the span, its bytes as a flat
@@ -780,6 +821,12 @@ def _byte_contiguous(target: torch.Tensor, spec: _Spec) -> bool:
             return False
         expected *= n
     return target.is_contiguous()
+
+
+def _copy_bytes(dst: torch.Tensor, src: torch.Tensor, inference: bool, non_blocking: bool) -> None:
+    # dst is a detached (or .data) alias: the write is never recorded by autograd
+    with torch.inference_mode() if inference else contextlib.nullcontext():  # inference tensors: only there
+        dst.copy_(src, non_blocking=non_blocking)
 
 
 def _writable(target: torch.Tensor, versioned: bool) -> torch.Tensor:
