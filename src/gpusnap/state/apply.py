@@ -410,7 +410,7 @@ class RestorePlan:
             spec = copy.spec
             if spec.numel == 0:
                 continue
-            dst = _int_view(_writable(copy.target, self.versioned_writes)).reshape(-1).view(torch.uint8)
+            dst = _writable(copy.target, self.versioned_writes).view(-1).view(torch.uint8)  # contiguous: views
             views.append((spec.byte_offset, spec.byte_offset + spec.extent, dst, copy.target.is_inference(), copy.path))
         self._byte_views[index] = (self.versioned_writes, views)
         return views
