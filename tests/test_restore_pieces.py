@@ -442,3 +442,39 @@ def test_apply_ranges_names_the_tensor_it_could_not_write(tmp_path, monkeypatch)
     with pytest.raises(gpusnap.CheckpointError, match=r"b: copying the restored bytes failed.*device lost"):
         plan.apply_ranges([(index["a"], 0, 0, 16), (index["b"], 0, 16, 16)], region, non_blocking=False)
     assert torch.equal(target["a"], source["a"])  # written before the failure
+
+
+def test_a_batch_copy_failure_on_the_copy_thread_counts_what_it_wrote(tmp_path, monkeypatch):
+    """Copy-thread path (checked on the device, here CPU tensors): the batched copy fails, the
+    one-by-one copy fails at one member; the error counts the members before it as restored,
+    names it as partly written, and the members after it keep their old values."""
+    import re
+
+    root = tmp_path / "ck"
+    source = _small_state()
+    checkpoint = _save(root, source)
+    _add_device_hashes(root, checkpoint)
+    monkeypatch.setattr(restorer_mod, "VERIFY_ON_DEVICE", True)
+    monkeypatch.setattr(restorer_mod, "reader_threads", lambda io_threads: io_threads)
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no")))
+    target = {k: torch.zeros_like(v) for k, v in source.items()}
+    bad = target["s9"].data_ptr()
+    real = gpusnap.state.apply._copy_bytes
+
+    def copy_bytes(dst, src, inference, non_blocking):  # noqa: ANN001
+        if dst.data_ptr() == bad:
+            raise RuntimeError("device lost")
+        real(dst, src, inference, non_blocking)
+
+    monkeypatch.setattr(gpusnap.state.apply, "_copy_bytes", copy_bytes)
+    with gpusnap.Checkpointer(root, config=tiny_config(io_threads=1, staging_bytes=64 * CS, restore_piece_bytes=16 * CS)) as ck:
+        with pytest.raises(gpusnap.CheckpointError, match="s9: copying the restored bytes failed") as error:
+            ck.restore(target, checkpoint, verify="stream")
+    message = str(error.value)
+    whole = [k for k in target if torch.equal(target[k], source[k]) and source[k].any()]
+    assert whole and "s9" not in whole
+    found = re.search(r"(\d+) of \d+ storages were restored", message)
+    assert found and int(found.group(1)) == len(whole), message
+    assert "partly written: tensor s9" in message, message
+    untouched = [k for k in target if not target[k].any()]
+    assert untouched and all(f"tensor {k}" not in message.split("partly written:")[1] for k in untouched if k != "s9")

@@ -116,12 +116,10 @@ class Copier:
         error: BaseException | None = None
         try:
             outside_graph_captures()  # the program may capture a CUDA graph meanwhile
-            for device, stream in self.streams.items():
+            for stream in self.streams.values():
                 # this thread's current stream on each device, once: a stream guard per
                 # copy costs host time on the thread that bounds the restore rate
                 torch.cuda.set_stream(stream)
-                start = self._timing[device] = torch.cuda.Event(enable_timing=True)
-                start.record(stream)
             while (item := self._next()) is not _END:
                 self._handle(item)
                 self._reap()
@@ -158,6 +156,7 @@ class Copier:
         if isinstance(item, _WholeItem):
             ls = item.span
             assert ls.buffer is not None
+            self._start_timing(ls.devices)
             self.plan.apply_span(ls.index, ls.buffer)  # pageable source: copied before it returns
             ls.applied_bytes = ls.nbytes
             self._loaded([ls])
@@ -172,14 +171,15 @@ class Copier:
             slot = self.check.next_slot(device)
             if slot.pieces:
                 self._resolve(slot)
+            self._start_timing(ls.devices)
             self.check.stage(slot, pieces, region, pinned_region=self.slots.pinned)
             slot.event = self._event(device) if self._evented(device) else None
             self._checking.append(slot)
             self._hold(region, [slot.event] if slot.event is not None else [])
             return
-        self._apply(pieces, region)
-        events = [self._event(d) for d in ls.devices if self._evented(d)]
-        self._hold(region, events)
+        self._start_timing(ls.devices)
+        loaded = self._apply(pieces, region)  # its events, when the batch completed spans, also free the region
+        self._hold(region, [loaded.get(d) or self._event(d) for d in ls.devices if self._evented(d)])
 
     def _resolve(self, slot: ScratchSlot) -> None:
         """Read ``slot``'s flags (after its event) and copy its batch into the targets, or raise."""
@@ -199,11 +199,10 @@ class Copier:
         slot.pieces = []  # the next stage() of this slot queues after these copies on the same stream
         self._apply(pieces, slot.data)
 
-    def _apply(self, pieces: list[tuple[Piece, int]], data: torch.Tensor) -> None:
+    def _apply(self, pieces: list[tuple[Piece, int]], data: torch.Tensor) -> dict[torch.device, Any]:
         """Copy each piece of a batch from ``data`` (at its offset) into its targets; then the
-        spans the batch completes are loaded, after one event per device. If a copy of a
-        batch of small spans fails, the error names every member as partly written (those
-        before the failing one were written, the rest were not)."""
+        spans the batch completes are loaded, after one event per device (returned; empty
+        when no span completed)."""
         pinned = data.device.type == "cpu" and self.slots.pinned  # regions (host) or scratch (device)
         if len(pieces) == 1:
             piece, offset = pieces[0]
@@ -213,26 +212,40 @@ class Copier:
             try:
                 self.plan.apply_ranges([(p.span.index, p.offset, o, p.nbytes) for p, o in pieces], data,
                                        non_blocking=pinned)
-            except BaseException:
-                for piece, _ in pieces:  # some were written: the error must not call them untouched
-                    self.schedule.piece_done(piece, piece.nbytes)
+            except BaseException as exc:
+                # the members before the failing one are written (the error lists them as
+                # restored), the failing one perhaps partly, the rest not at all
+                written = getattr(exc, "ranges_written", None)
+                if written is not None:
+                    done = [p.span for p, _ in pieces[:written] if self.schedule.piece_done(p, p.nbytes)]
+                    if done:
+                        self._loaded(done)
+                    failing = pieces[written][0]
+                    self.schedule.piece_done(failing, failing.nbytes)
                 raise
         complete = [piece.span for piece, _ in pieces if self.schedule.piece_done(piece, piece.nbytes)]
-        if complete:
-            self._loaded(complete)
+        return self._loaded(complete) if complete else {}
 
-    def _loaded(self, spans: list[LoadSpan]) -> None:
+    def _loaded(self, spans: list[LoadSpan]) -> dict[torch.device, Any]:
         """The spans' last copies are queued: ops may use them once their stream passed the
-        event recorded now (one per device, shared by the spans of a batch)."""
+        event recorded now (one per device, shared by the spans of a batch; returned)."""
         devices = {d for ls in spans for d in ls.devices if self._evented(d)}
         events = {d: self._event(d) for d in devices}
         self.schedule.mark_loaded_many([(ls, [(d, events[d]) for d in ls.devices if d in events]) for ls in spans])
+        return events
 
     # -- regions and events --------------------------------------------------------------------
     @staticmethod
     def _evented(device: torch.device) -> bool:
         """Whether copies to ``device`` are asynchronous (need an event); CPU copies are done on return."""
         return device.type == "cuda"
+
+    def _start_timing(self, devices: frozenset[torch.device]) -> None:
+        """A timing event before the first copy to each CUDA device (``copy_stream_s``)."""
+        for device in devices:
+            if device.type == "cuda" and device not in self._timing:
+                start = self._timing[device] = torch.cuda.Event(enable_timing=True)
+                start.record(self.streams[device])
 
     def _event(self, device: torch.device) -> Any:
         event = waitable_event()

@@ -272,6 +272,7 @@ class Loader:
     # -- copy thread, at the end ---------------------------------------------------------------
     def _close(self, error: BaseException | None) -> None:
         """Every copy has run (or the load failed): publish the outcome."""
+        self.plan.forget_byte_views()
         error = self.schedule.error or error
         if error is None and not self.schedule.all_loaded:
             error = CheckpointError("restore stopped before every storage was loaded")

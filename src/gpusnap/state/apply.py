@@ -357,24 +357,28 @@ class RestorePlan:
         ``non_blocking``: it is pinned host memory. All copies are queued by one call
         (``torch._foreach_copy_``: one kernel for device-to-device), as a batch of small spans
         would otherwise cost a Python round of torch calls per tensor. If that call fails, the
-        ranges are copied one by one, so an error names its tensor (the ones before stay written)."""
-        pairs: list[tuple[torch.Tensor, torch.Tensor, bool, str]] = []
-        for index, offset, at, nbytes in ranges:
+        ranges are copied one by one, so an error names its tensor; its ``ranges_written``
+        attribute counts the ranges before it, which are written. (Every range is claimed
+        before the first copy: after an error the plan is spent.)"""
+        pairs: list[tuple[int, torch.Tensor, torch.Tensor, bool, str]] = []
+        for r, (index, offset, at, nbytes) in enumerate(ranges):
             piece = data[at : at + nbytes]
             self._claim_range(index, offset, piece)
-            pairs += self._range_copies(index, offset, piece)
+            pairs += [(r, *copy) for copy in self._range_copies(index, offset, piece)]
         try:
             for inference in (False, True):
-                group = [(d, s) for d, s, inf, _ in pairs if inf is inference]
+                group = [(d, s) for _, d, s, inf, _ in pairs if inf is inference]
                 if group:
                     with torch.inference_mode() if inference else contextlib.nullcontext():
                         torch._foreach_copy_([d for d, _ in group], [s for _, s in group], non_blocking=non_blocking)
         except Exception:
-            for dst, src, inference, path in pairs:  # one by one: the error names the tensor
+            for r, dst, src, inference, path in pairs:  # one by one: the error names the tensor
                 try:
                     _copy_bytes(dst, src, inference, non_blocking)
                 except Exception as exc:
-                    raise CheckpointError(f"{path}: copying the restored bytes failed: {exc!r}") from exc
+                    error = CheckpointError(f"{path}: copying the restored bytes failed: {exc!r}")
+                    error.ranges_written = r  # type: ignore[attr-defined]
+                    raise error from exc
 
     def _range_copies(
         self, index: int, offset: int, data: torch.Tensor
@@ -396,6 +400,11 @@ class RestorePlan:
                 path,
             ))
         return out
+
+    def forget_byte_views(self) -> None:
+        """Drop the cached aliases of the targets (the loader calls this when it stops): they
+        would keep storages alive that the program swaps out later (``param.data = ...``)."""
+        self._byte_views = {}
 
     def _byte_targets(self, index: int) -> list[tuple[int, int, torch.Tensor, bool, str]]:
         """Per target of a streamable span: its byte range in the span, its bytes as a flat
