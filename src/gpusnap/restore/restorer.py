@@ -49,7 +49,8 @@ VERIFY_ON_DEVICE: bool | None = None  # Loader's verify_on_device: None = where 
 
 
 def reader_threads(io_threads: int) -> int:
-    """Readers for a restore: at least ``io_threads``, up to one per core (at most 32).
+    """Readers for a restore: at least ``io_threads``, up to one per core (at most 32); the
+    loader caps them when the device checks nearly every byte (``DEVICE_CHECK_READERS``).
 
     Verifying digests is CPU-bound (BLAKE2b, about 1 GB/s per core), so a verified restore
     scales with cores, and the program is usually waiting for it.
