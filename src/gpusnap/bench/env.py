@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import os
 import platform
 import subprocess
@@ -67,6 +68,26 @@ def _git_commit() -> str | None:
     return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
+def source_digest(root: str | None = None) -> str:
+    """12 hex digits of SHA-256 over the package's Python sources (relative path and bytes,
+    in path order). The git stamp can be stale where a tree is copied with old git metadata
+    (as on a lent GPU machine); this names the code that ran. Compare with a checkout:
+    ``python -c "from gpusnap.bench.env import source_digest; print(source_digest())"``.
+    """
+    root = root or os.path.dirname(os.path.abspath(gpusnap.__file__))
+    files = sorted(
+        os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/")
+        for d, _, names in os.walk(root) for f in names if f.endswith(".py")
+    )
+    digest = hashlib.sha256()
+    for rel in files:
+        with open(os.path.join(root, rel), "rb") as fh:
+            data = fh.read()
+        digest.update(f"{rel}\0{len(data)}\0".encode())
+        digest.update(data)
+    return digest.hexdigest()[:12]
+
+
 def _driver_api_version() -> int | None:
     from gpusnap.bench.driver_ckpt import load_driver
 
@@ -91,6 +112,7 @@ def environment(device: torch.device, roots: dict[str, str]) -> dict[str, Any]:
         "cuda_runtime": torch.version.cuda,
         "gpusnap": gpusnap.__version__,
         "gpusnap_commit": _git_commit(),
+        "gpusnap_source": source_digest(),
         "transformers": _version("transformers"),
         "torchvision": _version("torchvision"),
         "cuda_python": _version("cuda-python") or _version("cuda-bindings"),

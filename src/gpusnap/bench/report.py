@@ -95,7 +95,7 @@ def _environment(results: dict[str, Any]) -> list[str]:
         f"- Command: `{results.get('command') or env.get('command') or 'gpusnap bench'}`",
         (
             f"- Date {env['date']}; GPU: {gpu}; torch {env['torch']} (CUDA {env.get('cuda_runtime') or '-'}); "
-            f"Python {env['python']}; gpusnap {env['gpusnap']} ({env.get('gpusnap_commit') or 'no git'}); "
+            f"Python {env['python']}; gpusnap {env['gpusnap']} ({env.get('gpusnap_commit') or 'no git'}, source {env.get('gpusnap_source') or '?'}); "
             f"transformers {env.get('transformers') or '-'}, torchvision {env.get('torchvision') or '-'}, "
             f"cuda-python {env.get('cuda_python') or '-'}; {env.get('cpu_count')} CPUs."
         ),
