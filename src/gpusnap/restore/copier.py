@@ -9,8 +9,9 @@ this thread, in the order pieces arrive::
              (device-checked) -> region in flight;
              later, when the slot comes round: flags -> D2D copies into the targets
     whole span (non-contiguous targets) -> apply_span from its host buffer
-    a span's last piece issued -> event on the copy stream -> span loaded (the gate may let
-                                   ops through: their streams wait for that event)
+    a batch's copies queued -> one event on the copy stream -> the spans it completes are
+                               loaded (the gate may let ops through: their streams wait
+                               for that event)
 
 A region goes back to the pool once the event after its copy has completed; the thread polls
 events between pieces and blocks on the oldest only when it has nothing else to do. Keeping

@@ -8,10 +8,11 @@
                   loaded once its last piece is copied -> regions back after their events
 
 Readers do only file I/O and hashing, which release the GIL; every CUDA call and every wait
-on a CUDA event happens on the copy thread (``restore.copier``). A span is *loaded* once its
-last piece's copy is queued: an event recorded then on the copy stream covers all of its
-copies, since a stream runs them in the order they were queued, and the lazy gate makes an
-op's stream wait for that event (per span, not per batch).
+on a CUDA event happens on the copy thread (``restore.copier``). A span is *loaded* once the
+copies of the batch holding its last piece are queued: an event recorded then on the copy
+stream covers all of its copies, since a stream runs them in the order they were queued, and
+the lazy gate makes an op's stream wait for that event (one event per batch and device,
+shared by the spans the batch completes).
 
 Spans whose targets are not byte-for-byte contiguous (transposed, strided, overlapping) are
 read whole into a host buffer (verified on the host) and applied at once
