@@ -27,9 +27,12 @@ from typing import Any
 
 import torch
 
-import gpusnap
-from gpusnap.restore import loader as loader_mod
-from gpusnap.restore import restorer as restorer_mod
+sys.path.insert(0, os.path.dirname(__file__))
+import restore_bench as rb  # noqa: E402  (the same H2D ceiling and device sync)
+
+import gpusnap  # noqa: E402
+from gpusnap.restore import loader as loader_mod  # noqa: E402
+from gpusnap.restore import restorer as restorer_mod  # noqa: E402
 
 MiB = 1 << 20
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -109,22 +112,6 @@ class Sampler:
         return lines
 
 
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def h2d_gbps(dev: torch.device) -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty_like(src, device=dev)
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    return src.numel() / (time.perf_counter() - t0) / 1e9
-
-
 def run_variant(name: str, root: str, app: dict[str, Any], cid: str, dev: torch.device, sample: bool,
                 repeat: int) -> dict[str, Any]:
     spec = VARIANTS[name]
@@ -140,15 +127,15 @@ def run_variant(name: str, root: str, app: dict[str, Any], cid: str, dev: torch.
         with gpusnap.Checkpointer(root, config=config) as ck:
             for attempt in range(repeat + 1):  # the first grows the pinned regions: not counted
                 sampler = Sampler(("gpusnap-restore-copy", "MainThread")) if sample and attempt == repeat else None
-                sync(dev)
+                rb.sync(dev)
                 t0 = time.perf_counter()
                 if sampler:
                     with sampler:
                         handle = ck.restore(app, cid, verify=spec.get("verify", "stream"))
-                        sync(dev)
+                        rb.sync(dev)
                 else:
                     handle = ck.restore(app, cid, verify=spec.get("verify", "stream"))
-                    sync(dev)
+                    rb.sync(dev)
                 secs = time.perf_counter() - t0
                 if attempt and (not best or secs < best["s"]):
                     best = {"s": secs, "stats": dict(handle.stats)}
@@ -175,7 +162,7 @@ def main() -> None:
     try:
         with gpusnap.Checkpointer(root, config=gpusnap.Config.from_env(fsync=False)) as ck:
             cid = ck.save(app).wait().id
-        ceiling = h2d_gbps(dev) if dev.type == "cuda" else float("nan")
+        ceiling = rb.h2d_gbps(dev, 1 << 30) or float("nan")  # None on CPU
         print(f"state ~{nbytes / 1e9:.2f} GB; pinned H2D {ceiling:.1f} GB/s; {os.cpu_count()} cores", flush=True)
         rows = []
         for name in args.variants.split(","):

@@ -134,8 +134,9 @@ class DeviceCheck:
         self, slot: ScratchSlot, pieces: Sequence[tuple[Piece, int]], region: torch.Tensor, *, pinned_region: bool
     ) -> None:
         """Queue, on the current stream: copy the batch's bytes (``region``, each piece at its
-        offset; ``pinned_region``: page-locked host memory) into ``slot`` with one copy, hash every piece's chunks with one launch,
-        compare them with the expected rows, and copy the mismatch flags back to the host."""
+        offset; ``pinned_region``: page-locked host memory) into ``slot`` with one copy, hash
+        every piece's chunks with one launch, compare them with the expected rows, and copy the
+        mismatch flags back to the host."""
         assert not slot.pieces, "resolve the slot's previous batch first"
         end = max(offset + piece.nbytes for piece, offset in pieces)
         total = sum(piece.count for piece, _ in pieces)

@@ -28,10 +28,10 @@ Where the bytes land:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, MutableMapping, MutableSequence, Sequence
-import contextlib
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -369,7 +369,7 @@ class RestorePlan:
             for inference in (False, True):
                 group = [(d, s) for _, d, s, inf, _ in pairs if inf is inference]
                 if group:
-                    with torch.inference_mode() if inference else contextlib.nullcontext():
+                    with _inference_guard(inference):
                         torch._foreach_copy_([d for d, _ in group], [s for _, s in group], non_blocking=non_blocking)
         except Exception:
             for r, dst, src, inference, path in pairs:  # one by one: the error names the tensor
@@ -834,8 +834,14 @@ def _byte_contiguous(target: torch.Tensor, spec: _Spec) -> bool:
 
 def _copy_bytes(dst: torch.Tensor, src: torch.Tensor, inference: bool, non_blocking: bool) -> None:
     # dst is a detached (or .data) alias: the write is never recorded by autograd
-    with torch.inference_mode() if inference else contextlib.nullcontext():  # inference tensors: only there
+    with _inference_guard(inference):
         dst.copy_(src, non_blocking=non_blocking)
+
+
+def _inference_guard(inference: bool) -> AbstractContextManager[Any]:
+    """Inference tensors may only be written inside inference mode; others need no mode (the
+    restore writes through detached aliases, which autograd never records)."""
+    return torch.inference_mode() if inference else contextlib.nullcontext()
 
 
 def _writable(target: torch.Tensor, versioned: bool) -> torch.Tensor:
