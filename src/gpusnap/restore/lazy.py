@@ -61,6 +61,7 @@ class LazyRestore:
         self.loader = loader
         self.plan = plan
         plan.versioned_writes = False  # ops record their inputs' versions before the gate waits
+        loader.prepare()  # before the gate exists: its aliases would wait for their own spans
         self.handle = handle
         self.started = started
         self.gate = Gate(loader.schedule, plan, started)

@@ -62,9 +62,10 @@ def describe_span(plan: RestorePlan, index: int) -> str:
 class Loader:
     """Loads every span of ``manifest`` into ``plan``'s targets: ``threads`` readers, one copier.
 
-    Call order: ``Loader(...)`` -> ``start()`` (on the thread whose CUDA streams the restore
-    must follow) -> ``schedule.wait(span)`` / ``wait()`` from anywhere -> ``on_done(error)`` is
-    called once, on the copy thread, after every copy has completed (or the load failed).
+    Call order: ``Loader(...)`` -> ``prepare()`` (optional) -> ``start()`` (on the thread whose
+    CUDA streams the restore must follow) -> ``schedule.wait(span)`` / ``wait()`` from anywhere
+    -> ``on_done(error)`` is called once, on the copy thread, after every copy has completed
+    (or the load failed).
 
     ``verify_on_device``: check spans against ``StorageEntry.hashes`` on their device instead
     of BLAKE2b on the host. None (default): for streamed spans of at least
@@ -163,6 +164,13 @@ class Loader:
         return self.stats.chunks_read
 
     # -- life cycle ----------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Build the aliases the copies write through (``RestorePlan.prepare_byte_views``): on
+        the restoring thread, before ``start()`` and outside a lazy restore's gate. Built
+        later, on the copy thread, each of their torch calls competes with the readers for the
+        GIL. Optional: whatever is not built here is built when first needed."""
+        self.plan.prepare_byte_views(ls.index for ls in self.schedule.spans if ls.streamed and ls.chunks)
+
     def start(self) -> None:
         self.started = time.perf_counter()
         for device, stream in self.streams.items():

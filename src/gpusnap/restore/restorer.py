@@ -163,6 +163,7 @@ class Restorer:
                 self._forget(session)  # restore() raised: nothing of it lingers
                 raise
             return handle
+        loader.prepare()
         loader.start()
         loader.wait()
         plan.finish()
