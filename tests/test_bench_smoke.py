@@ -18,6 +18,7 @@ from gpusnap.bench import gpusnap_variants
 from gpusnap.bench.env import CPU_DISCLAIMER
 from gpusnap.bench.measure import PlainSteps, measure_save
 from gpusnap.bench.report import markdown
+from gpusnap.bench.summary import derived_throughput
 from gpusnap.bench.system import SaveHandle, System, blocking_handle
 from gpusnap.bench.workloads import Workload, build_workload
 from gpusnap.cli.main import main
@@ -168,6 +169,30 @@ def test_report_names_every_baseline_that_beats_gpusnap():
     assert "pinned_copy stalls less (50.0 ms vs 200.0 ms per save)" in text
     assert "torch_save_tmpfs stalls less" not in text
     assert CPU_DISCLAIMER not in text
+
+
+def test_report_flags_negative_stalls_as_a_drifted_baseline():
+    row = {"key": "gpusnap_concurrent", "system": "gpusnap concurrent", "family": "gpusnap", "status": "ok",
+           "throughput": [], "restore": None,
+           "saves": [{"stall_s": 0.3, "durable_note": None}, {"stall_s": -1.5, "durable_note": None}]}
+    results = {
+        "disclaimer": None,
+        "environment": {"date": "d", "torch": "t", "python": "p", "gpusnap": "g", "gpu": "H200", "driver": "1"},
+        "workloads": [{"name": "w", "status": "ok", "impl": "i", "config": {}, "state_bytes": 10**9,
+                       "median_step_s": 0.1, "d2h": {"GBps": 50.0, "bytes": 1 << 30}, "correctness": [],
+                       "systems": [row]}],
+    }
+    text = markdown(results)
+    assert "## Caveats" in text and "negative stall at save 1" in text
+    assert "save 0" not in text
+
+
+def test_derived_loss_counts_the_wait_for_a_save_slower_than_the_interval():
+    # a 10 ms stall but 3 s to durable, steps of 100 ms: saving every step cannot cost only 10%
+    row = {"stall_warm_s": 0.01, "stall_first_s": 0.5, "durable_warm_s": 3.0, "durable_first_s": 4.0}
+    loss = {t["every"]: t["loss"] for t in derived_throughput(row, 0.1)}
+    assert loss[1] == pytest.approx(29.0) and loss[10] == pytest.approx(2.0)
+    assert loss[100] == pytest.approx(0.001), "durable within the interval: the stall alone"
 
 
 def test_workload_state_counts_tied_weights_once():

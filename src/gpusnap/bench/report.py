@@ -19,7 +19,7 @@ _LEGEND = (
     "durable (captured, for saves that are never durable). *vs gpusnap*: that system's stall over gpusnap "
     "concurrent's (above 1x: gpusnap stalls less; below 1x: gpusnap stalls more). Warm: median of the "
     "saves after the first. Loss: throughput lost with a save every N steps; (d) derived from the warm "
-    "stall instead of measured. docs/bench.md defines every column."
+    "stall and the time to durable instead of measured (a lower bound). docs/bench.md defines every column."
 )
 _SAVE_HEADER = (
     "| system | stall first | stall warm | vs gpusnap | save() call | captured | durable "
@@ -199,7 +199,22 @@ def _behind(results: dict[str, Any]) -> list[str]:
                 out += _compare(wl["name"], ref, row)
     lines = ["## Where gpusnap concurrent is not ahead", ""]
     lines += out or ["- nowhere in this run."]
-    return lines + [""]
+    return lines + [""] + _caveats(results)
+
+
+def _caveats(results: dict[str, Any]) -> list[str]:
+    """Saves whose stall came out negative: the program's steps ran faster during the window
+    than the median measured before any save (its baseline drifted: GPU clocks, caches), so
+    those figures say nothing about the save."""
+    out = []
+    for wl in results["workloads"]:
+        for row in wl.get("systems", []):
+            bad = [i for i, s in enumerate(row.get("saves") or []) if (s.get("stall_s") or 0.0) < 0]
+            if bad:
+                out.append(f"- {wl['name']}: {row['system']}: negative stall at save {', '.join(map(str, bad))} "
+                           f"(steps ran faster than the workload's median during the window: the baseline "
+                           f"drifted; do not read these stalls, or its ratio, as a saving)")
+    return ["## Caveats", ""] + out + [""] if out else []
 
 
 def _first_or_warm(row: dict[str, Any], key: str) -> float | None:

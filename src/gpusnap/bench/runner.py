@@ -79,7 +79,7 @@ class BenchOptions:
         if self.warmup is None:
             self.warmup = 2 if cpu else 3
         if self.saves is None:
-            self.saves = 2 if (cpu or self.quick) else 4
+            self.saves = 2 if (cpu or self.quick) else 3
         if self.every is None:
             self.every = [10] if (cpu or self.quick) else [1, 10, 100]
         if self.budget_s is None and self.quick and not cpu:
@@ -203,6 +203,8 @@ def _omitted(opts: BenchOptions) -> list[str]:
         out.append("full sizes: GPT-2 large runs at batch 4, decode at ~2 GB of weights and a 1024-token cache")
     if opts.size == "tiny":
         out.append("real sizes: tiny models only (CPU smoke test)")
+    if opts.systems:
+        out.append(f"every system but {', '.join(opts.systems)} (--systems)")
     if opts.budget_s is not None:
         out.append(f"anything left when the {opts.budget_s:.0f} s budget is spent (marked per row)")
     return out
@@ -360,8 +362,10 @@ def _short_traceback(exc: BaseException, outer: int = 4, inner: int = 16) -> str
 
 
 def _every_steps(n: int) -> int:
-    """Steps of an every-N run: two saves at least, ten steps at least (N=1: ten saves)."""
-    return max(2 * n, 10)
+    """Steps of an every-N run: two saves while that is at most 20 steps, else one (N=100:
+    100 steps, the save at the last); three at least (N=1: three saves). The full suite of
+    GPT-2 large must fit a few 10-minute calls, and the slow baselines take seconds a save."""
+    return max(n, min(2 * n, 20), 3)
 
 
 def _space_note(root: str, state_bytes: int) -> str | None:
