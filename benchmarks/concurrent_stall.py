@@ -284,7 +284,9 @@ def main() -> None:
         res.setdefault("configs", []).append(key)
         res[key] = out
         ck_root = os.path.join(root, f"ck{n}")
-        with gpusnap.Checkpointer(ck_root, config=cfg, keep_last=2) as ck:
+        # a phase restores each of its saves afterwards: retention must keep them all (with
+        # keep_last=2, --saves 4 lost its first two before the check: CheckpointNotFoundError)
+        with gpusnap.Checkpointer(ck_root, config=cfg, keep_last=args.saves + 1) as ck:
             if not args.skip_baselines and n == 0:
                 res["gpusnap_blocking_s"] = timed(loop, lambda ck=ck: ck.save(app, blocking=True))
             # the first concurrent save grows the staging arena (pinned memory): measured alone

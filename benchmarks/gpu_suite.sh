@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks and measurements, each step time-boxed, logs under
 # $OUT (default ./gpu-out). Usage: benchmarks/gpu_suite.sh [demo] [tests] [stall] [diag] [incr]
-# [restore] [rdiag] [hash] [quick] (default: all but rdiag, hash and quick). Run from the repository root on
+# [restore] [rdiag] [probe] [hash] [quick] (default: all but rdiag, probe, hash and quick). Run from the repository root on
 # the GPU machine; read what comes back with benchmarks/suite_summary.py suite.tgz. SUITE_S
 # (default 570) bounds the whole call: a step gets at most the time left,
 # and one with under 30 s left is skipped, so the logs of the steps before it always come back.
 # STALL_CONFIGS and STALL_ARGS (e.g. --gc-freeze) vary the stall step; TEST_FILES picks the
-# tests step's files, RDIAG_ARGS the restore diagnosis's options.
+# tests step's files, RDIAG_ARGS the restore diagnosis's options, PROBE_ARGS restore_probe.py's.
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 # Logs go to $L; after every step they are packed into $OUT/suite.tgz (the device tool returns
@@ -47,6 +47,8 @@ for s in "${steps[@]}"; do
                > "$L/restore.log" 2>&1; tail -8 "$L/restore.log" ;;
     rdiag) t 240 python3 benchmarks/restore_diagnosis.py --sample ${RDIAG_ARGS:-} > "$L/rdiag.log" 2>&1
            tail -12 "$L/rdiag.log" ;;
+    probe) t 150 python3 benchmarks/restore_probe.py ${PROBE_ARGS:-} > "$L/probe.log" 2>&1
+           tail -16 "$L/probe.log" ;;
     hash) t 120 python3 benchmarks/hash_kernel.py --out "$L/hash.json" > "$L/hash.log" 2>&1
           tail -20 "$L/hash.log" ;;
     quick) t 560 python3 -m gpusnap bench --quick --out "$L/bench" > "$L/quick.log" 2>&1

@@ -1,0 +1,271 @@
+"""What bounds the restore's copy thread, and what the host can feed it (GPU diagnostic).
+
+Three probes, each printing one table row per variant:
+
+1. ``copy``: the copy thread's per-piece work alone, on GPT-2 large training state's tensor
+   sizes (9.3 GB, 1745 tensors), data already in pinned regions: H2D into a scratch slot, the
+   device hash, the comparison, the flags copy, one event, then the device-to-device copy
+   into the target. Variants: alone, with 6 simulated readers (threads reading a tmpfs file
+   into pinned buffers, as the loader's readers do), with 6 threads running Python, and
+   without the hash. Tells whether the copy thread is bound by its own calls or by
+   competing for the GIL.
+2. ``read``: the readers' ceiling: N threads reading a tmpfs file into pinned buffers.
+3. ``register``: a tmpfs file mapped and page-locked in place (``cudaHostRegister``), then
+   copied host-to-device straight from the page cache: registration cost and copy rate.
+Run: PYTHONPATH=src python3 benchmarks/restore_probe.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from gpusnap.kernels.chunk_hash import chunk_hashes
+
+MiB = 1 << 20
+CHUNK = 4 * MiB
+
+
+def gpt2_large_sizes() -> list[int]:
+    """Byte sizes of GPT-2 large's parameters, three times (weights and two AdamW moments)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config(n_layer=36, n_embd=1280, n_head=20))
+    sizes = [p.numel() * 4 for p in model.parameters()]
+    return sizes * 3
+
+
+def pieces_of(sizes: list[int], piece: int) -> list[tuple[int, int, int]]:
+    """(tensor, offset, nbytes) pieces of at most ``piece`` bytes each."""
+    out = []
+    for i, n in enumerate(sizes):
+        for off in range(0, n, piece):
+            out.append((i, off, min(piece, n - off)))
+    return out
+
+
+class Background:
+    """``n`` threads running ``body`` in a loop until stopped."""
+
+    def __init__(self, n: int, body: Callable[[int], None]) -> None:
+        self.stop = threading.Event()
+        self.count = [0] * n
+
+        def run(k: int) -> None:
+            while not self.stop.is_set():
+                body(k)
+                self.count[k] += 1
+
+        self.threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(n)]
+
+    def __enter__(self) -> Background:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+
+def reader_body(path: str, size: int, n: int) -> Callable[[int], None]:
+    bufs = [torch.empty(32 * MiB, dtype=torch.uint8, pin_memory=True) for _ in range(n)]
+    views = [memoryview(b.numpy()) for b in bufs]
+    fds = [os.open(path, os.O_RDONLY) for _ in range(n)]
+    pos = [k * 32 * MiB % size for k in range(n)]
+
+    def body(k: int) -> None:
+        off = pos[k]
+        os.preadv(fds[k], [views[k]], off)
+        pos[k] = (off + 32 * MiB) % (size - 32 * MiB)
+
+    return body
+
+
+def spin_body(k: int) -> None:
+    s = 0
+    for i in range(2000):
+        s += i
+
+
+def copy_probe(dev: torch.device, sizes: list[int], hash_on: bool, piece: int = 32 * MiB) -> dict[str, float]:
+    targets = [torch.empty(n, dtype=torch.uint8, device=dev) for n in sizes]
+    regions = [torch.randint(0, 255, (piece,), dtype=torch.uint8).pin_memory() for _ in range(8)]
+    scratch = [torch.empty(piece, dtype=torch.uint8, device=dev) for _ in range(3)]
+    rows = piece // CHUNK
+    got = [torch.empty((rows, 2), dtype=torch.int64, device=dev) for _ in range(3)]
+    bad = [torch.empty(rows, dtype=torch.bool, device=dev) for _ in range(3)]
+    flags = [torch.zeros(rows, dtype=torch.bool).pin_memory() for _ in range(3)]
+    want = torch.zeros((rows * 4, 2), dtype=torch.int64, device=dev)
+    stream = torch.cuda.Stream(dev)
+    plan = pieces_of(sizes, piece)
+    t_calls = {"h2d": 0.0, "hash": 0.0, "check": 0.0, "event": 0.0, "wait": 0.0, "d2d": 0.0}
+    pend: list[Any] = [None, None, None]
+    torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    with torch.cuda.stream(stream):
+        for k, (i, off, n) in enumerate(plan):
+            s = k % 3
+            if pend[s] is not None:  # resolve the slot's previous piece: flags, then D2D
+                a = time.perf_counter()
+                ev, (pi, poff, pn) = pend[s]
+                ev.synchronize()
+                b = time.perf_counter()
+                _ = flags[s].numpy().any()
+                targets[pi][poff : poff + pn].copy_(scratch[s][:pn])
+                c = time.perf_counter()
+                t_calls["wait"] += b - a
+                t_calls["d2d"] += c - b
+            a = time.perf_counter()
+            scratch[s][:n].copy_(regions[k % 8][:n], non_blocking=True)
+            b = time.perf_counter()
+            r = -(-n // CHUNK)
+            if hash_on:
+                chunk_hashes(scratch[s][:n], CHUNK, out=got[s][:r])
+            c = time.perf_counter()
+            if hash_on:
+                torch.any(got[s][:r] != want[:r], dim=1, out=bad[s][:r])
+                flags[s][:r].copy_(bad[s][:r], non_blocking=True)
+            d = time.perf_counter()
+            ev = torch.cuda.Event(blocking=True)
+            ev.record(stream)
+            e = time.perf_counter()
+            pend[s] = (ev, (i, off, n))
+            t_calls["h2d"] += b - a
+            t_calls["hash"] += c - b
+            t_calls["check"] += d - c
+            t_calls["event"] += e - d
+    torch.cuda.synchronize(dev)
+    secs = time.perf_counter() - t0
+    total = sum(sizes)
+    del targets, regions, scratch
+    torch.cuda.empty_cache()
+    out = {"s": secs, "GBps": total / secs / 1e9, "pieces": len(plan)}
+    out.update({f"{k}_us": v / len(plan) * 1e6 for k, v in t_calls.items()})
+    return out
+
+
+def read_probe(path: str, size: int, threads: int, seconds: float = 2.0) -> float:
+    body = reader_body(path, size, threads)
+    with Background(threads, body) as bg:
+        time.sleep(0.3)
+        c0 = sum(bg.count)
+        t0 = time.perf_counter()
+        time.sleep(seconds)
+        c1 = sum(bg.count)
+        t1 = time.perf_counter()
+    return (c1 - c0) * 32 * MiB / (t1 - t0) / 1e9
+
+
+def register_probe(dev: torch.device, path: str, size: int, flags: int, parts: int) -> dict[str, float]:
+    cudart = torch.cuda.cudart()
+    fd = os.open(path, os.O_RDONLY)
+    mm = mmap.mmap(fd, size, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
+    os.close(fd)
+    arr = np.frombuffer(mm, dtype=np.uint8)  # a read-only map: its address through numpy
+    addr = arr.ctypes.data
+    part = size // parts
+    t0 = time.perf_counter()
+    errs = []
+
+    def reg(k: int) -> None:
+        err = cudart.cudaHostRegister(addr + k * part, part, flags)
+        errs.append(int(getattr(err, "value", err)))
+
+    ths = [threading.Thread(target=reg, args=(k,)) for k in range(parts)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    t_reg = time.perf_counter() - t0
+    out: dict[str, float] = {"register_s": t_reg, "register_GBps": size / t_reg / 1e9, "err": max(errs)}
+    if max(errs) == 0:
+        src = torch.from_numpy(arr)  # read-only warning is fine: we only read
+        dst = torch.empty(size, dtype=torch.uint8, device=dev)
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(dev)
+        t_copy = time.perf_counter() - t0
+        out.update(copy_s=t_copy, copy_GBps=size / t_copy / 1e9, pinned=float(src.is_pinned()))
+        ok = torch.equal(dst[: 1 << 20].cpu(), src[: 1 << 20])
+        out["equal"] = float(ok)
+        del dst
+        t0 = time.perf_counter()
+        for k in range(parts):
+            cudart.cudaHostUnregister(addr + k * part)
+        out["unregister_s"] = time.perf_counter() - t0
+        del src
+    del arr
+    mm.close()
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--probes", default="copy,read,register")
+    ap.add_argument("--file-gb", type=float, default=4.0)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    probes = args.probes.split(",")
+    size = int(args.file_gb * 1e9) // (64 * MiB) * (64 * MiB)
+    tmp = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    path = os.path.join(tmp, "data")
+    with open(path, "wb") as f:
+        block = os.urandom(64 * MiB)
+        for _ in range(size // len(block)):
+            f.write(block)
+    rows: list[str] = []
+    try:
+        if "copy" in probes:
+            sizes = gpt2_large_sizes()
+            copy_probe(dev, sizes[:50], True)  # warm the kernels
+            variants = [
+                ("alone", None, True),
+                ("6 readers", lambda: Background(6, reader_body(path, size, 6)), True),
+                ("6 Python spinners", lambda: Background(6, spin_body), True),
+                ("alone, no hash", None, False),
+                ("6 readers, no hash", lambda: Background(6, reader_body(path, size, 6)), False),
+            ]
+            for name, bg, hash_on in variants:
+                if bg is None:
+                    r = copy_probe(dev, sizes, hash_on)
+                else:
+                    with bg():
+                        r = copy_probe(dev, sizes, hash_on)
+                line = (f"copy  {name:22s} {r['GBps']:6.1f} GB/s {r['s'] * 1e3:7.0f} ms  per piece us: "
+                        + " ".join(f"{k[:-3]}={r[k]:.0f}" for k in r if k.endswith("_us")))
+                print(line, flush=True)
+                rows.append(line)
+        if "read" in probes:
+            for n in (1, 2, 4, 6, 8, 12, 16):
+                line = f"read  {n:2d} threads into pinned: {read_probe(path, size, n):6.1f} GB/s"
+                print(line, flush=True)
+                rows.append(line)
+        if "register" in probes:
+            for flags, parts in ((8, 1), (0, 1), (8, 8)):
+                r = register_probe(dev, path, size, flags, parts)
+                line = f"register flags={flags} parts={parts}: " + " ".join(
+                    f"{k}={v:.3g}" for k, v in r.items())
+                print(line, flush=True)
+                rows.append(line)
+    finally:
+        os.unlink(path)
+        os.rmdir(tmp)
+    print("\n".join(["", "summary:"] + rows))
+
+
+if __name__ == "__main__":
+    main()
