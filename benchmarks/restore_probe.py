@@ -255,7 +255,9 @@ def main() -> None:
                 print(line, flush=True)
                 rows.append(line)
         if "register" in probes:
-            for flags, parts in ((8, 1), (0, 1), (8, 8)):
+            # flags 8 = cudaHostRegisterReadOnly, which a read-only map needs: without it the
+            # call fails (seen on the H200), and its error stays pending for the next CUDA call
+            for flags, parts in ((8, 1), (8, 4), (8, 8)):
                 r = register_probe(dev, path, size, flags, parts)
                 line = f"register flags={flags} parts={parts}: " + " ".join(
                     f"{k}={v:.3g}" for k, v in r.items())
