@@ -80,6 +80,8 @@ class Copier:
         stats: LoadStats,
         describe: Callable[[int], str],
         on_close: Callable[[BaseException | None], None],
+        *,
+        span_events: bool = True,
     ) -> None:
         self.manifest = manifest
         self.plan = plan
@@ -90,6 +92,7 @@ class Copier:
         self.stats = stats
         self.describe = describe
         self.on_close = on_close
+        self.span_events = span_events  # False: nobody waits for single spans (eager restore)
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._in_flight: deque[tuple[torch.Tensor, Any]] = deque()  # (region, event after its copy)
         self._checking: deque[ScratchSlot] = deque()  # staged on the device, flags not yet read
@@ -230,7 +233,7 @@ class Copier:
     def _loaded(self, spans: list[LoadSpan]) -> dict[torch.device, Any]:
         """The spans' last copies are queued: ops may use them once their stream passed the
         event recorded now (one per device, shared by the spans of a batch; returned)."""
-        devices = {d for ls in spans for d in ls.devices if self._evented(d)}
+        devices = {d for ls in spans for d in ls.devices if self._evented(d)} if self.span_events else set()
         events = {d: self._event(d) for d in devices}
         self.schedule.mark_loaded_many([(ls, [(d, events[d]) for d in ls.devices if d in events]) for ls in spans])
         return events

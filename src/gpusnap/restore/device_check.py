@@ -2,12 +2,15 @@
 
 When the manifest carries device hashes (``StorageEntry.hashes``, :data:`DEVICE_HASH`,
 computed at the consistent point by :func:`~gpusnap.kernels.chunk_hash.chunk_hashes`), a
-piece bound for one CUDA device is copied host-to-device into a *scratch* slot, hashed there
-on the copy stream and compared with the expected rows; the per-chunk mismatch flags come
-back with one small device-to-host copy. The copy thread reads them (after the piece's event)
-before it copies scratch into the targets, device to device: a corrupt chunk never lands in a
-target, the same guarantee as ``verify="stream"`` on the host, without the host's BLAKE2b
-pass (about 1 GB/s per core against 55 GB/s of host-to-device bandwidth).
+piece bound for one CUDA device is copied host-to-device into a *scratch* slot and hashed
+there on the copy stream; the hashes (16 bytes a chunk) come back with one small
+device-to-host copy of the slot's whole hash buffer. The copy thread compares them with the
+expected rows on the host (numpy, after the piece's event) before it copies scratch into the
+targets, device to device: a corrupt chunk never lands in a target, the same guarantee as
+``verify="stream"`` on the host, without the host's BLAKE2b pass (about 1 GB/s per core
+against 55 GB/s of host-to-device bandwidth). Comparing on the host rather than with device
+kernels saves the copy thread, which bounds the restore rate, four torch calls a piece (45 µs
+of its ~215 µs on the H200, BENCHMARKS.md).
 
 Each device has a ring of ``slots`` scratch slots used in turn, so the copy thread checks a
 piece while the next ones are already being copied: the host waits for a piece only when its
@@ -23,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from gpusnap.errors import CheckpointError
@@ -69,13 +73,12 @@ class ScratchSlot:
 
     device: torch.device
     data: torch.Tensor  # uint8 on ``device``, one region long
-    flags: torch.Tensor  # bool on the host, one per chunk of the batch: True where it mismatched
-    rows: torch.Tensor  # int64 on the host: the expected hashes' rows of the batch's chunks
-    hashes: torch.Tensor  # int64 (max_chunks, 2) on ``device``: the batch's chunk hashes
-    bad: torch.Tensor  # bool (max_chunks,) on ``device``: the flags before their copy to the host
-    pinned: bool = False  # flags and rows are page-locked (CUDA): their copies are asynchronous
+    hashes: torch.Tensor  # int64 (max_chunks, 2) on ``device``: the batch's chunk hashes first
+    host_hashes: torch.Tensor  # the same on the host (pinned for CUDA), copied after the hash
+    pinned: bool = False  # host_hashes is page-locked (CUDA): its copy is asynchronous
     pieces: list[tuple[Piece, int]] = field(default_factory=list)  # (piece, offset in data), checked, not yet applied
-    event: Any = None  # after the batch's hash and flags copy (None on CPU)
+    event: Any = None  # after the batch's hash and its copy to the host (None on CPU)
+    host_rows: Any = field(default=None, repr=False)  # numpy view of host_hashes
 
 
 class DeviceCheck:
@@ -102,8 +105,7 @@ class DeviceCheck:
                 assert hashes is not None
                 self._rows[ls.index] = len(hexes)
                 hexes += hashes
-        self._host_table = hex_to_hashes(hexes)
-        self._tables: dict[torch.device, torch.Tensor] = {}
+        self._expected = hex_to_hashes(hexes).numpy()  # (rows, 2) int64, compared on the host
         self._rings: dict[torch.device, list[ScratchSlot]] = {}
         self._turn: dict[torch.device, int] = {}
 
@@ -120,14 +122,14 @@ class DeviceCheck:
     def _new_slot(self, device: torch.device) -> ScratchSlot:
         pinned = device.type == "cuda"
         n = self.max_chunks
+        host = torch.zeros((n, HASH_WORDS), dtype=torch.int64, pin_memory=pinned)
         return ScratchSlot(
             device,
             data=torch.empty(self.slot_bytes, dtype=torch.uint8, device=device),
-            flags=torch.zeros(n, dtype=torch.bool, pin_memory=pinned),
-            rows=torch.zeros(n, dtype=torch.int64, pin_memory=pinned),
-            hashes=torch.empty((n, HASH_WORDS), dtype=torch.int64, device=device),
-            bad=torch.empty(n, dtype=torch.bool, device=device),
+            hashes=torch.zeros((n, HASH_WORDS), dtype=torch.int64, device=device),
+            host_hashes=host,
             pinned=pinned,
+            host_rows=host.numpy(),
         )
 
     def stage(
@@ -135,53 +137,38 @@ class DeviceCheck:
     ) -> None:
         """Queue, on the current stream: copy the batch's bytes (``region``, each piece at its
         offset; ``pinned_region``: page-locked host memory) into ``slot`` with one copy, hash
-        every piece's chunks with one launch, compare them with the expected rows, and copy the
-        mismatch flags back to the host."""
+        every piece's chunks with one launch, and copy the hashes back to the host."""
         assert not slot.pieces, "resolve the slot's previous batch first"
         end = max(offset + piece.nbytes for piece, offset in pieces)
         total = sum(piece.count for piece, _ in pieces)
         if end > self.slot_bytes or total > self.max_chunks:
             raise CheckpointError(f"a batch of {end} bytes, {total} chunks exceeds a scratch slot")
-        pinned = slot.pinned
         slot.data[:end].copy_(region[:end], non_blocking=pinned_region)
         got = slot.hashes[:total]
-        table = self._tables.get(slot.device)
-        if table is None:  # on the current (copy) stream, so ordered before every comparison
-            table = self._tables[slot.device] = self._host_table.to(slot.device)
         if len(pieces) == 1:
-            # one piece (most bytes of a large model): one span's chunks in a row, so the
-            # single-span kernel (no row table) and a slice of the expected hashes; the copy
-            # thread's few host calls per piece bound the restore rate (BENCHMARKS.md)
-            piece = pieces[0][0]
-            chunk_hashes(slot.data[: piece.nbytes], self.chunk_size, out=got)
-            first = self._rows[piece.span.index] + piece.first
-            want = table[first : first + total]
+            # one piece (most bytes of a large model): the single-span kernel, no row table;
+            # the copy thread's few host calls per piece bound the restore rate (BENCHMARKS.md)
+            chunk_hashes(slot.data[: pieces[0][0].nbytes], self.chunk_size, out=got)
         else:
             chunk_hashes_many([slot.data[o : o + p.nbytes] for p, o in pieces], self.chunk_size, got)
-            rows: list[int] = []
-            for piece, _ in pieces:
-                first = self._rows[piece.span.index] + piece.first
-                rows.extend(range(first, first + piece.count))
-            slot.rows[:total].copy_(torch.tensor(rows, dtype=torch.int64))  # host; read by the copy below
-            want = table.index_select(0, slot.rows[:total].to(slot.device, non_blocking=pinned))
-        torch.any(got != want, dim=1, out=slot.bad[:total])
-        slot.flags[:total].copy_(slot.bad[:total], non_blocking=pinned)
+        # the whole buffer (a few KiB): no slicing, and rows past the batch are never read
+        slot.host_hashes.copy_(slot.hashes, non_blocking=slot.pinned)
         slot.pieces = list(pieces)
 
     def spans_checked(self) -> frozenset[int]:
         return frozenset(self._rows)
 
-    @staticmethod
-    def mismatch(slot: ScratchSlot) -> tuple[Piece, int] | None:
+    def mismatch(self, slot: ScratchSlot) -> tuple[Piece, int] | None:
         """The piece of the slot's batch whose chunk failed first, and that chunk's index in
-        its span; None if every chunk passed."""
+        its span; None if every chunk passed. Call once the slot's event has completed."""
         assert slot.pieces
-        flags = slot.flags.numpy()[: sum(piece.count for piece, _ in slot.pieces)]  # host memory: no torch call
-        if not flags.any():
-            return None
-        k = int(flags.argmax())  # the first True
-        for piece, _ in slot.pieces:
-            if k < piece.count:
+        row = 0
+        for piece, _ in slot.pieces:  # host memory only: numpy, no torch call
+            first = self._rows[piece.span.index] + piece.first
+            got = slot.host_rows[row : row + piece.count]
+            want = self._expected[first : first + piece.count]
+            if not np.array_equal(got, want):
+                k = int(np.flatnonzero((got != want).any(axis=1))[0])
                 return piece, piece.first + k
-            k -= piece.count
-        raise AssertionError("a mismatch flag past the batch's chunks")
+            row += piece.count
+        return None

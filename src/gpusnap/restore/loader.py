@@ -72,6 +72,10 @@ class Loader:
     :data:`DEVICE_CHECK_MIN_BYTES` on one CUDA device whose entry has hashes; True: every
     streamed span with hashes, CPU targets too (the same code with CPU tensors, for tests);
     False: never.
+
+    ``span_events``: record, per batch, the CUDA event a span is ready after, for ops that wait
+    for single spans (a lazy restore's gate). An eager restore waits for the whole load and
+    passes False: one event and one torch call fewer per batch on the copy thread.
     """
 
     def __init__(
@@ -89,6 +93,7 @@ class Loader:
         on_done: Callable[[BaseException | None], None] | None = None,
         scratch_slots: int | None = None,
         device_check_min_bytes: int | None = None,
+        span_events: bool = True,
     ) -> None:
         if slots.slot_bytes < manifest.chunk_size:
             raise ValueError(f"staging slots of {slots.slot_bytes} bytes cannot hold {manifest.chunk_size}-byte chunks")
@@ -153,6 +158,7 @@ class Loader:
             self.stats,
             lambda index: describe_span(plan, index),
             self._close,
+            span_events=span_events,
         )
 
     @property
@@ -227,9 +233,10 @@ class Loader:
             region = self.slots.acquire()
             self.stats.add(region_wait_s=time.perf_counter() - started)
             if ls.device_check or any(Copier._evented(d) for d in ls.devices):
+                view = self.slots.bytes_of(region)
                 try:
                     for p, offset in batch:
-                        self._read_into(p, region[offset : offset + p.nbytes], host_verify=self.verify and not ls.device_check)
+                        self._read_into(p, view[offset : offset + p.nbytes], host_verify=self.verify and not ls.device_check)
                 except BaseException:
                     self.slots.release(region)  # never handed over: no copy reads it
                     raise
@@ -240,7 +247,7 @@ class Loader:
             try:
                 for p, offset in batch:
                     data = region[offset : offset + p.nbytes]
-                    self._read_into(p, data, host_verify=self.verify)
+                    self._read_into(p, memoryview(data.numpy()), host_verify=self.verify)
                     self.plan.apply_range(p.span.index, p.offset, data)
                     # each member counts once written: a later member's failure must not
                     # hide the tensors already restored (the error lists them)
@@ -253,15 +260,16 @@ class Loader:
             if ls.buffer is None:
                 ls.buffer = host_buffer(ls.nbytes, pinned=False)
             buffer = ls.buffer
-        self._read_into(piece, buffer[piece.offset : piece.offset + piece.nbytes], host_verify=self.verify)
+        self._read_into(piece, memoryview(buffer[piece.offset : piece.offset + piece.nbytes].numpy()),
+                        host_verify=self.verify)
         if self.schedule.piece_done(piece, 0):
             self.copier.put_whole(ls)
 
-    def _read_into(self, piece: Piece, out: torch.Tensor, *, host_verify: bool) -> None:
+    def _read_into(self, piece: Piece, out: memoryview, *, host_verify: bool) -> None:
         digests = self.manifest.storages[piece.span.index].chunks[piece.first : piece.first + piece.count]
         cost = self.repo.read_chunks_into(
             digests,
-            memoryview(out.numpy()),
+            out,
             self.chunk_size,
             what=describe_span(self.plan, piece.span.index),
             verify=host_verify,

@@ -150,6 +150,7 @@ class Restorer:
             verify_on_device=VERIFY_ON_DEVICE if self.verify_on_device is None else self.verify_on_device,
             scratch_slots=self.scratch_slots,
             device_check_min_bytes=self.device_check_min_bytes,
+            span_events=lazy,  # only a lazy restore's gate waits for single spans
         )
         handle.stats["threads"] = loader.threads  # fewer when the device checks nearly everything
         if lazy:

@@ -34,8 +34,11 @@ class SlotPool:
         self.nbytes = slots * slot_bytes
         self._backing = host_buffer(self.nbytes, pinned=self.pinned)
         self._free: queue.Queue[torch.Tensor] = queue.Queue()
+        self._views: dict[int, memoryview] = {}
         for i in range(slots):
-            self._free.put(self._backing[i * slot_bytes : (i + 1) * slot_bytes])
+            region = self._backing[i * slot_bytes : (i + 1) * slot_bytes]
+            self._views[id(region)] = memoryview(region.numpy())
+            self._free.put(region)
 
     def fits(self, slot_bytes: int, *, pinned: bool) -> bool:
         """Whether this pool can serve a restore of chunks up to ``slot_bytes`` (a piece is as
@@ -45,6 +48,11 @@ class SlotPool:
     def acquire(self) -> torch.Tensor:
         """A free region; blocks until the copy thread gives one back."""
         return self._free.get()
+
+    def bytes_of(self, slot: torch.Tensor) -> memoryview:
+        """``slot``'s bytes as a memoryview, made once: readers slice it without a torch call
+        (each torch call gives up the GIL, and the copy thread waits to get it back)."""
+        return self._views[id(slot)]
 
     def release(self, slot: torch.Tensor) -> None:
         """Give ``slot`` back: no pending device copy reads it any more."""
