@@ -18,6 +18,7 @@ from gpusnap.bench import gpusnap_variants
 from gpusnap.bench.env import CPU_DISCLAIMER
 from gpusnap.bench.measure import PlainSteps, measure_save
 from gpusnap.bench.report import markdown
+from gpusnap.bench.runner import _every_steps
 from gpusnap.bench.summary import derived_throughput
 from gpusnap.bench.system import SaveHandle, System, blocking_handle
 from gpusnap.bench.workloads import Workload, build_workload
@@ -193,6 +194,21 @@ def test_derived_loss_counts_the_wait_for_a_save_slower_than_the_interval():
     loss = {t["every"]: t["loss"] for t in derived_throughput(row, 0.1)}
     assert loss[1] == pytest.approx(29.0) and loss[10] == pytest.approx(2.0)
     assert loss[100] == pytest.approx(0.001), "durable within the interval: the stall alone"
+
+
+def test_derived_loss_waits_for_the_write_not_for_the_capture():
+    # captured after 1 s, durable after 3 s: the write (2 s) is what a save every step waits for
+    row = {"stall_warm_s": 0.01, "stall_first_s": 0.5, "durable_warm_s": 3.0, "durable_first_s": 4.0,
+           "captured_warm_s": 1.0, "captured_first_s": 1.0}
+    loss = {t["every"]: t["loss"] for t in derived_throughput(row, 0.1)}
+    assert loss[1] == pytest.approx(19.0) and loss[10] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 10, 11, 15, 19, 20, 33, 100])
+def test_every_n_run_lets_its_last_save_drain_behind_n_minus_1_steps(n):
+    steps = _every_steps(n)
+    last_save = max(i for i in range(steps) if i % n == 0)  # measure.every_n saves at i % n == 0
+    assert steps - 1 - last_save >= n - 1 and steps >= 3
 
 
 def test_workload_state_counts_tied_weights_once():

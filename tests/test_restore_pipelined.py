@@ -302,3 +302,20 @@ def test_cuda_graph_captured_before_restore_replays_restored_weights(tmp_path):
             graph.replay()
             with torch.no_grad():
                 assert torch.equal(static_out, source(static_x)), verify
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+@pytest.mark.parametrize("verify", ["stream", "off"])
+def test_restore_called_inside_inference_mode(tmp_path, lazy, verify):
+    """A serving loop restores under torch.inference_mode(): the aliases the restore writes
+    through are built on the calling thread, and must not become inference tensors there
+    (the copy thread and the readers, outside the mode, could not write them)."""
+    source = {"w": torch.randn(4096), "lin": nn.Linear(64, 64)}
+    with gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config()) as ck:
+        ck.save(source, blocking=True)
+        target = {"w": torch.zeros(4096), "lin": nn.Linear(64, 64)}
+        with torch.inference_mode():
+            handle = ck.restore(target, verify=verify, lazy=lazy)
+            handle.wait()
+            assert torch.equal(target["w"], source["w"])
+            assert torch.equal(target["lin"].weight, source["lin"].weight)

@@ -18,8 +18,8 @@ _LEGEND = (
     "Stall: step-time inflation summed over the step containing the save and every step until it is "
     "durable (captured, for saves that are never durable). *vs gpusnap*: that system's stall over gpusnap "
     "concurrent's (above 1x: gpusnap stalls less; below 1x: gpusnap stalls more). Warm: median of the "
-    "saves after the first. Loss: throughput lost with a save every N steps; (d) derived from the warm "
-    "stall and the time to durable instead of measured (a lower bound). docs/bench.md defines every column."
+    "saves after the first. Loss: throughput lost with a save every N steps; (d) estimated from the warm "
+    "stall and write time instead of measured. docs/bench.md defines every column."
 )
 _SAVE_HEADER = (
     "| system | stall first | stall warm | vs gpusnap | save() call | captured | durable "
@@ -235,7 +235,7 @@ def _compare(workload: str, ref: dict[str, Any], row: dict[str, Any]) -> list[st
     for t in row.get("throughput") or []:
         r = ref_loss.get(t["every"])
         if r is not None and t["loss"] < r["loss"]:
-            how = "" if t["how"] == "measured" else ", derived from its stall"
+            how = "" if t["how"] == "measured" else ", derived"
             out.append(f"- {workload}: {row['system']} loses less throughput at a save every {t['every']} "
                        f"steps ({t['loss'] * 100:.1f}% vs {r['loss'] * 100:.1f}%{how}).")
     mine = (ref.get("restore") or {}).get("eager_s")

@@ -37,23 +37,32 @@ def summarise(row: dict[str, Any], state_bytes: int, median_s: float, d2h_gbps: 
 
 
 def derived_throughput(row: dict[str, Any], median_s: float) -> list[dict[str, Any]]:
-    """Loss at a save every N steps, from one save's figures: its stall, or, when a save takes
-    longer than N steps to become durable, the wait for it (saves cannot outrun their writes:
-    at most a bounded number is pending). A lower bound; ``every_n`` measures the real one.
+    """Loss at a save every N steps, estimated from one save's figures: its stall, or, when a
+    save's write (captured to durable) takes longer than N steps, the wait for the writes
+    (saves cannot outrun them: at most a bounded number is pending). An estimate from single
+    saves; ``every_n`` measures the real one.
 
-    >>> row = {"stall_warm_s": 0.1, "stall_first_s": 1.0, "durable_warm_s": 2.0, "durable_first_s": 3.0}
+    >>> row = {"stall_warm_s": 0.1, "stall_first_s": 1.0, "durable_warm_s": 2.0, "durable_first_s": 3.0,
+    ...        "captured_warm_s": 0.5, "captured_first_s": 0.5}
     >>> [round(t["loss"], 3) for t in derived_throughput(row, 0.1)]
-    [19.0, 1.0, 0.01]
+    [14.0, 0.5, 0.01]
     """
-    stall = row["stall_warm_s"] if row["stall_warm_s"] is not None else row["stall_first_s"]
-    durable = row["durable_warm_s"] if row["durable_warm_s"] is not None else row["durable_first_s"]
+    stall = _warm_or_first(row, "stall")
+    durable = _warm_or_first(row, "durable")
+    captured = _warm_or_first(row, "captured")
+    write = durable - (captured or 0.0) if durable is not None else 0.0
     out = []
     for n in (1, 10, 100):
         period = n * median_s
-        behind = durable - period if durable is not None else 0.0
-        out.append({"every": n, "loss": max(0.0, stall, behind) / period,
-                    "how": "derived: max(warm stall, warm durable - N x median step) / (N x median step)"})
+        out.append({"every": n, "loss": max(0.0, stall, write - period) / period,
+                    "how": "derived: max(warm stall, warm write (captured to durable) - N x median step) "
+                           "/ (N x median step)"})
     return out
+
+
+def _warm_or_first(row: dict[str, Any], key: str) -> float | None:
+    warm = row.get(f"{key}_warm_s")
+    return warm if warm is not None else row.get(f"{key}_first_s")
 
 
 def add_ratios(entry: dict[str, Any]) -> None:

@@ -424,12 +424,17 @@ class RestorePlan:
         if cached is not None and cached[0] == self.versioned_writes:
             return cached[1]
         views = []
-        for copy in self._copies.get(index, ()):
-            spec = copy.spec
-            if spec.numel == 0:
-                continue
-            dst = _writable(copy.target, self.versioned_writes).view(-1).view(torch.uint8)  # contiguous: views
-            views.append((spec.byte_offset, spec.byte_offset + spec.extent, dst, copy.target.is_inference(), copy.path))
+        # Outside inference mode whoever builds them (the restoring thread, which may be in
+        # it): a view made inside it is an inference tensor, which the copy thread and the
+        # readers could not write. Inference-tensor targets are written under the mode anyway.
+        with torch.inference_mode(False):
+            for copy in self._copies.get(index, ()):
+                spec = copy.spec
+                if spec.numel == 0:
+                    continue
+                dst = _writable(copy.target, self.versioned_writes).view(-1).view(torch.uint8)  # contiguous: views
+                views.append((spec.byte_offset, spec.byte_offset + spec.extent, dst, copy.target.is_inference(),
+                              copy.path))
         self._byte_views[index] = (self.versioned_writes, views)
         return views
 
