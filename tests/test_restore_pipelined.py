@@ -241,6 +241,26 @@ def test_load_order_uses_the_recorded_access_order():
     assert restorer_mod.load_order(manifest, plan) == ([4, 0, 1, 2, 3], "manifest")  # type: ignore[arg-type]
 
 
+def test_host_regions_are_no_more_than_the_checkpoint_fills_and_grow_for_a_bigger_one(tmp_path):
+    root = tmp_path / "ck"
+    config = tiny_config(staging_bytes=0, restore_piece_bytes=8 * 512)  # 4 KiB regions, no staging cap
+    with gpusnap.Checkpointer(root, config=config) as ck:
+        restorer = ck._restorer
+        ck.save({"t": torch.ones(1024)}, tag="small", blocking=True)  # 4 KiB: one region's worth
+        ck.save({"t": torch.ones(1024), "big": torch.ones(1 << 18)}, tag="big", blocking=True)  # 1 MiB
+        ck.restore({"t": torch.zeros(1024)}, "small", verify="stream")
+        small = restorer._slots
+        assert small.slots == 1 + restorer_mod.EXTRA_REGIONS, "a tiny checkpoint needs one region per piece"
+        target = {"t": torch.zeros(1024), "big": torch.zeros(1 << 18)}
+        ck.restore(target, "big", verify="stream")
+        assert restorer._slots is not small and restorer._slots.slots > small.slots
+        assert restorer._slots.slots <= restorer.threads + restorer_mod.EXTRA_REGIONS
+        assert torch.equal(target["big"], torch.ones(1 << 18))
+        grown = restorer._slots
+        ck.restore({"t": torch.zeros(1024)}, "small", verify="stream")
+        assert restorer._slots is grown, "a smaller restore reuses the bigger pool"
+
+
 def test_staging_slots_are_reused_and_grown_for_bigger_chunks(tmp_path):
     root = tmp_path / "ck"
     with gpusnap.Checkpointer(root, config=tiny_config()) as ck:

@@ -144,7 +144,7 @@ class Restorer:
             plan,
             order=order,
             threads=self.threads,
-            slots=self._slot_pool(manifest.chunk_size, pinned=_any_cuda(plan, len(spans))),
+            slots=self._slot_pool(manifest.chunk_size, pinned=_any_cuda(plan, len(spans)), nbytes=manifest.nbytes),
             streams={d: self._stream(d) for d in _cuda_devices(plan, len(spans))},
             verify=verify != "off",
             verify_on_device=VERIFY_ON_DEVICE if self.verify_on_device is None else self.verify_on_device,
@@ -258,17 +258,21 @@ class Restorer:
             self._executor = None
 
     # -- reused resources ----------------------------------------------------------------------
-    def _slot_pool(self, chunk_size: int, *, pinned: bool) -> SlotPool:
+    def _slot_pool(self, chunk_size: int, *, pinned: bool, nbytes: int) -> SlotPool:
         """Host regions of about :data:`PIECE_BYTES` (whole chunks), one per reader plus
-        :data:`EXTRA_REGIONS`, within ``staging_bytes`` when it is set; kept across restores."""
-        regions = self.threads + EXTRA_REGIONS
+        :data:`EXTRA_REGIONS`, but no more than a checkpoint of ``nbytes`` can fill, within
+        ``staging_bytes`` when it is set; kept across restores, grown when a later one needs
+        more. (One region per reader of 32 on a 32-core host is 1.2 GB of pinned memory,
+        whose allocation a 0.2 GB model's first restore paid for nothing.)"""
         wanted = PIECE_BYTES if self.piece_bytes is None else self.piece_bytes
         piece = max(chunk_size, wanted // chunk_size * chunk_size)
+        regions = min(self.threads, max(1, -(-nbytes // piece))) + EXTRA_REGIONS
         if self.staging_bytes:
             piece = max(chunk_size, min(piece, self.staging_bytes // regions // chunk_size * chunk_size))
             regions = max(2, min(regions, self.staging_bytes // piece))
         pool = self._slots
-        if pool is None or not pool.fits(chunk_size, pinned=pinned):
+        if pool is None or not pool.fits(chunk_size, pinned=pinned) or pool.slots < regions:
+            # (a restore still loading keeps the pool it was given: its Loader holds it)
             pool = self._slots = SlotPool(regions, piece, pinned=pinned)
         return pool
 
