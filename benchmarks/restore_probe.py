@@ -6,8 +6,7 @@ Three probes, each printing one table row per variant:
    sizes (9.3 GB, 1745 tensors), data already in pinned regions: H2D into a scratch slot, the
    device hash, the comparison, the flags copy, one event, then the device-to-device copy
    into the target. Variants: alone, with 6 simulated readers (threads reading a tmpfs file
-   into pinned buffers, as the loader's readers do), with 6 threads running Python, and
-   without the hash. Tells whether the copy thread is bound by its own calls or by
+   into pinned buffers, as the loader's readers do), and without the hash. Tells whether the copy thread is bound by its own calls or by
    competing for the GIL.
 2. ``read``: the readers' ceiling: N threads reading a tmpfs file into pinned buffers.
 3. ``register``: a tmpfs file mapped and page-locked in place (``cudaHostRegister``), then
@@ -91,12 +90,6 @@ def reader_body(path: str, size: int, n: int) -> Callable[[int], None]:
         pos[k] = (off + 32 * MiB) % (size - 32 * MiB)
 
     return body
-
-
-def spin_body(k: int) -> None:
-    s = 0
-    for i in range(2000):
-        s += i
 
 
 def copy_probe(dev: torch.device, sizes: list[int], hash_on: bool, piece: int = 32 * MiB) -> dict[str, float]:
@@ -235,7 +228,7 @@ def main() -> None:
             variants = [
                 ("alone", None, True),
                 ("6 readers", lambda: Background(6, reader_body(path, size, 6)), True),
-                ("6 Python spinners", lambda: Background(6, spin_body), True),
+                # (six threads running pure Python starved the probe on the H200: removed)
                 ("alone, no hash", None, False),
                 ("6 readers, no hash", lambda: Background(6, reader_body(path, size, 6)), False),
             ]
