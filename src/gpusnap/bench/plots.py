@@ -12,6 +12,8 @@ import json
 import os
 from typing import Any
 
+from gpusnap.bench.summary import warm_or_first
+
 __all__ = ["write_plots"]
 
 _FLOOR_MS = 0.01  # log scale: stalls at or below 10 us (noise, or none) are drawn at this floor
@@ -48,7 +50,7 @@ def _stall_plot(plt: Any, results: dict[str, Any], path: str) -> str:
     fig, axes = plt.subplots(len(workloads), 1, figsize=(10, height), squeeze=False)
     for ax, wl in zip(axes[:, 0], workloads):
         rows = [r for r in wl["systems"] if r["status"] == "ok" and r.get("stall_first_s") is not None]
-        warm = [1e3 * (r["stall_warm_s"] if r.get("stall_warm_s") is not None else r["stall_first_s"]) for r in rows]
+        warm = [1e3 * warm_or_first(r, "stall") for r in rows]
         first = [1e3 * r["stall_first_s"] for r in rows]
         y = list(range(len(rows)))
         colors = ["tab:green" if r["family"] == "gpusnap" else "tab:gray" for r in rows]

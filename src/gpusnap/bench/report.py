@@ -9,7 +9,7 @@ import os
 from typing import Any
 
 from gpusnap.bench.env import CPU_DISCLAIMER
-from gpusnap.bench.summary import COMPARATOR
+from gpusnap.bench.summary import COMPARATOR, warm_or_first
 
 __all__ = ["markdown", "write_report"]
 
@@ -140,9 +140,9 @@ def _workload(wl: dict[str, Any]) -> list[str]:
         bw = row.get("capture_GBps")
         share = row.get("capture_vs_d2h")
         bw_text = "-" if bw is None else f"{bw:.1f}" + (f" ({share * 100:.0f}%)" if share else "")
-        durable = _ms(row.get("durable_warm_s") if row.get("durable_warm_s") is not None else row.get("durable_first_s"))
-        captured = row.get("captured_warm_s") if row.get("captured_warm_s") is not None else row.get("captured_first_s")
-        call = row.get("call_warm_s") if row.get("call_warm_s") is not None else row.get("call_first_s")
+        durable = _ms(warm_or_first(row, "durable"))
+        captured = warm_or_first(row, "captured")
+        call = warm_or_first(row, "call")
         lines.append(
             f"| {row['system']} | {_ms(row.get('stall_first_s'))} | {_ms(row.get('stall_warm_s'))} "
             f"| {_ratio(row.get('stall_vs_gpusnap'))} | {_ms(call)} | {_ms(captured)} "
@@ -217,18 +217,13 @@ def _caveats(results: dict[str, Any]) -> list[str]:
     return ["## Caveats", ""] + out + [""] if out else []
 
 
-def _first_or_warm(row: dict[str, Any], key: str) -> float | None:
-    warm = row.get(f"{key}_warm_s")
-    return warm if warm is not None else row.get(f"{key}_first_s")
-
-
 def _compare(workload: str, ref: dict[str, Any], row: dict[str, Any]) -> list[str]:
     out = []
-    mine, theirs = _first_or_warm(ref, "stall"), _first_or_warm(row, "stall")
+    mine, theirs = warm_or_first(ref, "stall"), warm_or_first(row, "stall")
     if mine is not None and theirs is not None and theirs < mine:
         out.append(f"- {workload}: {row['system']} stalls less ({_ms(theirs)} vs {_ms(mine)} per save).")
     if row["saves"] and row["saves"][0].get("durable_note") is None:
-        mine, theirs = _first_or_warm(ref, "durable"), _first_or_warm(row, "durable")
+        mine, theirs = warm_or_first(ref, "durable"), warm_or_first(row, "durable")
         if mine is not None and theirs is not None and theirs < mine:
             out.append(f"- {workload}: {row['system']} is durable sooner ({_ms(theirs)} vs {_ms(mine)}).")
     ref_loss = {t["every"]: t for t in ref.get("throughput") or []}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-__all__ = ["COMPARATOR", "add_ratios", "brief", "derived_throughput", "jsonable", "summarise"]
+__all__ = ["COMPARATOR", "add_ratios", "brief", "derived_throughput", "jsonable", "summarise", "warm_or_first"]
 
 COMPARATOR = "gpusnap_concurrent"  # the row every ratio is taken against
 
@@ -24,7 +24,7 @@ def summarise(row: dict[str, Any], state_bytes: int, median_s: float, d2h_gbps: 
         warm = [s[key] for s in saves[1:] if s[key] is not None]
         row[f"{key[:-2]}_warm_s"] = _median(warm)
     row["extra_device_bytes"] = max(s["extra_device_bytes"] for s in saves)
-    captured = row["captured_warm_s"] if row["captured_warm_s"] is not None else row["captured_first_s"]
+    captured = warm_or_first(row, "captured")
     if captured:
         row["capture_GBps"] = state_bytes / captured / 1e9
         row["capture_vs_d2h"] = row["capture_GBps"] / d2h_gbps if d2h_gbps else None
@@ -47,9 +47,9 @@ def derived_throughput(row: dict[str, Any], median_s: float) -> list[dict[str, A
     >>> [round(t["loss"], 3) for t in derived_throughput(row, 0.1)]
     [14.0, 0.5, 0.01]
     """
-    stall = _warm_or_first(row, "stall")
-    durable = _warm_or_first(row, "durable")
-    captured = _warm_or_first(row, "captured")
+    stall = warm_or_first(row, "stall")
+    durable = warm_or_first(row, "durable")
+    captured = warm_or_first(row, "captured")
     write = durable - (captured or 0.0) if durable is not None else 0.0
     out = []
     for n in (1, 10, 100):
@@ -60,7 +60,8 @@ def derived_throughput(row: dict[str, Any], median_s: float) -> list[dict[str, A
     return out
 
 
-def _warm_or_first(row: dict[str, Any], key: str) -> float | None:
+def warm_or_first(row: dict[str, Any], key: str) -> float | None:
+    """A row's warm figure (``KEY_warm_s``), else its first save's."""
     warm = row.get(f"{key}_warm_s")
     return warm if warm is not None else row.get(f"{key}_first_s")
 
@@ -79,7 +80,7 @@ def add_ratios(entry: dict[str, Any]) -> None:
 def _stall(row: dict[str, Any]) -> float | None:
     if row.get("status") != "ok":
         return None
-    return row.get("stall_warm_s") if row.get("stall_warm_s") is not None else row.get("stall_first_s")
+    return warm_or_first(row, "stall")
 
 
 def brief(row: dict[str, Any]) -> str:

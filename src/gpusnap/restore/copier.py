@@ -5,9 +5,9 @@ this thread, in the order pieces arrive::
 
     batch (one piece, or several small whole spans of one kind; Schedule.take_batch)
           -> H2D copies into the targets (host-verified)          -> region in flight (event)
-          or one H2D into a scratch slot, one hash launch for the batch, flags D2H
+          or one H2D into a scratch slot, one hash launch for the batch, hashes D2H
              (device-checked) -> region in flight;
-             later, when the slot comes round: flags -> D2D copies into the targets
+             later, when the slot comes round: hashes compared -> D2D copies into the targets
     whole span (non-contiguous targets) -> apply_span from its host buffer
     a batch's copies queued -> one event on the copy stream -> the spans it completes are
                                loaded (the gate may let ops through: their streams wait
@@ -95,7 +95,7 @@ class Copier:
         self.span_events = span_events  # False: nobody waits for single spans (eager restore)
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._in_flight: deque[tuple[torch.Tensor, Any]] = deque()  # (region, event after its copy)
-        self._checking: deque[ScratchSlot] = deque()  # staged on the device, flags not yet read
+        self._checking: deque[ScratchSlot] = deque()  # staged on the device, hashes not yet compared
         self._timing: dict[torch.device, Any] = {}  # timing event before each stream's first copy
         self._holding: torch.Tensor | None = None  # the region being handled, until it is held
         self.thread: threading.Thread | None = None
@@ -186,7 +186,7 @@ class Copier:
         self._hold(region, [loaded.get(d) or self._event(d) for d in ls.devices if self._evented(d)])
 
     def _resolve(self, slot: ScratchSlot) -> None:
-        """Read ``slot``'s flags (after its event) and copy its batch into the targets, or raise."""
+        """Compare ``slot``'s hashes (after its event) and copy its batch into the targets, or raise."""
         pieces = slot.pieces
         assert pieces and self.check is not None
         self._wait(slot.event)

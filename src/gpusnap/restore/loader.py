@@ -46,7 +46,7 @@ __all__ = ["DEVICE_CHECK_MIN_BYTES", "DEVICE_CHECK_READERS", "SCRATCH_SLOTS", "L
 
 SCRATCH_SLOTS = 3  # device scratch slots per device when checking on the device (one region each)
 DEVICE_CHECK_READERS = 6  # readers at most when the device checks nearly every byte (below)
-BATCH_CHUNKS = 512  # chunks per batch of small spans at most (sizes the check's flag buffers)
+BATCH_CHUNKS = 512  # chunks per batch of small spans at most (sizes the check's hash buffers)
 # Smaller spans keep BLAKE2b on the host (verify_on_device=None): a hash launch costs the copy
 # thread ~0.2 ms (measured on the H200 host), more than hashing a few hundred KiB on a reader.
 DEVICE_CHECK_MIN_BYTES = 1 << 20
@@ -232,8 +232,8 @@ class Loader:
             started = time.perf_counter()
             region = self.slots.acquire()
             self.stats.add(region_wait_s=time.perf_counter() - started)
+            view = self.slots.bytes_of(region)
             if ls.device_check or any(Copier._evented(d) for d in ls.devices):
-                view = self.slots.bytes_of(region)
                 try:
                     for p, offset in batch:
                         self._read_into(p, view[offset : offset + p.nbytes], host_verify=self.verify and not ls.device_check)
@@ -246,9 +246,8 @@ class Loader:
             # reader does its own rather than queueing every byte behind one copy thread.
             try:
                 for p, offset in batch:
-                    data = region[offset : offset + p.nbytes]
-                    self._read_into(p, memoryview(data.numpy()), host_verify=self.verify)
-                    self.plan.apply_range(p.span.index, p.offset, data)
+                    self._read_into(p, view[offset : offset + p.nbytes], host_verify=self.verify)
+                    self.plan.apply_range(p.span.index, p.offset, region[offset : offset + p.nbytes])
                     # each member counts once written: a later member's failure must not
                     # hide the tensors already restored (the error lists them)
                     if self.schedule.piece_done(p, p.nbytes):

@@ -830,8 +830,7 @@ def _copy_into(target: torch.Tensor, data: torch.Tensor, spec: _Spec, *, version
     src = _source_view(data, spec)
     dst = _int_view(_writable(target, versioned))
     non_blocking = src.device.type == "cpu" and dst.device.type != "cpu" and src.is_pinned()
-    with _write_mode(target):
-        dst.copy_(src, non_blocking=non_blocking)
+    _copy_bytes(dst, src, target.is_inference(), non_blocking)
 
 
 def _byte_contiguous(target: torch.Tensor, spec: _Spec) -> bool:
@@ -880,9 +879,3 @@ def _source_view(data: torch.Tensor, spec: _Spec) -> torch.Tensor:
         flat = raw.view(torch.int64)
         return flat.as_strided(spec.shape + (2,), tuple(2 * s for s in spec.stride) + (1,))
     return raw.view(_INT_OF_SIZE[item]).as_strided(spec.shape, spec.stride)
-
-
-def _write_mode(target: torch.Tensor) -> AbstractContextManager[Any]:
-    # Inference tensors may only be written inside inference mode; others under no_grad, so
-    # restoring a Parameter is not recorded by autograd.
-    return torch.inference_mode() if target.is_inference() else torch.no_grad()
