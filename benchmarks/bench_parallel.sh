@@ -6,6 +6,10 @@
 # and its report and log come back packed as $OUT/benchI.tgz. The runs share the host's cores,
 # memory and tmpfs: say so next to any figure they produce (BENCHMARKS.md).
 set -uo pipefail
+if [ $# -eq 0 ]; then
+  echo "usage: $0 \"ARGS for GPU 0\" [\"ARGS for GPU 1\" ...]" >&2
+  exit 2
+fi
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}
 LIMIT_S=${LIMIT_S:-580}

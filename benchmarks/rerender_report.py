@@ -19,8 +19,13 @@ from gpusnap.bench.summary import derived_throughput
 
 def rerender(folder: str, *, plots: bool) -> None:
     path = os.path.join(folder, "results.json")
-    with open(path) as f:
-        results = json.load(f)
+    try:
+        with open(path) as f:
+            results = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"rerender_report: cannot read {path}: {exc}") from None
+    if not isinstance(results, dict) or not isinstance(results.get("workloads"), list):
+        raise SystemExit(f"rerender_report: {path} is not a gpusnap bench report (no 'workloads' list)")
     for wl in results["workloads"]:
         for row in wl.get("systems", []):
             derived = [t for t in row.get("throughput") or [] if t.get("how") != "measured"]
