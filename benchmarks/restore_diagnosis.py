@@ -7,7 +7,9 @@ waits for host regions, and (``--sample``) a sampled profile of the copy thread:
 was in, counted every ~0.5 ms through ``sys._current_frames`` (a poor man's py-spy; the copy
 thread being busy all the time is what the quick bench showed).
 
-Variants (comma list, ``--variants``): default, piece16/piece64 (16/64 MiB pieces), readers16/12/8/6/4,
+Variants (comma list, ``--variants``): default, piece16/piece64/piece128 (16/64/128 MiB pieces),
+p64r8/p64r12 (64 MiB pieces, 8/12 readers), nojoin (small spans keep BLAKE2b on the host
+instead of joining device-checked batches), readers16/12/8/6/4,
 slots8 (device scratch slots), big (piece64 + readers8 + slots8), host (BLAKE2b on the host),
 off (no verification), switch (GIL switch interval 0.5 ms instead of 5 ms).
 Run: PYTHONPATH=src python3 benchmarks/restore_diagnosis.py --sample
@@ -39,6 +41,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
     "piece16": {"config": {"restore_piece_bytes": 16 * MiB}},
     "piece64": {"config": {"restore_piece_bytes": 64 * MiB}},
+    "piece128": {"config": {"restore_piece_bytes": 128 * MiB}},
+    "p64r8": {"config": {"restore_piece_bytes": 64 * MiB}, "readers": 8},
+    "p64r12": {"config": {"restore_piece_bytes": 64 * MiB}, "readers": 12},
+    "nojoin": {"join": False},
     "readers16": {"readers": 16},
     "readers12": {"readers": 12},
     "readers8": {"readers": 8},
@@ -116,7 +122,8 @@ def run_variant(name: str, root: str, app: dict[str, Any], cid: str, dev: torch.
                 repeat: int) -> dict[str, Any]:
     spec = VARIANTS[name]
     saved_threads, saved_switch = restorer_mod.reader_threads, sys.getswitchinterval()
-    saved_cap = loader_mod.DEVICE_CHECK_READERS
+    saved_cap, saved_join = loader_mod.DEVICE_CHECK_READERS, loader_mod.JOIN_CHECKS
+    loader_mod.JOIN_CHECKS = spec.get("join", saved_join)
     if "readers" in spec:
         restorer_mod.reader_threads = lambda io_threads, n=spec["readers"]: n
         loader_mod.DEVICE_CHECK_READERS = spec["readers"]
@@ -144,7 +151,7 @@ def run_variant(name: str, root: str, app: dict[str, Any], cid: str, dev: torch.
         return best
     finally:
         restorer_mod.reader_threads = saved_threads
-        loader_mod.DEVICE_CHECK_READERS = saved_cap
+        loader_mod.DEVICE_CHECK_READERS, loader_mod.JOIN_CHECKS = saved_cap, saved_join
         sys.setswitchinterval(saved_switch)
 
 
@@ -171,14 +178,14 @@ def main() -> None:
             gbps = st["bytes_read"] / r["s"] / 1e9
             busy = 1 - (st.get("copy_idle_s", 0) + st.get("copy_wait_s", 0)) / max(r["s"], 1e-9)
             rows.append((name, r["s"], gbps, gbps / ceiling, busy, st.get("region_wait_s", 0), st.get("threads"),
-                         st.get("pieces"), st.get("verify_path")))
+                         st.get("pieces"), st.get("batches"), st.get("verify_path")))
             print(f"[{name}] {r['s'] * 1e3:.0f} ms, {gbps:.1f} GB/s; stats {({k: v for k, v in st.items() if k not in ('first_needed',)})}",
                   flush=True)
             for line in r.get("profile", []):
                 print(line)
-        print("\nvariant | restore ms | GB/s | of H2D | copy thread busy | readers' region wait s | readers | pieces | verify")
-        for name, s, gbps, frac, busy, wait, threads, pieces, path in rows:
-            print(f"{name} | {s * 1e3:.0f} | {gbps:.1f} | {frac:.0%} | {busy:.0%} | {wait:.1f} | {threads} | {pieces} | {path}")
+        print("\nvariant | restore ms | GB/s | of H2D | copy thread busy | readers' region wait s | readers | pieces | batches | verify")
+        for name, s, gbps, frac, busy, wait, threads, pieces, batches, path in rows:
+            print(f"{name} | {s * 1e3:.0f} | {gbps:.1f} | {frac:.0%} | {busy:.0%} | {wait:.1f} | {threads} | {pieces} | {batches} | {path}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

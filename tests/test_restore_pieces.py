@@ -328,6 +328,103 @@ def test_take_batch_joins_whole_small_spans_of_one_kind() -> None:
     assert [p.span.index for p, _ in schedule.take_batch(room=4 * CS, max_chunks=8)] == [0, 1, 3]
 
 
+def test_take_batch_joins_small_checkable_spans_to_a_device_checked_batch() -> None:
+    """A small span that could be checked on the device (``checkable``) joins its checked
+    neighbours and is then checked on the device too; alone it keeps the host check."""
+    from gpusnap.restore.schedule import LoadSpan
+
+    cpu = frozenset({torch.device("cpu")})
+
+    def spans() -> list[LoadSpan]:
+        return [
+            LoadSpan(0, 100, 1, True, cpu, checkable=True),  # small: host check when alone
+            LoadSpan(1, 900, 2, True, cpu, device_check=True, checkable=True),
+            LoadSpan(2, 100, 1, True, cpu, checkable=True),
+            LoadSpan(3, 100, 1, True, cpu),  # not checkable (no hashes): ends the batch
+            LoadSpan(4, 100, 1, True, cpu, checkable=True),
+        ]
+
+    joined = spans()
+    schedule = Schedule(joined, range(5), chunk_size=CS, piece_chunks=4)
+    assert [p.span.index for p, _ in schedule.take_batch(room=4 * CS, max_chunks=8)] == [0, 1, 2]
+    assert [ls.device_check for ls in joined[:3]] == [True, True, True], "the batch is checked on the device"
+    # led by a span that cannot be checked on the device, a batch stays on the host
+    assert [p.span.index for p, _ in schedule.take_batch(room=4 * CS, max_chunks=8)] == [3, 4]
+    assert not joined[3].device_check and not joined[4].device_check
+    alone = [LoadSpan(0, 100, 1, True, cpu, checkable=True)]
+    schedule = Schedule(alone, range(1), chunk_size=CS, piece_chunks=4)
+    assert [p.span.index for p, _ in schedule.take_batch(room=4 * CS, max_chunks=8)] == [0]
+    assert not alone[0].device_check, "alone, a small span keeps BLAKE2b on the host"
+    # join_checks=False: the kinds stay apart, as before
+    apart = spans()
+    schedule = Schedule(apart, range(5), chunk_size=CS, piece_chunks=4, join_checks=False)
+    batches = [[p.span.index for p, _ in b] for b in iter(lambda: schedule.take_batch(4 * CS, 8), [])]
+    assert batches == [[0], [1], [2, 3, 4]]
+    assert [ls.device_check for ls in apart] == [False, True, False, False, False]
+
+
+def _interleaved_state() -> dict[str, torch.Tensor]:
+    """Weight matrices with small biases between them, in load order (a model's layers)."""
+    g = torch.Generator().manual_seed(5)
+    state: dict[str, torch.Tensor] = {}
+    for layer in range(6):
+        state[f"w{layer}"] = torch.randn(128 * 5 + layer, generator=g)  # above the size threshold
+        state[f"b{layer}"] = torch.randn(7 + layer, generator=g)  # below it
+    return state
+
+
+def _checkable_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU targets count as device-checkable in "auto" mode, as CUDA ones do on a GPU."""
+    from gpusnap.restore import loader as loader_mod
+
+    monkeypatch.setattr(loader_mod, "_checkable", lambda hashes, devices, on: (
+        hashes is not None and on is not False and len(devices) == 1))
+
+
+@pytest.mark.parametrize("join", [True, False])
+def test_small_spans_between_large_ones_are_checked_on_the_device_in_their_batch(tmp_path, monkeypatch, join):
+    from gpusnap.restore import loader as loader_mod
+
+    root = tmp_path / "ck"
+    source = _interleaved_state()
+    checkpoint = _save(root, source)
+    _add_device_hashes(root, checkpoint)
+    _checkable_on_cpu(monkeypatch)
+    monkeypatch.setattr(loader_mod, "JOIN_CHECKS", join)
+    monkeypatch.setattr(restorer_mod, "reader_threads", lambda io_threads: 1)
+    config = tiny_config(io_threads=1, staging_bytes=64 * CS, restore_piece_bytes=16 * CS, device_check_min_bytes=4 * CS)
+    with gpusnap.Checkpointer(root, config=config) as ck:
+        target = {k: torch.zeros_like(v) for k, v in source.items()}
+        handle = ck.restore(target, checkpoint, verify="stream")
+    for k, v in source.items():
+        assert torch.equal(target[k], v), k
+    stats = handle.stats
+    small = sum(v.nbytes for k, v in source.items() if k.startswith("b"))
+    if join:
+        assert stats["verify_path"] == "device" and stats["host_verified_bytes"] == 0
+        assert stats["batched_spans"] >= 6, stats
+    else:
+        assert stats["verify_path"] == "mixed" and stats["host_verified_bytes"] == small
+
+
+def test_a_corrupt_small_span_in_a_joined_batch_is_caught_on_the_device(tmp_path, monkeypatch):
+    """b3's batch is checked after the readers have ended (every scratch slot is resolved at
+    the end): this found the copy thread waiting forever for an end it had already taken."""
+    root = tmp_path / "ck"
+    source = _interleaved_state()
+    checkpoint = _save(root, source)
+    _add_device_hashes(root, checkpoint)
+    _corrupt(root, source["b3"].numpy().tobytes(), 3)
+    _checkable_on_cpu(monkeypatch)
+    monkeypatch.setattr(restorer_mod, "reader_threads", lambda io_threads: 1)
+    config = tiny_config(io_threads=1, staging_bytes=64 * CS, restore_piece_bytes=16 * CS, device_check_min_bytes=4 * CS)
+    with gpusnap.Checkpointer(root, config=config) as ck:
+        target = {k: torch.zeros_like(v) for k, v in source.items()}
+        with pytest.raises(IntegrityError, match=r"b3.*does not match its device hash"):
+            ck.restore(target, checkpoint, verify="stream")
+    assert not target["b3"].any(), "the corrupt span was written"
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("on_device", [False, True])
 def test_small_spans_travel_in_batches(tmp_path, monkeypatch, on_device, device):

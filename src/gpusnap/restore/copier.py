@@ -98,6 +98,7 @@ class Copier:
         self._checking: deque[ScratchSlot] = deque()  # staged on the device, hashes not yet compared
         self._timing: dict[torch.device, Any] = {}  # timing event before each stream's first copy
         self._holding: torch.Tensor | None = None  # the region being handled, until it is held
+        self._ended = False  # the readers' end was taken from the queue
         self.thread: threading.Thread | None = None
 
     # -- readers -------------------------------------------------------------------------------
@@ -127,6 +128,7 @@ class Copier:
             while (item := self._next()) is not _END:
                 self._handle(item)
                 self._reap()
+            self._ended = True  # the readers have stopped: _drain must not wait for them
             while self._checking:
                 self._resolve(self._checking[0])
         except BaseException as exc:  # noqa: BLE001 (any failure stops the load; waiters must not hang)
@@ -288,9 +290,10 @@ class Copier:
         for slot in self._checking:
             slot.pieces = []
         self._checking.clear()
-        while True:
+        while not self._ended:
             item = self._queue.get()
             if item is _END:
+                self._ended = True
                 return
             if isinstance(item, _PieceItem):
                 self.slots.release(item.region)

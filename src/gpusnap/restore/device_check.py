@@ -100,7 +100,7 @@ class DeviceCheck:
         self._rows: dict[int, int] = {}  # span index -> its first row in the table
         hexes: list[str] = []
         for ls in spans:
-            if ls.device_check:
+            if ls.checkable or ls.device_check:  # a small checkable span may join a checked batch
                 hashes = manifest.storages[ls.index].hashes
                 assert hashes is not None
                 self._rows[ls.index] = len(hexes)

@@ -50,6 +50,8 @@ BATCH_CHUNKS = 512  # chunks per batch of small spans at most (sizes the check's
 # Smaller spans keep BLAKE2b on the host (verify_on_device=None): a hash launch costs the copy
 # thread ~0.2 ms (measured on the H200 host), more than hashing a few hundred KiB on a reader.
 DEVICE_CHECK_MIN_BYTES = 1 << 20
+# ...unless it shares a batch with other spans checkable on the device (Schedule.take_batch)
+JOIN_CHECKS = True
 
 
 def describe_span(plan: RestorePlan, index: int) -> str:
@@ -69,7 +71,8 @@ class Loader:
 
     ``verify_on_device``: check spans against ``StorageEntry.hashes`` on their device instead
     of BLAKE2b on the host. None (default): for streamed spans of at least
-    :data:`DEVICE_CHECK_MIN_BYTES` on one CUDA device whose entry has hashes; True: every
+    :data:`DEVICE_CHECK_MIN_BYTES` on one CUDA device whose entry has hashes, and for
+    smaller such spans that share a batch with others (:data:`JOIN_CHECKS`); True: every
     streamed span with hashes, CPU targets too (the same code with CPU tensors, for tests);
     False: never.
 
@@ -117,25 +120,24 @@ class Loader:
                     chunks=len(e.chunks),
                     streamed=streamed,
                     devices=devices,
-                    device_check=verify
-                    and streamed
-                    and (verify_on_device is True or e.nbytes >= min_check)
-                    and _checkable(e.hashes, devices, verify_on_device),
+                    checkable=verify and streamed and _checkable(e.hashes, devices, verify_on_device),
                 )
             )
+            spans[-1].device_check = spans[-1].checkable and (verify_on_device is True or e.nbytes >= min_check)
         piece_chunks = slots.slot_bytes // self.chunk_size
         self.batch_room = piece_chunks * self.chunk_size  # a batch fits a region and a scratch slot
         self.batch_chunks = max(piece_chunks, BATCH_CHUNKS)
-        self.schedule = Schedule(spans, order, chunk_size=self.chunk_size, piece_chunks=piece_chunks)
+        self.schedule = Schedule(spans, order, chunk_size=self.chunk_size, piece_chunks=piece_chunks,
+                                 join_checks=JOIN_CHECKS)
         self.check = (
             DeviceCheck(manifest, spans, slot_bytes=piece_chunks * self.chunk_size, max_chunks=self.batch_chunks,
                         slots=SCRATCH_SLOTS if scratch_slots is None else scratch_slots)
-            if any(ls.device_check for ls in spans)
+            if any(ls.checkable for ls in spans)
             else None
         )
         pieces = sum(-(-ls.chunks // piece_chunks) for ls in spans)
         self.threads = max(1, min(threads, pieces or 1))
-        host_hashed = sum(ls.nbytes for ls in spans if verify and not ls.device_check)
+        host_hashed = sum(ls.nbytes for ls in spans if verify and not ls.checkable)
         if self.check is not None and host_hashed * 8 < sum(ls.nbytes for ls in spans):
             # nearly every byte is checked on the device: readers only copy from the page
             # cache, and more of them take the GIL from the copy thread that bounds the rate
@@ -226,8 +228,7 @@ class Loader:
         """Read a batch (one piece, or several whole small spans of one kind; schedule.py)."""
         piece = batch[0][0]
         ls = piece.span
-        if len(batch) > 1:
-            self.stats.add(batched_spans=len(batch))
+        self.stats.add(batches=1, batched_spans=len(batch) if len(batch) > 1 else 0)
         if ls.streamed:
             started = time.perf_counter()
             region = self.slots.acquire()

@@ -46,6 +46,7 @@ class LoadSpan:
     streamed: bool  # applied piece by piece (RestorePlan.apply_range), else as a whole
     devices: frozenset[torch.device]
     device_check: bool = False  # verified on the device against StorageEntry.hashes (restore.device_check)
+    checkable: bool = False  # could be: a small span is, when it shares a batch (Schedule.take_batch)
     state: SpanState = SpanState.PENDING
     next_chunk: int = 0  # the first chunk of the next piece to hand to a reader
     left: int = 0  # chunks not yet applied (streamed) or read (whole)
@@ -78,10 +79,19 @@ class Schedule:
     """Shared by the readers (``take``), the copy thread (``piece_done``/``mark_loaded``) and
     the program (``wait``)."""
 
-    def __init__(self, spans: Sequence[LoadSpan], order: Iterable[int], *, chunk_size: int, piece_chunks: int) -> None:
+    def __init__(
+        self,
+        spans: Sequence[LoadSpan],
+        order: Iterable[int],
+        *,
+        chunk_size: int,
+        piece_chunks: int,
+        join_checks: bool = True,
+    ) -> None:
         if piece_chunks < 1:
             raise ValueError("a piece holds at least one chunk")
         self.spans = list(spans)
+        self.join_checks = join_checks  # checkable spans batch together, all checked on the device
         self.chunk_size = chunk_size
         self.piece_chunks = piece_chunks
         self.cond = threading.Condition()
@@ -112,6 +122,13 @@ class Schedule:
         spans, most far smaller than a piece, and the per-piece work of the copy thread
         bounded the restore at 6.7 GB/s on the H200. Nothing is batched while the program
         waits for a span (``urgent``): a batch would delay it.
+
+        Spans that *could* be checked on the device (``checkable``) count as one kind
+        (``join_checks``): a small span, which alone keeps BLAKE2b on the host (one hash
+        launch for it costs more), joins its device-checked neighbours, and every member of
+        such a batch is then checked on the device. Without this, the small biases and norms
+        between a model's weight matrices break the batches: GPT-2 large's load order made
+        720 batches of 32 MiB regions, against 356 with it.
         """
         with self.cond:
             first = self._take_locked()
@@ -122,6 +139,7 @@ class Schedule:
             if self._urgent or not head.streamed or first.first or first.count != head.chunks:
                 return batch
             end, chunks = first.nbytes, first.count
+            joining = self.join_checks and head.checkable
             while self._queue:
                 ls = self._queue[0]
                 if ls.next_chunk >= ls.chunks:  # taken already (or nothing to load)
@@ -132,7 +150,7 @@ class Schedule:
                     ls.next_chunk
                     or not ls.streamed
                     or ls.devices != head.devices
-                    or ls.device_check != head.device_check
+                    or not (ls.checkable if joining else ls.device_check == head.device_check)
                     or offset + ls.nbytes > room
                     or chunks + ls.chunks > max_chunks
                 ):
@@ -142,6 +160,9 @@ class Schedule:
                 ls.state = SpanState.LOADING
                 batch.append((Piece(ls, 0, ls.chunks, 0, ls.nbytes), offset))
                 end, chunks = offset + ls.nbytes, chunks + ls.chunks
+            if joining and len(batch) > 1:
+                for piece, _ in batch:  # decided before any reader reads them
+                    piece.span.device_check = True
             return batch
 
     def _take_locked(self) -> Piece | None:

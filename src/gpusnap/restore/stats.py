@@ -21,6 +21,7 @@ class LoadStats:
     bytes_read: int = 0
     chunks_read: int = 0
     pieces: int = 0
+    batches: int = 0  # host regions handed to the copy thread: its per-batch work bounds the rate
     batched_spans: int = 0  # whole small spans that shared a region and a copy with others
     reads: int = 0  # system read calls: one per run of chunks stored back to back
     read_s: float = 0.0
