@@ -194,3 +194,17 @@ def test_hash_table_fill_many_equals_fill(device: torch.device) -> None:
         assert torch.equal(gaps.rows(i), expected), i
     with pytest.raises(ValueError, match="whole spans"):
         gaps.fill_many([3], [spans[3].as_bytes()[:100]])
+
+
+def test_row_table_lists_every_chunk_address_and_length() -> None:
+    """The table the Triton kernels read (built with NumPy on the host): row r is chunk k of
+    its span at span start + k * chunk size, its length the chunk's true length."""
+    chunk_size = 512
+    store = torch.zeros(40 * chunk_size, dtype=torch.uint8)
+    spans = varied_spans(store, chunk_size)
+    counts = [ch.num_chunks(s.numel(), chunk_size) for s in spans]
+    host = torch.full((2, sum(counts)), -1, dtype=torch.int64)
+    chm._row_table(spans, counts, chunk_size, host)
+    want = [(s.data_ptr() + k * chunk_size, min(chunk_size, s.numel() - k * chunk_size))
+            for s, c in zip(spans, counts) for k in range(c)]
+    assert list(zip(host[0].tolist(), host[1].tolist())) == want

@@ -346,11 +346,11 @@ def test_take_batch_joins_small_checkable_spans_to_a_device_checked_batch() -> N
 
     joined = spans()
     schedule = Schedule(joined, range(5), chunk_size=CS, piece_chunks=4)
-    assert [p.span.index for p, _ in schedule.take_batch(room=4 * CS, max_chunks=8)] == [0, 1, 2]
-    assert [ls.device_check for ls in joined[:3]] == [True, True, True], "the batch is checked on the device"
-    # led by a span that cannot be checked on the device, a batch stays on the host
-    assert [p.span.index for p, _ in schedule.take_batch(room=4 * CS, max_chunks=8)] == [3, 4]
-    assert not joined[3].device_check and not joined[4].device_check
+    # span 3 cannot be checked on the device: passed over, it loads next
+    assert [p.span.index for p, _ in schedule.take_batch(room=4 * CS, max_chunks=8)] == [0, 1, 2, 4]
+    assert [ls.device_check for ls in joined] == [True, True, True, False, True], "the batch is checked on the device"
+    assert [p.span.index for p, _ in schedule.take_batch(room=4 * CS, max_chunks=8)] == [3]
+    assert schedule.take_batch(room=4 * CS, max_chunks=8) == []
     alone = [LoadSpan(0, 100, 1, True, cpu, checkable=True)]
     schedule = Schedule(alone, range(1), chunk_size=CS, piece_chunks=4)
     assert [p.span.index for p, _ in schedule.take_batch(room=4 * CS, max_chunks=8)] == [0]
@@ -359,8 +359,29 @@ def test_take_batch_joins_small_checkable_spans_to_a_device_checked_batch() -> N
     apart = spans()
     schedule = Schedule(apart, range(5), chunk_size=CS, piece_chunks=4, join_checks=False)
     batches = [[p.span.index for p, _ in b] for b in iter(lambda: schedule.take_batch(4 * CS, 8), [])]
-    assert batches == [[0], [1], [2, 3, 4]]
+    assert batches == [[0, 2, 3, 4], [1]]
     assert [ls.device_check for ls in apart] == [False, True, False, False, False]
+
+
+def test_take_batch_passes_over_a_few_spans_of_another_kind() -> None:
+    """An AdamW state in load order: each parameter's step counter (CPU) between its two
+    moments (GPU). The moments batch together, the counters too, and every span loads once."""
+    from gpusnap.restore import schedule as schedule_mod
+    from gpusnap.restore.schedule import LoadSpan
+
+    cpu, gpu = frozenset({torch.device("cpu")}), frozenset({torch.device("meta")})
+    spans = []
+    for p in range(30):
+        spans.append(LoadSpan(3 * p, 8, 1, True, cpu))  # step
+        spans += [LoadSpan(3 * p + k, 100, 1, True, gpu) for k in (1, 2)]  # exp_avg, exp_avg_sq
+    schedule = Schedule(spans, range(len(spans)), chunk_size=CS, piece_chunks=64)
+    batches = [[p.span.index for p, _ in b] for b in iter(lambda: schedule.take_batch(64 * CS, 64), [])]
+    assert sorted(i for b in batches for i in b) == list(range(90)), "every span exactly once"
+    for b in batches:
+        assert len({spans[i].devices for i in b}) == 1, "one kind per batch"
+    # without passing over: 60 batches (a counter, then a pair of moments, each time)
+    assert len(batches) <= 6, batches
+    assert len(batches[0]) > schedule_mod.BATCH_SKIP // 2, "the counters' batch went past the moments"
 
 
 def _interleaved_state() -> dict[str, torch.Tensor]:

@@ -7,7 +7,7 @@
 work as three operations whatever the number of spans: one host-to-device copy of a row table
 and two kernels.
 
-Row table (int64, shape ``(2, rows)``, built on the host with a few vectorized torch ops):
+Row table (int64, shape ``(2, rows)``, built on the host with a few vectorized NumPy ops):
 ``table[0, r]`` is the address of row ``r``'s chunk (span start + chunk index * chunk size) and
 ``table[1, r]`` its true length ``L`` in bytes. That is all a row needs: its whole pairs are
 ``L // 8`` at that address (key indices from 0, as for any chunk), and a chunk with ``L % 8``
@@ -24,10 +24,10 @@ right away. CPU tensors, and CUDA without Triton, loop over :func:`chunk_hashes`
 from __future__ import annotations
 
 import contextlib
-from array import array
 from collections.abc import Sequence
 from typing import Literal
 
+import numpy as np
 import torch
 
 from gpusnap import launch_hooks
@@ -98,22 +98,23 @@ def chunk_hashes_many(
 def _row_table(
     spans: Sequence[torch.Tensor], counts: Sequence[int], chunk_size: int, host: torch.Tensor
 ) -> None:
-    """Fill ``host`` (int64, (2, rows)) with each row's chunk address and length."""
+    """Fill ``host`` (int64, (2, rows), on the CPU) with each row's chunk address and length.
+
+    NumPy on the host, not torch ops: each torch call costs the calling thread several times
+    a NumPy call's host time, and a restore's copy thread builds one table per batch (the
+    torch version took ~35% of its samples on the H200)."""
     used = [i for i, c in enumerate(counts) if c]
-    # array -> frombuffer: several times faster than torch.tensor(list) for hundreds of ints
-    starts, sizes, per = (
-        torch.frombuffer(array("q", v), dtype=torch.int64)
-        for v in ([spans[i].data_ptr() for i in used], [spans[i].numel() for i in used],
-                  [counts[i] for i in used])
-    )
+    starts = np.fromiter((spans[i].data_ptr() for i in used), dtype=np.int64, count=len(used))
+    sizes = np.fromiter((spans[i].numel() for i in used), dtype=np.int64, count=len(used))
+    per = np.fromiter((counts[i] for i in used), dtype=np.int64, count=len(used))
     total = host.shape[1]
-    first = torch.cumsum(per, 0).sub_(per)  # each span's first row
-    offset = torch.arange(total, dtype=torch.int64)
-    offset -= torch.repeat_interleave(first, per, output_size=total)
+    first = np.cumsum(per) - per  # each span's first row
+    offset = np.arange(total, dtype=np.int64)
+    offset -= np.repeat(first, per)
     offset *= chunk_size  # each row's byte offset in its span
-    torch.add(torch.repeat_interleave(starts, per, output_size=total), offset, out=host[0])
-    torch.sub(torch.repeat_interleave(sizes, per, output_size=total), offset, out=host[1])
-    host[1].clamp_(max=chunk_size)
+    view = host.numpy()
+    np.add(np.repeat(starts, per), offset, out=view[0])
+    np.minimum(np.repeat(sizes, per) - offset, chunk_size, out=view[1])
 
 
 def _hash_triton_many(
