@@ -348,6 +348,11 @@ def _hash_torch(data: torch.Tensor, chunk_size: int, out: torch.Tensor) -> None:
 # partial lane sum per (chunk, period); kernel 2 weights and adds them, adds the zero-padded
 # last pair, and finalizes. Two launches, no atomics, no host synchronization.
 
+# NO_SPECIALIZE: Triton compiles a kernel once per combination of its integer arguments'
+# divisibility by 16 (and int32/int64). Lengths and counts of arbitrary spans made every new
+# combination a JIT compile in the middle of a save or restore (hundreds of ms each with a cold
+# cache, on the thread that bounds the rate); the kernels' loops never used those hints (their
+# trip counts go through min/max), so every runtime integer is left unspecialized.
 if triton is not None:
     _T_G1 = tl.constexpr(_G1)
     _T_G2 = tl.constexpr(_G2)
@@ -444,7 +449,7 @@ if triton is not None:
             acc3 += _t_fold(tl.where(m, t3, 0), FOLD)
         return tl.sum(acc0, axis=0), tl.sum(acc1, axis=0), tl.sum(acc2, axis=0), tl.sum(acc3, axis=0)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_pairs", "cp", "splits"])  # NO_SPECIALIZE (above)
     def _t_span_kernel(x_ptr, part_ptr, n_pairs, cp, splits, BLOCK: tl.constexpr,
                        PERIOD: tl.constexpr, FOLD: tl.constexpr, PREFETCH: tl.constexpr):
         """One program per (chunk, period): stream the period's pairs (``_t_stream``)."""
@@ -463,7 +468,7 @@ if triton is not None:
         tl.store(dst + 2, s2)
         tl.store(dst + 3, s3)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_pairs", "cp", "n_chunks"])
     def _t_rows_kernel(x_ptr, part_ptr, n_pairs, cp, n_chunks, ROWS: tl.constexpr,
                        COLS: tl.constexpr):
         """Small chunks (cp <= COLS): one program per ROWS chunks, one tile each."""
@@ -520,7 +525,7 @@ if triton is not None:
         tl.store(out_ptr + c * 2, h0.to(tl.int64, bitcast=True), mask=cm)
         tl.store(out_ptr + c * 2 + 1, h1.to(tl.int64, bitcast=True), mask=cm)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_chunks", "nbytes", "chunk_size", "cp", "n_pairs", "tail_start", "tail"])
     def _t_finalize_kernel(part_ptr, bytes_ptr, out_ptr, n_chunks, nbytes, chunk_size, cp,
                            n_pairs, tail_start, tail, SPLITS: tl.constexpr,
                            BLOCK_C: tl.constexpr, PERIOD: tl.constexpr):

@@ -173,7 +173,7 @@ if triton is not None:
         _t_weighted_parts,
     )
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows", "splits"])  # see chunk_hash's NO_SPECIALIZE
     def _t_many_span_kernel(table_ptr, part_ptr, n_rows, splits, BLOCK: tl.constexpr,
                             PERIOD: tl.constexpr, FOLD: tl.constexpr, PREFETCH: tl.constexpr):
         """One program per (row, period), as ``_t_span_kernel``; the row's chunk from the table.
@@ -197,7 +197,7 @@ if triton is not None:
         tl.store(dst + 2, s2)
         tl.store(dst + 3, s3)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows"])
     def _t_many_rows_kernel(table_ptr, part_ptr, n_rows, ROWS: tl.constexpr,
                             COLS: tl.constexpr):
         """Small chunks (cp <= COLS), as ``_t_rows_kernel``: ROWS table rows per program."""
@@ -217,7 +217,7 @@ if triton is not None:
         tl.store(dst + 2, tl.sum(tl.where(m, t2, 0), axis=1), mask=ok)
         tl.store(dst + 3, tl.sum(tl.where(m, t3, 0), axis=1), mask=ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows"])
     def _t_many_finalize_kernel(table_ptr, part_ptr, out_ptr, n_rows, SPLITS: tl.constexpr,
                                 BLOCK_C: tl.constexpr, PERIOD: tl.constexpr):
         """As ``_t_finalize_kernel``, per table row: a row with ``L % 8`` leftover bytes adds
