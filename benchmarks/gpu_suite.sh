@@ -6,7 +6,8 @@
 # (default 570) bounds the whole call: a step gets at most the time left,
 # and one with under 30 s left is skipped, so the logs of the steps before it always come back.
 # STALL_CONFIGS and STALL_ARGS (e.g. --gc-freeze) vary the stall step; TEST_FILES picks the
-# tests step's files, RDIAG_ARGS the restore diagnosis's options, PROBE_ARGS restore_probe.py's.
+# tests step's files, RDIAG_ARGS the restore diagnosis's options, PROBE_ARGS restore_probe.py's,
+# RESTORE_REPEAT the restore bench's timed runs per measurement (best kept; 1: includes first-use costs).
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 # Logs go to $L; after every step they are packed into $OUT/suite.tgz (the device tool returns
@@ -43,7 +44,7 @@ for s in "${steps[@]}"; do
           tail -8 "$L/diag.log" ;;
     incr) t 150 python3 benchmarks/incremental_bench.py --out "$L/incr.json" > "$L/incr.log" 2>&1
           tail -9 "$L/incr.log" ;;
-    restore) t 200 python3 benchmarks/restore_bench.py --repeat 1 --out "$L/restore.json" \
+    restore) t 200 python3 benchmarks/restore_bench.py --repeat ${RESTORE_REPEAT:-1} --out "$L/restore.json" \
                > "$L/restore.log" 2>&1; tail -8 "$L/restore.log" ;;
     rdiag) t 240 python3 benchmarks/restore_diagnosis.py --sample ${RDIAG_ARGS:-} > "$L/rdiag.log" 2>&1
            tail -12 "$L/rdiag.log" ;;
