@@ -187,3 +187,50 @@ def test_a_retried_blocking_save_reports_the_callers_whole_wait(
         writer.join()
     assert "a retry" in info.stats["validation"]
     assert info.stats["stall_s"] >= 0.5, info.stats["stall_s"]
+
+
+@pytest.mark.parametrize("snapshot", [True, False], ids=["snapshot", "tracked"])
+def test_incremental_compares_only_where_it_pays(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, snapshot: bool) -> None:
+    """Training (every chunk changes): after one comparison that finds nothing unchanged, saves
+    copy at once (no wait for the hashes) and one in COMPARE_EVERY compares again; frozen
+    state keeps comparing and skipping. Every checkpoint restores exactly."""
+    from gpusnap import checkpointer as checkpointer_mod
+
+    monkeypatch.setattr(checkpointer_mod, "COMPARE_EVERY", 3)
+    compared: list[bool] = []
+    init = _concurrent.ConcurrentSave.__init__
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        compared.append(self.compared)
+
+    monkeypatch.setattr(_concurrent.ConcurrentSave, "__init__", spy)
+    config = _config(cpu_snapshot_bytes=(1 << 20) if snapshot else 0)  # whole-state snapshot, or tracked
+    g = torch.Generator().manual_seed(11)
+    state = {"w": torch.randn(4096, generator=g), "m": torch.randn(2048, generator=g)}
+    notes, expected, ids = [], [], []
+    with gpusnap.Checkpointer(tmp_path / "ck", config=config) as ck:
+        for _ in range(7):  # training: everything changes between saves
+            for t in state.values():
+                t.add_(torch.randn(t.shape, generator=g))
+            expected.append({k: v.clone() for k, v in state.items()})
+            info = ck.save(state).wait()
+            notes.append(info.stats["incremental"])
+            ids.append(info.id)
+            assert info.stats["tracked"] is not snapshot or len(ids) == 1  # a first window is tracked
+            assert info.stats["bytes_written"] >= sum(v.nbytes for v in state.values()) - CHUNK
+        # save 1: nothing to compare with; 2 compares (0% unchanged); 3, 4 copy at once;
+        # 5 compares again (COMPARE_EVERY = 3); 6, 7 copy at once
+        assert compared == [False, True, False, False, True, False, False], notes
+        assert notes[0] == "nothing to compare with"
+        assert notes[1].startswith("compared") and "0.0%" in notes[1]
+        assert notes[2].startswith("not compared"), notes[2]
+        for frozen_round in range(3):  # frozen: nothing changes, every save compares and skips
+            info = ck.save(state).wait()
+            assert info.stats["incremental"].startswith("compared"), info.stats["incremental"]
+            if frozen_round:
+                assert info.stats["bytes_skipped"] == sum(v.nbytes for v in state.values())
+        for cid, want in zip(ids, expected):
+            got = {k: torch.zeros_like(v) for k, v in state.items()}
+            ck.restore(got, cid)
+            assert all(torch.equal(got[k], want[k]) for k in want), cid

@@ -42,6 +42,10 @@ __all__ = ["Checkpointer", "info_from_manifest"]
 
 log = logging.getLogger("gpusnap")
 
+# Incremental saves compare with the latest checkpoint only where it pays (_should_compare):
+SKIP_WORTH = 0.05  # the last comparison found at least this share of the bytes unchanged...
+COMPARE_EVERY = 8  # ...or this many saves have passed since it
+
 
 def info_from_manifest(manifest: Manifest) -> CheckpointInfo:
     return CheckpointInfo(
@@ -119,6 +123,10 @@ class Checkpointer:
         self._order_memo: tuple[FlatPlan | None, list[str], list[int]] | None = None  # plan, write order, copy order
         self._access_paths: list[str] | None = None  # key paths in the first window's read order
         self._previous: dict[str, str] | None = None  # latest checkpoint: device hash -> digest
+        # share of the bytes the last comparing save found unchanged, and saves since it
+        # (incremental saves compare only where it pays: _should_compare)
+        self._unchanged_share: float | None = None
+        self._saves_uncompared = 0
         self._eager_paths: set[str] = set()  # written unseen once: captured at save() from now on
         self._retries: list[_SaveJob] = []  # failed validation; retried at the owner's next call
         self._staging: StagingArena | None = None
@@ -232,6 +240,7 @@ class Checkpointer:
         # read before the transaction opens: its view of stored chunks must include every
         # chunk the previous checkpoint committed (a later commit may replace _previous)
         previous = self._previous_spans(repo) if self.config.incremental else None
+        compare = bool(previous) and self._should_compare()
         capture: ConcurrentSave | None = None
         try:
             cuda = sorted({s.device for s in flat.spans if s.device.type == "cuda"}, key=str)
@@ -267,6 +276,7 @@ class Checkpointer:
                     log_reads=self._access_paths is None,
                     validate=self.config.validate,
                     previous=previous,
+                    skip_unchanged=compare,
                     eager=[sp.index for sp in flat.spans if self._eager_paths.intersection(sp.paths)] if self._eager_paths else (),
                     eager_device_bytes=self.config.eager_device_bytes,
                     snapshot_budget=snapshot_budget if self.config.device_snapshot else 0,
@@ -283,6 +293,33 @@ class Checkpointer:
             raise
         self._windows.append(capture)
         return capture
+
+    def _incremental_note(self, capture: ConcurrentSave, total: int) -> str:
+        """``stats["incremental"]``; a comparing save also sets the share the next saves go by."""
+        if not self.config.incremental:
+            return "off"
+        if capture.compared:
+            self._unchanged_share = share = _share(capture.bytes_unchanged, total)
+            return f"compared with the latest checkpoint: {share:.1%} of the bytes unchanged"
+        if self._unchanged_share is None:
+            return "nothing to compare with"
+        return (f"not compared (copied at once): the last comparison found {self._unchanged_share:.1%} "
+                f"unchanged, below {SKIP_WORTH:.0%}; one save in {COMPARE_EVERY} compares")
+
+    def _should_compare(self) -> bool:
+        """Whether this incremental save compares its hashes with the latest checkpoint's
+        before copying. Comparing makes the copier wait for the consistent point's hashes (on
+        the low-priority copy stream, behind the program's kernels): on GPT-2 large training,
+        where nothing is unchanged, the window stayed open twice as long and the save was
+        durable up to 32% later (BENCHMARKS.md, seventh session). So after a comparison that
+        found less than :data:`SKIP_WORTH` of the bytes unchanged, saves copy at once, and one
+        save in :data:`COMPARE_EVERY` compares again (a workload may freeze its weights)."""
+        share = self._unchanged_share
+        if share is None or share >= SKIP_WORTH or self._saves_uncompared + 1 >= COMPARE_EVERY:
+            self._saves_uncompared = 0
+            return True
+        self._saves_uncompared += 1
+        return False
 
     def _previous_spans(self, repo: Repository) -> dict[str, str]:
         """Device hash -> stored digest of the latest checkpoint's chunks (incremental saves
@@ -441,6 +478,7 @@ class Checkpointer:
                 }
                 if capture is not None:
                     stats.update(_window_stats(capture))
+                    stats["incremental"] = self._incremental_note(capture, job.counters.bytes_total)
                     stats["validation"] = capture.validation
                     if job.retry_note is not None:
                         stats["validation"] += f" (a retry: the first attempt failed: {job.retry_note})"
@@ -595,6 +633,10 @@ def _tracker_on_stack(capture: ConcurrentSave) -> bool:
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     return capture.owner == threading.get_ident() and capture.tracker in _get_current_dispatch_mode_stack()
+
+
+def _share(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0
 
 
 def _window_stats(capture: ConcurrentSave) -> dict[str, Any]:

@@ -58,6 +58,7 @@ class ConcurrentSave:
         log_reads: bool = True,
         validate: bool = True,
         previous: dict[str, str] | None = None,
+        skip_unchanged: bool = True,
         eager: Collection[int] = (),
         eager_device_bytes: int = 0,
         snapshot_budget: int = 0,
@@ -94,6 +95,11 @@ class ConcurrentSave:
         self.before: HashTable | None = None
         self.after: HashTable | None = None
         self.skipped: dict[int, Collection[int]] = {}  # span index -> chunks not copied (incremental)
+        # compared with ``previous`` before copying: the copier waits for the consistent-point
+        # hashes first. Off (skip_unchanged=False) when comparing is not expected to pay: the
+        # hashes still go into the manifest, and every chunk is copied at once.
+        self.compared = bool(previous) and skip_unchanged
+        self.bytes_unchanged = 0  # found unchanged by the comparison (not by the store's dedup)
         self.mismatched: list[str] = []
         if validate or incremental:
             # Spans not snapshotted are hashed now, in the program's stream order; snapshots
@@ -119,7 +125,7 @@ class ConcurrentSave:
             consistent_events=events,
             streams=streams,
             prepare=self._hash_snapshots if self.before is not None else None,
-            skip=self._skip if previous else None,
+            skip=self._skip if self.compared else None,
             after_copy=self._after_copy if validate else None,
             on_drained=self._hashes_to_host if validate else None,
             runner=copier_runner,
@@ -189,8 +195,10 @@ class ConcurrentSave:
         same = unchanged_chunks(self.before_hex()[ws.index], self.previous)
         for k, digest in same.items():
             self.digests[ws.index][k] = digest
+            size = min(self.chunk_size, span.nbytes - k * self.chunk_size)
             with self._lock:
-                self.bytes_skipped += min(self.chunk_size, span.nbytes - k * self.chunk_size)
+                self.bytes_skipped += size
+                self.bytes_unchanged += size
         if same:
             # every chunk unchanged (frozen weights: the common case) is a range, which the
             # garbage collector does not track; a save keeps one per span for seconds
