@@ -308,7 +308,7 @@ def test_take_batch_joins_whole_small_spans_of_one_kind() -> None:
         LoadSpan(0, 700, 2, True, cpu, device_check=True),
         LoadSpan(1, 100, 1, True, cpu, device_check=True),
         LoadSpan(2, 300, 1, True, cpu, device_check=True),
-        LoadSpan(3, 100, 1, True, cpu, device_check=False),  # another kind: ends the batch
+        LoadSpan(3, 100, 1, True, cpu, device_check=False),  # another kind: passed over
         LoadSpan(4, 5000, 10, True, cpu, device_check=False),
     ]
     schedule = Schedule(spans, range(5), chunk_size=CS, piece_chunks=4)
@@ -355,6 +355,10 @@ def test_take_batch_joins_small_checkable_spans_to_a_device_checked_batch() -> N
     schedule = Schedule(alone, range(1), chunk_size=CS, piece_chunks=4)
     assert [p.span.index for p, _ in schedule.take_batch(room=4 * CS, max_chunks=8)] == [0]
     assert not alone[0].device_check, "alone, a small span keeps BLAKE2b on the host"
+    smalls = [LoadSpan(i, 100, 1, True, cpu, checkable=True) for i in range(3)]
+    schedule = Schedule(smalls, range(3), chunk_size=CS, piece_chunks=4)
+    assert [p.span.index for p, _ in schedule.take_batch(room=4 * CS, max_chunks=8)] == [0, 1, 2]
+    assert not any(ls.device_check for ls in smalls), "small spans only: BLAKE2b on the host"
     # join_checks=False: the kinds stay apart, as before
     apart = spans()
     schedule = Schedule(apart, range(5), chunk_size=CS, piece_chunks=4, join_checks=False)

@@ -114,7 +114,8 @@ class Config:
         default=3, metadata={"doc": "restore: device scratch pieces per device for device-side checks"}
     )
     device_check_min_bytes: int = field(
-        default=1 * MiB, metadata={"doc": "restore: smaller spans keep BLAKE2b on the host (auto mode)"}
+        default=1 * MiB, metadata={"doc": "restore: smaller spans keep BLAKE2b on the host (auto mode), unless "
+                  "batched with larger device-checked ones"}
     )
     trace_dir: str = field(
         default="", metadata={"doc": "write a Chrome trace of each capture window here ('' : off)"}

@@ -72,7 +72,7 @@ class Loader:
     ``verify_on_device``: check spans against ``StorageEntry.hashes`` on their device instead
     of BLAKE2b on the host. None (default): for streamed spans of at least
     :data:`DEVICE_CHECK_MIN_BYTES` on one CUDA device whose entry has hashes, and for
-    smaller such spans that share a batch with others (:data:`JOIN_CHECKS`); True: every
+    smaller such spans that share a batch with device-checked ones (:data:`JOIN_CHECKS`); True: every
     streamed span with hashes, CPU targets too (the same code with CPU tensors, for tests);
     False: never.
 
@@ -132,12 +132,13 @@ class Loader:
         self.check = (
             DeviceCheck(manifest, spans, slot_bytes=piece_chunks * self.chunk_size, max_chunks=self.batch_chunks,
                         slots=SCRATCH_SLOTS if scratch_slots is None else scratch_slots)
-            if any(ls.checkable for ls in spans)
+            if any(ls.checkable if JOIN_CHECKS else ls.device_check for ls in spans)
             else None
         )
         pieces = sum(-(-ls.chunks // piece_chunks) for ls in spans)
         self.threads = max(1, min(threads, pieces or 1))
-        host_hashed = sum(ls.nbytes for ls in spans if verify and not ls.checkable)
+        # small checkable spans are mostly checked on the device, in batches (JOIN_CHECKS)
+        host_hashed = sum(ls.nbytes for ls in spans if verify and not (ls.checkable if JOIN_CHECKS else ls.device_check))
         if self.check is not None and host_hashed * 8 < sum(ls.nbytes for ls in spans):
             # nearly every byte is checked on the device: readers only copy from the page
             # cache, and more of them take the GIL from the copy thread that bounds the rate

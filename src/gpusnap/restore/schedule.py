@@ -134,7 +134,8 @@ class Schedule:
         Spans that *could* be checked on the device (``checkable``) count as one kind
         (``join_checks``): a small span, which alone keeps BLAKE2b on the host (one hash
         launch for it costs more), joins its device-checked neighbours, and every member of
-        such a batch is then checked on the device. Without this, the small biases and norms
+        such a batch is then checked on the device. A batch of small spans only stays on
+        the host. Without this, the small biases and norms
         between a model's weight matrices break the batches: GPT-2 large's load order made
         720 batches of 32 MiB regions, against 356 with it.
         """
@@ -171,7 +172,7 @@ class Schedule:
                 ls.state = SpanState.LOADING
                 batch.append((Piece(ls, 0, ls.chunks, 0, ls.nbytes), offset))
                 end, chunks = offset + ls.nbytes, chunks + ls.chunks
-            if joining and len(batch) > 1:
+            if joining and len(batch) > 1 and any(p.span.device_check for p, _ in batch):
                 for piece, _ in batch:  # decided before any reader reads them
                     piece.span.device_check = True
             return batch
