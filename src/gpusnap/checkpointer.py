@@ -294,12 +294,11 @@ class Checkpointer:
         self._windows.append(capture)
         return capture
 
-    def _incremental_note(self, capture: ConcurrentSave, total: int) -> str:
-        """``stats["incremental"]``; a comparing save also sets the share the next saves go by."""
+    def _incremental_note(self, share: float | None) -> str:
+        """``stats["incremental"]``; ``share``: the bytes this save found unchanged, None if it did not compare."""
         if not self.config.incremental:
             return "off"
-        if capture.compared:
-            self._unchanged_share = share = _share(capture.bytes_unchanged, total)
+        if share is not None:
             return f"compared with the latest checkpoint: {share:.1%} of the bytes unchanged"
         if self._unchanged_share is None:
             return "nothing to compare with"
@@ -478,7 +477,11 @@ class Checkpointer:
                 }
                 if capture is not None:
                     stats.update(_window_stats(capture))
-                    stats["incremental"] = self._incremental_note(capture, job.counters.bytes_total)
+                    share = None
+                    if capture.compared:  # the share the next saves go by (_should_compare)
+                        total = job.counters.bytes_total
+                        share = self._unchanged_share = capture.bytes_unchanged / total if total else 0.0
+                    stats["incremental"] = self._incremental_note(share)
                     stats["validation"] = capture.validation
                     if job.retry_note is not None:
                         stats["validation"] += f" (a retry: the first attempt failed: {job.retry_note})"
@@ -633,10 +636,6 @@ def _tracker_on_stack(capture: ConcurrentSave) -> bool:
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     return capture.owner == threading.get_ident() and capture.tracker in _get_current_dispatch_mode_stack()
-
-
-def _share(part: int, whole: int) -> float:
-    return part / whole if whole else 0.0
 
 
 def _window_stats(capture: ConcurrentSave) -> dict[str, Any]:

@@ -113,6 +113,7 @@ class Loader:
         for i, e in enumerate(manifest.storages):
             devices = frozenset(plan.devices(i))
             streamed = plan.streamable(i)
+            checkable = verify and streamed and _checkable(e.hashes, devices, verify_on_device)
             spans.append(
                 LoadSpan(
                     index=i,
@@ -120,26 +121,28 @@ class Loader:
                     chunks=len(e.chunks),
                     streamed=streamed,
                     devices=devices,
-                    checkable=verify and streamed and _checkable(e.hashes, devices, verify_on_device),
+                    device_check=checkable and (verify_on_device is True or e.nbytes >= min_check),
+                    checkable=checkable,
                 )
             )
-            spans[-1].device_check = spans[-1].checkable and (verify_on_device is True or e.nbytes >= min_check)
         piece_chunks = slots.slot_bytes // self.chunk_size
         self.batch_room = piece_chunks * self.chunk_size  # a batch fits a region and a scratch slot
         self.batch_chunks = max(piece_chunks, BATCH_CHUNKS)
         self.schedule = Schedule(spans, order, chunk_size=self.chunk_size, piece_chunks=piece_chunks,
                                  join_checks=JOIN_CHECKS)
+        # the bytes of spans checked on the device (small checkable ones mostly are, in batches)
+        on_device = [ls.nbytes for ls in spans if (ls.checkable if JOIN_CHECKS else ls.device_check)]
         self.check = (
             DeviceCheck(manifest, spans, slot_bytes=piece_chunks * self.chunk_size, max_chunks=self.batch_chunks,
                         slots=SCRATCH_SLOTS if scratch_slots is None else scratch_slots)
-            if any(ls.checkable if JOIN_CHECKS else ls.device_check for ls in spans)
+            if on_device
             else None
         )
         pieces = sum(-(-ls.chunks // piece_chunks) for ls in spans)
         self.threads = max(1, min(threads, pieces or 1))
-        # small checkable spans are mostly checked on the device, in batches (JOIN_CHECKS)
-        host_hashed = sum(ls.nbytes for ls in spans if verify and not (ls.checkable if JOIN_CHECKS else ls.device_check))
-        if self.check is not None and host_hashed * 8 < sum(ls.nbytes for ls in spans):
+        total = sum(ls.nbytes for ls in spans)
+        host_hashed = total - sum(on_device) if verify else 0
+        if self.check is not None and host_hashed * 8 < total:
             # nearly every byte is checked on the device: readers only copy from the page
             # cache, and more of them take the GIL from the copy thread that bounds the rate
             self.threads = min(self.threads, DEVICE_CHECK_READERS)

@@ -134,10 +134,10 @@ class Schedule:
         Spans that *could* be checked on the device (``checkable``) count as one kind
         (``join_checks``): a small span, which alone keeps BLAKE2b on the host (one hash
         launch for it costs more), joins its device-checked neighbours, and every member of
-        such a batch is then checked on the device. A batch of small spans only stays on
-        the host. Without this, the small biases and norms
-        between a model's weight matrices break the batches: GPT-2 large's load order made
-        720 batches of 32 MiB regions, against 356 with it.
+        such a batch is then checked on the device; a batch of small spans only stays on the
+        host. Without this, the small biases and norms between a model's weight matrices
+        break the batches: GPT-2 large's load order made 720 batches of 32 MiB regions,
+        against 356 with it.
         """
         with self.cond:
             first = self._take_locked()
