@@ -331,6 +331,7 @@ def _bare_copier(arena: StagingArena, piece_bytes: int, in_flight: list[tuple[An
     copier.arena, copier.trace, copier.piece_bytes = arena, None, piece_bytes
     copier._inflight = deque()
     copier._inflight_bytes = 0
+    copier.wait_s = 0.0
     _put_in_flight(copier, in_flight)
     return copier
 

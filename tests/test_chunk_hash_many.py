@@ -16,7 +16,7 @@ from gpusnap.capture.validation import HashTable
 from gpusnap.kernels import chunk_hash as ch
 from gpusnap.kernels import chunk_hash_many as chm
 from gpusnap.kernels.chunk_hash import chunk_hashes
-from gpusnap.kernels.chunk_hash_many import chunk_hashes_many
+from gpusnap.kernels.chunk_hash_many import chunk_hashes_many, chunk_hashes_packed
 from gpusnap.state.flatten import StorageSpan
 
 
@@ -208,3 +208,69 @@ def test_row_table_lists_every_chunk_address_and_length() -> None:
     want = [(s.data_ptr() + k * chunk_size, min(chunk_size, s.numel() - k * chunk_size))
             for s, c in zip(spans, counts) for k in range(c)]
     assert list(zip(host[0].tolist(), host[1].tolist())) == want
+
+
+def _packed(store: torch.Tensor, chunk_size: int, aligned: bool = True) -> tuple[list[int], list[int]]:
+    """Offsets and sizes of varied spans in ``store`` (16-byte aligned starts unless not ``aligned``)."""
+    sizes = [1, 15, 16, 17, 0, 4095, chunk_size - 1, chunk_size, chunk_size + 5, 3 * chunk_size + 13, 0, 4 * chunk_size]
+    offsets, pos = [], 0 if aligned else 3
+    for n in sizes:
+        offsets.append(pos)
+        pos += n + (-n % 16)
+    assert pos <= store.numel()
+    return offsets, sizes
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64, 4096])
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])
+def test_packed_equals_many(device: torch.device, chunk_size: int, aligned: bool) -> None:
+    """chunk_hashes_packed hashes buffer[offsets[i]:offsets[i]+sizes[i]] exactly as
+    chunk_hashes_many does the same spans as tensors (on CUDA with Triton: the packed row
+    table; unaligned spans take the per-span path)."""
+    store = torch.randint(0, 256, (20 * chunk_size + 4096,), dtype=torch.uint8, device=device)
+    offsets, sizes = _packed(store, chunk_size, aligned)
+    spans = [store[o : o + n] for o, n in zip(offsets, sizes)]
+    want = per_span(spans, chunk_size)
+    out = empty_out(spans, chunk_size, device)
+    assert chunk_hashes_packed(store, offsets, sizes, chunk_size, out) is out
+    assert torch.equal(out, want)
+    if device.type == "cpu":
+        assert torch.equal(chunk_hashes_packed(store, offsets, sizes, chunk_size, empty_out(spans, chunk_size, device),
+                                               impl="torch"), want)
+
+
+def test_packed_bad_arguments() -> None:
+    store = torch.zeros(256, dtype=torch.uint8)
+    out = torch.empty((1, 2), dtype=torch.int64)
+    with pytest.raises(ValueError, match="within the buffer"):
+        chunk_hashes_packed(store, [250], [16], 16, out)
+    with pytest.raises(ValueError, match="one length"):
+        chunk_hashes_packed(store, [0, 16], [16], 16, out)
+    with pytest.raises(ValueError, match="out must be"):
+        chunk_hashes_packed(store, [0], [32], 16, out)  # two rows
+    with pytest.raises(TypeError):
+        chunk_hashes_packed(store.view(torch.int8), [0], [16], 16, out)
+
+
+def test_hash_table_fill_packed_equals_fill_many(device: torch.device) -> None:
+    """A snapshot's spans hashed from its one buffer land in the same rows as fill_many's;
+    spans whose rows are not contiguous in the table (a subset) take fill_many's path."""
+    store = torch.randint(0, 256, (60_000,), dtype=torch.uint8, device=device)
+    spans = _spans(store, [1000, 0, 64, 4097, 33, 8000, 5])
+    buffer = torch.randint(0, 256, (30_000,), dtype=torch.uint8, device=device)
+    offsets, pos = [], 0
+    for s in spans:
+        offsets.append(pos)
+        buffer[pos : pos + s.nbytes] = s.as_bytes()
+        pos += s.nbytes + (-s.nbytes % 16)
+    many, packed = HashTable(spans, 256), HashTable(spans, 256)
+    many.fill_many(range(len(spans)), [s.as_bytes() for s in spans])
+    packed.fill_packed(range(len(spans)), buffer, offsets)
+    for d in many.tables:
+        assert torch.equal(many.tables[d], packed.tables[d])
+    some = [0, 3, 4, 6]
+    gaps = HashTable(spans, 256)
+    gaps.fill_packed(some, buffer, [offsets[i] for i in some])
+    for i in range(len(spans)):
+        expected = many.rows(i) if i in some else torch.zeros_like(many.rows(i))
+        assert torch.equal(gaps.rows(i), expected), i

@@ -129,3 +129,4 @@ def test_own_hash_kernels_are_not_opaque_launches(tmp_path: Any) -> None:
         info = ck.save(state).wait()
     assert info.stats["opaque_launches"] == 0
     assert info.stats["bytes_cow"] == 0
+

@@ -234,3 +234,33 @@ def test_incremental_compares_only_where_it_pays(tmp_path: Any, monkeypatch: pyt
             got = {k: torch.zeros_like(v) for k, v in state.items()}
             ck.restore(got, cid)
             assert all(torch.equal(got[k], want[k]) for k in want), cid
+
+
+def test_uncompared_saves_hash_the_snapshot_not_the_live_state(tmp_path: Any, device: torch.device) -> None:
+    """An incremental save that does not compare (training: nothing was unchanged last time)
+    hashes its snapshots after issuing its copies, off their path. The hashes must still be
+    those of the consistent point: the program overwrites every tensor right after save(),
+    and the manifest's hashes must equal those of the saved bytes (a restore checks its
+    bytes against them, and the next comparison trusts them)."""
+    g = torch.Generator(device=device).manual_seed(5)
+    state = {f"t{i}": torch.randn(1 << 14, device=device, generator=g) for i in range(4)}
+    config = _config(cpu_snapshot_bytes=1 << 24, device_snapshot=True, staging_bytes=1 << 20)
+    with gpusnap.Checkpointer(tmp_path / "ck", config=config) as ck:
+        for _ in range(3):  # 1: nothing to compare with; 2: compares (0% unchanged); 3: copies at once
+            for t in state.values():
+                t.normal_(generator=g)
+            expected = {k: v.clone() for k, v in state.items()}
+            pending = ck.save(state)
+            for _ in range(20):  # overwrite the live bytes while the copier works
+                for t in state.values():
+                    t.mul_(1.0001).add_(1.0)
+            info = pending.wait()
+        assert info.stats["incremental"].startswith("not compared"), info.stats["incremental"]
+        assert not info.stats["tracked"] and info.stats["bytes_snapshot"] == sum(v.nbytes for v in state.values())
+        manifest = ck._repository(create=False).load_manifest(info.id)
+        for entry, name in zip(manifest.storages, expected):
+            assert entry.hashes is not None
+            assert list(entry.hashes) == hashes_to_hex(chunk_hashes(expected[name].view(torch.uint8), CHUNK)), name
+        got = {k: torch.zeros_like(v) for k, v in state.items()}
+        ck.restore(got, info.id)
+        assert all(torch.equal(got[k], expected[k]) for k in expected)

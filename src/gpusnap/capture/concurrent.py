@@ -27,7 +27,7 @@ from gpusnap.capture.staging import StagingArena
 from gpusnap.capture.trace import Trace
 from gpusnap.capture.tracker import TrackerMode
 from gpusnap.capture.validation import HashTable, unchanged_chunks
-from gpusnap.capture.window import CaptureWindow, WindowSpan
+from gpusnap.capture.window import CaptureWindow, SnapshotBuffer, WindowSpan
 from gpusnap.errors import ValidationError
 from gpusnap.kernels.hashing import chunk_digest
 from gpusnap.state.flatten import FlatState
@@ -110,6 +110,8 @@ class ConcurrentSave:
         if validate:
             self.after = HashTable(flat.spans, chunk_size)
         self._before_hex: list[tuple[str, ...]] | None = None
+        self._kept: list[SnapshotBuffer] | None = None  # see _keep_snapshots
+        self.window.on_close(self._drop_kept)  # a failed copier never hashes what it kept
         events = {}
         for device in streams:
             event = torch.cuda.Event()
@@ -124,7 +126,10 @@ class ConcurrentSave:
             ahead=ahead,
             consistent_events=events,
             streams=streams,
-            prepare=self._hash_snapshots if self.before is not None else None,
+            # compared: the hashes first, the copies skip what is unchanged; otherwise the
+            # hashes after the copies (see _hash_snapshots)
+            prepare=(self._hash_snapshots if self.compared else self._keep_snapshots) if self.before is not None else None,
+            after_issue=self._hash_snapshots if self.before is not None and not self.compared else None,
             skip=self._skip if self.compared else None,
             after_copy=self._after_copy if validate else None,
             on_drained=self._hashes_to_host if validate else None,
@@ -171,16 +176,38 @@ class ConcurrentSave:
             if self._txn is not None:
                 self._txn.abort()
 
+    def _drop_kept(self) -> None:
+        self._kept = None
+
+    def _keep_snapshots(self) -> None:
+        """Copier thread, before any copy: hold the snapshot buffers, whose spans the copier
+        lets go of one by one, until :meth:`_hash_snapshots` has enqueued their hashes."""
+        self._kept = self.window.snapshot_buffers()
+
     def _hash_snapshots(self) -> None:
-        """Copier thread, before any copy: the consistent-point hashes of snapshotted spans
-        (on the copy stream, which waits for the consistent point, so after the snapshots),
-        then every consistent-point hash to the host."""
+        """Copier thread, on the copy streams: the consistent-point hashes of snapshotted
+        spans (the streams wait for the consistent point, so after the snapshots), then every
+        consistent-point hash to the host.
+
+        A save that compares with the previous checkpoint runs this before its first copy: it
+        needs the hashes to know what to copy. One that does not runs it after its last copy
+        is issued: the hashes only go into the manifest. Before the copies, every copy queued
+        behind the hash kernel, which shares the GPU with the program's step.
+
+        Each device's snapshots are hashed from their one buffer, with no tensor per span:
+        this thread competes for the GIL with the program (and the writers), and per-span
+        Python stretched this call to 200-500 ms on GPT-2 large training (BENCHMARKS.md,
+        eighth session)."""
         assert self.before is not None
-        snaps = [(i, self.window.spans[i].shadow) for i in sorted(self.window.snapshotted)]
-        snaps = [(i, shadow) for i, shadow in snaps if shadow is not None]
-        if snaps:  # one call per device: hundreds of small spans, one launch
-            self.before.fill_many([i for i, _ in snaps], [shadow for _, shadow in snaps])
+        kept, self._kept = self._kept, None
+        marks = self.copier.marks
+        marks["hashing"] = time.perf_counter()
+        for snap in kept if kept is not None else self.window.snapshot_buffers():
+            self.before.fill_packed([ws.index for ws in snap.spans], snap.buffer, snap.offsets())
+        del kept
+        marks["hashes_enqueued"] = time.perf_counter()
         self.before.to_host_async()
+        marks["hashes_to_host"] = time.perf_counter()
 
     def before_hex(self) -> list[list[str]]:
         if self._before_hex is None:

@@ -58,6 +58,7 @@ class Copier:
         consistent_events: dict[torch.device, Any],
         streams: dict[torch.device, Any],
         prepare: Callable[[], None] | None = None,
+        after_issue: Callable[[], None] | None = None,
         skip: Callable[[WindowSpan], Collection[int]] | None = None,
         after_copy: Callable[[WindowSpan, int, torch.Tensor], None] | None = None,
         on_drained: Callable[[], None] | None = None,
@@ -75,11 +76,16 @@ class Copier:
         self.streams = streams
         self.trace = window.trace
         self.prepare = prepare  # runs on this thread (on the copy streams) before any copy
+        self.after_issue = after_issue  # likewise once every copy is issued, before the drain
         self.skip = skip  # chunk indices of a span that need no copy (incremental saves)
         self.after_copy = after_copy  # hashes a piece's source right after its copy (CUDA)
         self.on_drained = on_drained  # every copy completed; runs before the window closes
         self.bytes_copied = 0
         self.copies = 0  # pieces copied (one copy call each)
+        # when this thread reached each step (perf_counter), and its time waiting for copies:
+        # stats["copier_s"], to tell a late start from a slow copy
+        self.marks: dict[str, float] = {}
+        self.wait_s = 0.0
         self.max_inflight = self.ahead * piece_bytes  # bytes
         self._inflight: deque[tuple[Any, float, list[Segment], Region, int]] = deque()
         self._inflight_bytes = 0
@@ -110,6 +116,7 @@ class Copier:
             self._finished.set()
 
     def _copy_all(self) -> None:
+        self.marks["started"] = time.perf_counter()
         try:
             if self.streams:
                 outside_graph_captures()  # the program may capture a CUDA graph meanwhile
@@ -119,13 +126,18 @@ class Copier:
                 started = time.perf_counter()
                 self.prepare()
                 self._traced("prepare", started)
+                self.marks["prepared"] = time.perf_counter()
             if self.window.all_snapshotted:
                 self._copy_snapshots()
             else:
                 while (ws := self.window.take_next()) is not None:
                     self._copy_span(ws)
                     self.window.mark_captured(ws)
+            self.marks["issued"] = time.perf_counter()
+            if self.after_issue is not None:
+                self.after_issue()
             self._drain(0)
+            self.marks["drained"] = time.perf_counter()
             if self.on_drained is not None:
                 self.on_drained()
             self.window.close()
@@ -172,6 +184,8 @@ class Copier:
             self.window.skip_to(ws, ws.nbytes)  # trailing unchanged chunks
 
     def _issued(self, segments: list[Segment], region: Region, n: int, event: Any) -> None:
+        if not self.copies:
+            self.marks["first_copy"] = time.perf_counter()
         self.copies += 1
         self.bytes_copied += sum(seg[2] for seg in segments)  # (not the padding between them)
         if event is None:
@@ -290,6 +304,7 @@ class Copier:
                     started = time.perf_counter()
                     wait_event(event)
                     self._traced("wait for a copy", started)
+                    self.wait_s += time.perf_counter() - started
                 elif not event.query():
                     break
                 self._inflight.popleft()

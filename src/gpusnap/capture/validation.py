@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from itertools import pairwise
 from typing import Any
 
+import numpy as np
 import torch
 
 from gpusnap.device import waitable_event
@@ -37,7 +38,7 @@ from gpusnap.kernels.chunk_hash import (
     hashes_to_hex,
     num_chunks,
 )
-from gpusnap.kernels.chunk_hash_many import chunk_hashes_many
+from gpusnap.kernels.chunk_hash_many import chunk_hashes_many, chunk_hashes_packed
 from gpusnap.state.flatten import StorageSpan
 from gpusnap.storage.manifest import Manifest
 
@@ -52,7 +53,8 @@ class HashTable:
 
     def __init__(self, spans: Sequence[StorageSpan], chunk_size: int) -> None:
         self.chunk_size = chunk_size
-        self.counts = [num_chunks(s.nbytes, chunk_size) for s in spans]
+        self.spans_nbytes = [s.nbytes for s in spans]
+        self.counts = [num_chunks(n, chunk_size) for n in self.spans_nbytes]
         self.devices = [s.device for s in spans]
         self.first: list[int] = []
         totals: dict[torch.device, int] = {}
@@ -109,6 +111,26 @@ class HashTable:
             if device.type == "cuda":  # from pinned memory: the host does not wait
                 where = where.pin_memory().to(device, non_blocking=True)
             table.index_copy_(0, where, rows)
+
+    def fill_packed(self, indices: Sequence[int], buffer: torch.Tensor, offsets: Sequence[int]) -> None:
+        """:meth:`fill_many` of whole spans packed in one buffer, span ``indices[j]`` at
+        ``buffer[offsets[j]:]`` (a snapshot): no tensor per span, so little host time on a
+        thread that competes with the program for the GIL. Rows must follow each other in
+        the table (every span of the device, in order), else it falls back to fill_many."""
+        idx = np.asarray(indices, dtype=np.int64)
+        if not len(idx):
+            return
+        first = np.asarray(self.first, dtype=np.int64)[idx]
+        counts = np.asarray(self.counts, dtype=np.int64)[idx]
+        device = buffer.device  # (one buffer: every span of ``indices`` is on its device)
+        if not np.all(first[1:] == first[:-1] + counts[:-1]):
+            sizes = [self.spans_nbytes[i] for i in indices]
+            self.fill_many(indices, [buffer[o : o + n] for o, n in zip(offsets, sizes)])
+            return
+        sizes = np.asarray(self.spans_nbytes, dtype=np.int64)[idx]
+        table = self.tables[device]
+        chunk_hashes_packed(buffer, offsets, sizes, self.chunk_size,
+                            out=table[int(first[0]) : int(first[-1] + counts[-1])])
 
     def to_host_async(self) -> None:
         """Start copying every device table to the host (on the current streams)."""

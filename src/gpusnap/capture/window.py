@@ -34,7 +34,7 @@ import torch
 from gpusnap.capture.trace import Trace
 from gpusnap.state.flatten import FlatState, StorageSpan
 
-__all__ = ["SNAPSHOT_ALIGN", "CaptureWindow", "SpanState", "WindowSpan", "WindowStats"]
+__all__ = ["SNAPSHOT_ALIGN", "CaptureWindow", "SnapshotBuffer", "SpanState", "WindowSpan", "WindowStats"]
 
 
 class SpanState(enum.Enum):
@@ -234,14 +234,20 @@ class CaptureWindow:
     def _snapshot(self, spans: list[WindowSpan]) -> None:
         """Whole-span shadows taken now, on the current streams (not counted as COW)."""
         self._snapshot_groups: list[tuple[torch.device, list[WindowSpan]]] = []
+        self._snapshot_buffers: list[SnapshotBuffer] = []
         for device, group, shadows, event in _batched_copies(spans):
             for ws, shadow in zip(group, shadows):
                 ws.shadow, ws.shadow_from, ws.shadow_event = shadow, 0, event
             self._snapshot_groups.append((device, group))
+            self._snapshot_buffers.append(SnapshotBuffer(group, shadows))
 
     def snapshot_runs(self) -> list[tuple[torch.device, list[WindowSpan]]]:
         """Per device, the snapshotted spans in the order their shadows lie in its buffer."""
         return list(self._snapshot_groups)
+
+    def snapshot_buffers(self) -> list[SnapshotBuffer]:
+        """Per device, the buffer that holds the snapshots (it keeps them alive)."""
+        return list(self._snapshot_buffers)
 
     def _shadow_many(self, spans: list[WindowSpan]) -> None:
         """Copy the bytes not yet issued of each span, on the writer's stream (so before its
@@ -356,6 +362,21 @@ class CaptureWindow:
         """Span indices in the order the program first touched them during the window."""
         touched = sorted((ws for ws in self.spans if ws.first_touch is not None), key=lambda w: w.first_touch)
         return [ws.index for ws in touched]
+
+
+class SnapshotBuffer:
+    """One device's snapshots, back to back in one buffer: ``spans[i]``'s bytes are
+    ``buffer[offsets()[i] : offsets()[i] + spans[i].nbytes]``. Holding it keeps them all alive."""
+
+    def __init__(self, spans: list[WindowSpan], shadows: list[torch.Tensor]) -> None:
+        self.spans = spans
+        self._shadows = shadows
+        storage = shadows[0].untyped_storage()  # the buffer's (split views share it)
+        self.buffer = shadows[0].new_empty(0).set_(storage, 0, (storage.nbytes(),), (1,))
+
+    def offsets(self) -> list[int]:
+        """Byte offset of each span's snapshot in ``buffer``."""
+        return [shadow.storage_offset() for shadow in self._shadows]
 
 
 SNAPSHOT_ALIGN = 16  # each shadow starts 16-byte aligned in its buffer: the hash kernels'

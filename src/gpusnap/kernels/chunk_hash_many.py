@@ -42,7 +42,7 @@ from gpusnap.kernels.chunk_hash import (
 
 triton, tl = _ch.triton, _ch.tl
 
-__all__ = ["chunk_hashes_many"]
+__all__ = ["chunk_hashes_many", "chunk_hashes_packed"]
 
 
 def chunk_hashes_many(
@@ -71,18 +71,7 @@ def chunk_hashes_many(
                              "spans of each device with their own call")
         counts.append(num_chunks(span.numel(), chunk_size))
     total = sum(counts)
-    if (
-        out.shape != (total, HASH_WORDS)
-        or out.dtype != torch.int64
-        or not out.is_contiguous()
-    ):
-        raise ValueError(
-            f"out must be a contiguous int64 tensor of shape ({total}, {HASH_WORDS}); got "
-            f"{tuple(out.shape)} {out.dtype}"
-        )
-    if impl == "triton" and (triton is None or not out.is_cuda):
-        raise RuntimeError("impl='triton' needs Triton installed and CUDA tensors")
-    if total == 0:
+    if not _triton_or_torch(out, total, impl):
         return out
     if impl == "triton" or (impl == "auto" and out.is_cuda and triton is not None):
         _hash_triton_many(spans, counts, chunk_size, out, DEFAULT_TRITON_CONFIG)
@@ -93,6 +82,18 @@ def chunk_hashes_many(
                 chunk_hashes(span, chunk_size, out=out[row : row + count], impl=impl)
                 row += count
     return out
+
+
+def _triton_or_torch(out: torch.Tensor, total: int, impl: str) -> bool:
+    """Check ``out`` holds ``total`` rows and ``impl`` can run; False: nothing to hash."""
+    if out.shape != (total, HASH_WORDS) or out.dtype != torch.int64 or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous int64 tensor of shape ({total}, {HASH_WORDS}); got "
+            f"{tuple(out.shape)} {out.dtype}"
+        )
+    if impl == "triton" and (triton is None or not out.is_cuda):
+        raise RuntimeError("impl='triton' needs Triton installed and CUDA tensors")
+    return total > 0
 
 
 def _row_table(
@@ -107,6 +108,12 @@ def _row_table(
     starts = np.fromiter((spans[i].data_ptr() for i in used), dtype=np.int64, count=len(used))
     sizes = np.fromiter((spans[i].numel() for i in used), dtype=np.int64, count=len(used))
     per = np.fromiter((counts[i] for i in used), dtype=np.int64, count=len(used))
+    _rows_from_arrays(starts, sizes, per, chunk_size, host)
+
+
+def _rows_from_arrays(starts: np.ndarray, sizes: np.ndarray, per: np.ndarray, chunk_size: int, host: torch.Tensor) -> None:
+    """The row table of spans given as arrays: address, length and chunk count of each span
+    that has chunks."""
     total = host.shape[1]
     first = np.cumsum(per) - per  # each span's first row
     offset = np.arange(total, dtype=np.int64)
@@ -115,6 +122,64 @@ def _row_table(
     view = host.numpy()
     np.add(np.repeat(starts, per), offset, out=view[0])
     np.minimum(np.repeat(sizes, per) - offset, chunk_size, out=view[1])
+
+
+def chunk_hashes_packed(
+    buffer: torch.Tensor,
+    offsets: Sequence[int] | np.ndarray,
+    sizes: Sequence[int] | np.ndarray,
+    chunk_size: int,
+    out: torch.Tensor,
+    *,
+    impl: Literal["auto", "torch", "triton"] = "auto",
+) -> torch.Tensor:
+    """:func:`chunk_hashes_many` of the spans ``buffer[offsets[i] : offsets[i] + sizes[i]]``,
+    without a tensor per span: the row table comes from the two arrays. For many spans packed
+    in one buffer (a save's whole-state snapshot: 1745 tensors of GPT-2 large), whose hashing
+    thread competes for the GIL with the program; per-span views and checks were most of its
+    host time.
+
+    ``buffer``: 1-D contiguous uint8; on the Triton path every offset must be a multiple of
+    16 (the kernels' wide loads). ``out`` as for :func:`chunk_hashes_many`.
+
+    Example::
+
+        buf = torch.zeros(64, dtype=torch.uint8)
+        out = torch.empty((2, 2), dtype=torch.int64)
+        chunk_hashes_packed(buf, [0, 32], [16, 20], 16, out)  # one row, then two
+    """
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"impl must be 'auto', 'torch' or 'triton', not {impl!r}")
+    _ch._check(buffer, chunk_size)
+    offs = np.asarray(offsets, dtype=np.int64)
+    lens = np.asarray(sizes, dtype=np.int64)
+    if offs.shape != lens.shape or offs.ndim != 1:
+        raise ValueError("offsets and sizes must be 1-D and of one length")
+    if len(offs) and (offs.min() < 0 or lens.min() < 0 or (offs + lens).max() > buffer.numel()):
+        raise ValueError("every span must lie within the buffer")
+    per = -(-lens // chunk_size)
+    total = int(per.sum())
+    if buffer.device != out.device:
+        raise ValueError(f"buffer is on {buffer.device}, out on {out.device}")
+    if not _triton_or_torch(out, total, impl):
+        return out
+    triton_path = impl == "triton" or (impl == "auto" and out.is_cuda and triton is not None)
+    if triton_path and not ((offs % 16 == 0).all() and buffer.data_ptr() % 16 == 0):
+        triton_path = False
+        if impl == "triton":
+            raise ValueError("impl='triton' needs every span 16-byte aligned")
+    if triton_path:
+        used = per > 0
+        _launch_many(buffer.data_ptr() + offs[used], lens[used], per[used], total, chunk_size, out,
+                     DEFAULT_TRITON_CONFIG)
+        return out
+    row = 0
+    for off, n, count in zip(offs.tolist(), lens.tolist(), per.tolist()):
+        if count:
+            chunk_hashes(buffer[off : off + n], chunk_size, out=out[row : row + count],
+                         impl="torch" if impl == "torch" else "auto")
+            row += count
+    return out
 
 
 def _hash_triton_many(
@@ -128,26 +193,44 @@ def _hash_triton_many(
     # The loads need 16-byte aligned chunks; the copies live until the kernels are enqueued,
     # which is enough: the caching allocator reuses their memory in this stream's order.
     spans = [s.clone() if c and s.data_ptr() % 16 else s for s, c in zip(spans, counts)]
-    rows = out.shape[0]
+    used = [i for i, c in enumerate(counts) if c]
+    starts = np.fromiter((spans[i].data_ptr() for i in used), dtype=np.int64, count=len(used))
+    sizes = np.fromiter((spans[i].numel() for i in used), dtype=np.int64, count=len(used))
+    per = np.fromiter((counts[i] for i in used), dtype=np.int64, count=len(used))
+    _launch_many(starts, sizes, per, out.shape[0], chunk_size, out, config)
+    del spans  # (the aligned copies: see above)
+
+
+def _launch_many(
+    starts: np.ndarray,
+    sizes: np.ndarray,
+    per: np.ndarray,
+    rows: int,
+    chunk_size: int,
+    out: torch.Tensor,
+    config: TritonConfig,
+) -> None:
+    """The row table of spans given as arrays (address, length, chunks; chunked spans only),
+    to the device, then both kernels, on the current stream of ``out``'s device."""
     cp = chunk_size // 8
     block = config.block_pairs
     guard = torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext()
     with guard, launch_hooks.internal():  # our own kernels, not the program's launches
         if out.is_cuda:
             host = torch.empty((2, rows), dtype=torch.int64, pin_memory=True)
-            _row_table(spans, counts, chunk_size, host)
+            _rows_from_arrays(starts, sizes, per, chunk_size, host)
             table = torch.empty_like(host, device=out.device)
             table.copy_(host, non_blocking=True)
         else:  # Triton's interpreter: the table is read where it is
             table = torch.empty((2, rows), dtype=torch.int64)
-            _row_table(spans, counts, chunk_size, table)
+            _rows_from_arrays(starts, sizes, per, chunk_size, table)
         if cp <= min(block, _ch.PERIOD_PAIRS):  # whole chunks in one tile, all in period 0
             cols = triton.next_power_of_2(cp)
-            per = max(1, block // cols)
+            tile_rows = max(1, block // cols)
             splits = 1
             part = torch.empty((rows, splits, 4), dtype=torch.int64, device=out.device)
-            _t_many_rows_kernel[(triton.cdiv(rows, per),)](
-                table, part, rows, ROWS=per, COLS=cols, num_warps=config.num_warps
+            _t_many_rows_kernel[(triton.cdiv(rows, tile_rows),)](
+                table, part, rows, ROWS=tile_rows, COLS=cols, num_warps=config.num_warps
             )
         else:
             splits = num_chunks(cp, _ch.PERIOD_PAIRS)
