@@ -29,6 +29,7 @@ from gpusnap.capture.concurrent import ConcurrentSave
 from gpusnap.capture.staging import StagingArena
 from gpusnap.capture.trace import Trace
 from gpusnap.capture.validation import known_chunks
+from gpusnap.collector import collector_paused
 from gpusnap.config import Config
 from gpusnap.device import outside_graph_captures
 from gpusnap.errors import CheckpointError, CheckpointNotFoundError, ValidationError
@@ -177,6 +178,23 @@ class Checkpointer:
         blocking: bool,
         retry_of: _SaveJob | None = None,
     ) -> PendingSave:
+        with collector_paused():  # not in this call's stall: see collector.py
+            pending, run_now = self._save_now(app_state, tag, blocking, retry_of)
+        if run_now is not None:
+            self._run_job(*run_now)
+        if blocking:
+            pending.wait()
+        return pending
+
+    def _save_now(
+        self,
+        app_state: MutableMapping[str, Any],
+        tag: str | None,
+        blocking: bool,
+        retry_of: _SaveJob | None,
+    ) -> tuple[PendingSave, tuple[Repository, _SaveJob] | None]:
+        """save()'s work on the caller's thread; a blocking save of host state returns its
+        job to run right there (after the collector is back on)."""
         started = time.perf_counter()
         self._restorer.before_save()  # a lazy restore still loading: its bytes first
         self._reap()
@@ -204,9 +222,7 @@ class Checkpointer:
                 flat, copy_cpu=not blocking, chunk_size=self.config.chunk_size
             )
         if blocking and not windowed:
-            self._run_job(repo, job)
-            pending.wait()
-            return pending
+            return pending, (repo, job)
         if windowed:
             job.concurrent = self._start_window(repo, flat, pending, job.phases)
         else:
@@ -219,9 +235,7 @@ class Checkpointer:
         self._queue.put(job)  # blocks while max_pending_saves durable writes are queued
         job.stall_s = time.perf_counter() - started
         job.phases["queue"] = time.perf_counter() - queued
-        if blocking:
-            pending.wait()
-        return pending
+        return pending, None
 
     @staticmethod
     def _blocking_via_window(flat: FlatState) -> bool:
@@ -658,6 +672,9 @@ def _window_stats(capture: ConcurrentSave) -> dict[str, Any]:
         "bytes_eager": w.bytes_eager,
         "bytes_snapshot": w.bytes_snapshot,  # copied at save() on the program's streams
         "tracked": capture.tracked,  # whether the window needed the tracker
+        # the copier's steps, seconds after save() opened the window, and its waits for copies
+        "copier_s": {k: round(t - w.opened, 6) for k, t in capture.copier.marks.items()}
+        | {"waiting": round(capture.copier.wait_s, 6)},
     }
 
 
