@@ -20,9 +20,12 @@ CPU runs (``--model tiny``) are smoke tests, not performance figures.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import json
 import os
+import pstats
 import shutil
 import statistics
 import tempfile
@@ -126,6 +129,9 @@ class FullCollections:
         gc.callbacks.remove(self)
 
 
+PROFILE_SAVE = False
+
+
 def phase(loop: Loop, ck: gpusnap.Checkpointer, app: dict, where: str, saves: int, every: int,
           median_rest: float, plain_peak: int) -> dict[str, Any]:
     """``saves`` concurrent saves, one every ``every`` steps, placed at ``where``."""
@@ -137,8 +143,17 @@ def phase(loop: Loop, ck: gpusnap.Checkpointer, app: dict, where: str, saves: in
         expected = clone_state(loop.model, loop.optim)
         box: dict[str, Any] = {}
 
-        def hook(box: dict[str, Any] = box, tag: str = f"{where}{s}") -> None:
-            box["pending"] = ck.save(app, tag=tag)
+        def hook(box: dict[str, Any] = box, tag: str = f"{where}{s}", last: bool = s == saves - 1) -> None:
+            if PROFILE_SAVE and last:  # where the host time of save() goes (--profile-save)
+                prof = cProfile.Profile()
+                prof.enable()
+                box["pending"] = ck.save(app, tag=tag)
+                prof.disable()
+                text = io.StringIO()
+                pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+                print(f"  save() profile, {where} (tottime):\n" + text.getvalue()[-4000:], flush=True)
+            else:
+                box["pending"] = ck.save(app, tag=tag)
 
         t_save_step, peak = peak_extra(loop, lambda: loop.step(hook, where))
         interval = [t_save_step] + [loop.step() for _ in range(every - 1)]
@@ -229,9 +244,13 @@ def main() -> None:
     ap.add_argument("--skip-baselines", action="store_true")
     ap.add_argument("--gc-freeze", action="store_true",
                     help="gc.freeze() once the model is built (docs/capture.md): full collections then skip it")
+    ap.add_argument("--profile-save", action="store_true",
+                    help="cProfile the last save() of each placement and print its top functions")
     ap.add_argument("--configs", default=None,
                     help="Config variants measured one after another, e.g. 'io_threads=6;io_threads=12,copy_ahead=8'")
     args = ap.parse_args()
+    global PROFILE_SAVE
+    PROFILE_SAVE = args.profile_save
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, optim = build(args.model, dev)
     data = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device=dev)
