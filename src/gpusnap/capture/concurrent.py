@@ -13,6 +13,7 @@ staging regions.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -111,7 +112,7 @@ class ConcurrentSave:
             self.after = HashTable(flat.spans, chunk_size)
         self._before_hex: list[tuple[str, ...]] | None = None
         self._kept: list[SnapshotBuffer] | None = None  # see _keep_snapshots
-        self.window.on_close(self._drop_kept)  # a failed copier never hashes what it kept
+        self.window.on_close(self._drop_kept)  # a failed save never hashes what it kept
         events = {}
         for device in streams:
             event = torch.cuda.Event()
@@ -127,9 +128,8 @@ class ConcurrentSave:
             consistent_events=events,
             streams=streams,
             # compared: the hashes first, the copies skip what is unchanged; otherwise the
-            # hashes after the copies (see _hash_snapshots)
+            # hashes once the window has closed (see _hash_snapshots)
             prepare=(self._hash_snapshots if self.compared else self._keep_snapshots) if self.before is not None else None,
-            after_issue=self._hash_snapshots if self.before is not None and not self.compared else None,
             skip=self._skip if self.compared else None,
             after_copy=self._after_copy if validate else None,
             on_drained=self._hashes_to_host if validate else None,
@@ -177,27 +177,28 @@ class ConcurrentSave:
                 self._txn.abort()
 
     def _drop_kept(self) -> None:
-        self._kept = None
+        if self.window.error is not None:
+            self._kept = None
 
     def _keep_snapshots(self) -> None:
         """Copier thread, before any copy: hold the snapshot buffers, whose spans the copier
-        lets go of one by one, until :meth:`_hash_snapshots` has enqueued their hashes."""
+        lets go of one by one, until :meth:`finish` has hashed them."""
         self._kept = self.window.snapshot_buffers()
 
     def _hash_snapshots(self) -> None:
-        """Copier thread, on the copy streams: the consistent-point hashes of snapshotted
-        spans (the streams wait for the consistent point, so after the snapshots), then every
+        """On the copy streams (which waited for the consistent point, so after the
+        snapshots): the consistent-point hashes of snapshotted spans, then every
         consistent-point hash to the host.
 
-        A save that compares with the previous checkpoint runs this before its first copy: it
-        needs the hashes to know what to copy. One that does not runs it after its last copy
-        is issued: the hashes only go into the manifest. Before the copies, every copy queued
-        behind the hash kernel, which shares the GPU with the program's step.
+        A save that compares with the previous checkpoint runs this on the copier thread
+        before its first copy: it needs the hashes to know what to copy. One that does not
+        only needs them in its manifest: :meth:`finish` runs it, after the window closed.
+        On the copier thread it kept the window open 175-350 ms longer on GPT-2 large training
+        (BENCHMARKS.md, eighth session): not GPU time (a probe found every call it makes
+        returns in under 1 ms with the GPU busy), but a thread waiting for the GIL, which the
+        program's step holds. The snapshot buffers stay allocated until then.
 
-        Each device's snapshots are hashed from their one buffer, with no tensor per span:
-        this thread competes for the GIL with the program (and the writers), and per-span
-        Python stretched this call to 200-500 ms on GPT-2 large training (BENCHMARKS.md,
-        eighth session)."""
+        Each device's snapshots are hashed from their one buffer, with no tensor per span."""
         assert self.before is not None
         kept, self._kept = self._kept, None
         marks = self.copier.marks
@@ -328,6 +329,11 @@ class ConcurrentSave:
             f.result()
         if self.window.error is not None:
             raise self.window.error
+        if self._kept is not None:  # the snapshots' hashes, off the window (_hash_snapshots)
+            with contextlib.ExitStack() as streams:
+                for stream in self.copier.streams.values():
+                    streams.enter_context(torch.cuda.stream(stream))
+                self._hash_snapshots()
         self.validation = self._validate()
         hashes = self.before_hex() if self.before is not None else [None] * len(self.flat.spans)
         return tuple(

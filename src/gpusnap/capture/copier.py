@@ -58,7 +58,6 @@ class Copier:
         consistent_events: dict[torch.device, Any],
         streams: dict[torch.device, Any],
         prepare: Callable[[], None] | None = None,
-        after_issue: Callable[[], None] | None = None,
         skip: Callable[[WindowSpan], Collection[int]] | None = None,
         after_copy: Callable[[WindowSpan, int, torch.Tensor], None] | None = None,
         on_drained: Callable[[], None] | None = None,
@@ -76,7 +75,6 @@ class Copier:
         self.streams = streams
         self.trace = window.trace
         self.prepare = prepare  # runs on this thread (on the copy streams) before any copy
-        self.after_issue = after_issue  # likewise once every copy is issued, before the drain
         self.skip = skip  # chunk indices of a span that need no copy (incremental saves)
         self.after_copy = after_copy  # hashes a piece's source right after its copy (CUDA)
         self.on_drained = on_drained  # every copy completed; runs before the window closes
@@ -134,8 +132,6 @@ class Copier:
                     self._copy_span(ws)
                     self.window.mark_captured(ws)
             self.marks["issued"] = time.perf_counter()
-            if self.after_issue is not None:
-                self.after_issue()
             self._drain(0)
             self.marks["drained"] = time.perf_counter()
             if self.on_drained is not None:
