@@ -264,3 +264,74 @@ def test_uncompared_saves_hash_the_snapshot_not_the_live_state(tmp_path: Any, de
         got = {k: torch.zeros_like(v) for k, v in state.items()}
         ck.restore(got, info.id)
         assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+@pytest.fixture
+def snapshot_refs(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Weak references to every snapshot shadow the saves take from now on."""
+    import weakref
+
+    from gpusnap.capture import window as window_mod
+
+    refs: list[Any] = []
+    batched = window_mod._batched_copies
+
+    def spy(spans: Any) -> Any:
+        for device, group, shadows, event in batched(spans):
+            refs.extend(weakref.ref(s) for s in shadows)
+            yield device, group, shadows, event
+
+    monkeypatch.setattr(window_mod, "_batched_copies", spy)
+    return refs
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_snapshots_are_freed_once_committed(tmp_path: Any, snapshot_refs: list[Any], incremental: bool) -> None:
+    """A whole-state snapshot is as big as the state: nothing may hold it after the save is
+    durable (compared, uncompared and plain saves alike), or the next save's snapshot finds
+    half the memory and the program may run out."""
+    import gc
+
+    state = {f"t{i}": torch.randn(4096) for i in range(4)}
+    config = _config(cpu_snapshot_bytes=1 << 24, staging_bytes=1 << 20, incremental=incremental)
+    with gpusnap.Checkpointer(tmp_path / "ck", config=config) as ck:
+        for _ in range(3):  # incremental: nothing to compare with, compared, not compared
+            for t in state.values():
+                t.add_(1.0)
+            ck.save(state).wait()
+            gc.collect()
+            assert snapshot_refs and all(r() is None for r in snapshot_refs), "a snapshot outlived its save"
+            snapshot_refs.clear()
+
+
+def test_a_failed_uncompared_save_frees_its_snapshot(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+                                                     snapshot_refs: list[Any]) -> None:
+    """An uncompared save keeps its snapshot for the hash at commit; if its writes fail
+    (a full disk), the snapshot must go back all the same."""
+    import errno
+    import gc
+
+    fail = threading.Event()
+    store = _concurrent.ConcurrentSave._store
+
+    def full_disk(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if fail.is_set():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return store(self, *args, **kwargs)
+
+    monkeypatch.setattr(_concurrent.ConcurrentSave, "_store", full_disk)
+    state = {f"t{i}": torch.randn(4096) for i in range(4)}
+    with gpusnap.Checkpointer(tmp_path / "ck", config=_config(cpu_snapshot_bytes=1 << 24, staging_bytes=1 << 20)) as ck:
+        for _ in range(2):  # nothing to compare with; compared (0% unchanged)
+            for t in state.values():
+                t.add_(1.0)
+            ck.save(state).wait()
+        snapshot_refs.clear()
+        fail.set()
+        for t in state.values():
+            t.add_(1.0)
+        pending = ck.save(state)
+        with pytest.raises(gpusnap.CheckpointError, match="No space"):
+            pending.wait()
+        gc.collect()
+        assert snapshot_refs and all(r() is None for r in snapshot_refs), "a failed save kept its snapshot"

@@ -325,10 +325,14 @@ class ConcurrentSave:
         with self._lock:
             futures = list(self._futures)
         wait(futures)
-        for f in futures:
-            f.result()
-        if self.window.error is not None:
-            raise self.window.error
+        try:
+            for f in futures:
+                f.result()
+            if self.window.error is not None:
+                raise self.window.error
+        except BaseException:
+            self._kept = None  # a failed save hashes nothing: its snapshots go back
+            raise
         if self._kept is not None:  # the snapshots' hashes, off the window (_hash_snapshots)
             with contextlib.ExitStack() as streams:
                 for stream in self.copier.streams.values():

@@ -341,6 +341,9 @@ class CaptureWindow:
                 if ws.state is not SpanState.CAPTURED:
                     ws.state = SpanState.CAPTURED
                     ws.shadow = None
+            # the snapshots' memory goes back now (a save that hashes them at commit holds
+            # its own references until then)
+            self._snapshot_groups, self._snapshot_buffers = [], []
             self.closed_at = time.perf_counter()
             self.cond.notify_all()
         for callback in self._on_close:
