@@ -796,3 +796,20 @@ def test_random_states_and_changes_planned_equal_full() -> None:
         for flat, text in earlier:
             assert json.dumps(flat.tree, sort_keys=True, default=list) == text, case
     assert counts["planned"] > counts["walks"] // 3 and counts["refused"] > 10, counts
+
+
+@pytest.mark.parametrize("planned", [False, True])
+def test_data_rebound_to_a_lazy_negation_is_refused(planned: bool) -> None:
+    """`.data =` accepts a lazy negative view (its raw bytes are not its values): a tensor
+    object already checked once must still be refused, with or without a plan."""
+    from gpusnap.errors import CheckpointError
+    from gpusnap.state.flatten import flatten
+
+    w = torch.nn.Parameter(torch.randn(8))
+    state = {"w": w}
+    plan = None
+    for _ in range(3):
+        plan = flatten(state, plan=plan).plan
+    w.data = torch._neg_view(torch.randn(8))
+    with pytest.raises(CheckpointError, match="negative"):
+        flatten(state, plan=plan if planned else None)

@@ -429,6 +429,9 @@ class _Walker:
             same += repeat(False, n - len(same))
             for i in compress(range(n), map(operator.not_, same)):
                 _check_supported(tensors[i], paths[i])
+        if any(map(torch.Tensor.is_neg, tensors)) or any(map(torch.Tensor.is_conj, tensors)):
+            for tensor, path in zip(tensors, paths):  # a known tensor given a lazy view by `.data =`
+                _check_supported(tensor, path)
         eq = operator.eq
         if (
             n != len(plan.types)
@@ -615,7 +618,7 @@ class _Walker:
 
     def tensor(self, tensor: torch.Tensor, path: str) -> dict[str, Any]:
         seen = _supported.get(id(tensor))
-        if seen is None or seen() is not tensor or tensor.device.type not in _DEVICE_TYPES:
+        if seen is None or seen() is not tensor or _changed_kind(tensor):
             _check_supported(tensor, path)
         i = len(self.tensors)
         node: dict[str, Any] = self._ready[i] if i < len(self._ready) else {"t": "tensor"}  # as take() does
@@ -790,14 +793,21 @@ def _check_supported(tensor: torch.Tensor, path: str) -> None:
     """CheckpointError naming ``path`` when ``tensor`` cannot be stored."""
     seen = _supported.get(id(tensor))
     # a tensor object's kind does not change (`.data =` refuses other tensor types):
-    # checked fully once; its device every time, for safety
-    if seen is None or seen() is not tensor or tensor.device.type not in _DEVICE_TYPES:
+    # checked fully once; its device and lazy negation/conjugation (`.data =` accepts a
+    # `_neg_view`, whose raw bytes are not its values) every time
+    if seen is None or seen() is not tensor or _changed_kind(tensor):
         problem = tensor_problem(tensor)
         if problem is not None:
             raise CheckpointError(f"{path or '<root>'}: unsupported tensor: {problem}")
         if len(_supported) > 1 << 17:
             _supported.clear()  # dead entries of tensors long gone
         _supported[id(tensor)] = weakref.ref(tensor)
+
+
+def _changed_kind(tensor: torch.Tensor) -> bool:
+    """What ``.data =`` can change about a supported tensor object: its device, and lazy
+    negation or conjugation bits."""
+    return tensor.device.type not in _DEVICE_TYPES or tensor.is_neg() or tensor.is_conj()
 
 
 def _swapped(node: dict[str, Any], new: dict[int, dict[str, Any]]) -> dict[str, Any]:
