@@ -233,17 +233,15 @@ class CaptureWindow:
 
     def _snapshot(self, spans: list[WindowSpan]) -> None:
         """Whole-span shadows taken now, on the current streams (not counted as COW)."""
-        self._snapshot_groups: list[tuple[torch.device, list[WindowSpan]]] = []
         self._snapshot_buffers: list[SnapshotBuffer] = []
-        for device, group, shadows, event in _batched_copies(spans):
+        for _device, group, shadows, event in _batched_copies(spans):
             for ws, shadow in zip(group, shadows):
                 ws.shadow, ws.shadow_from, ws.shadow_event = shadow, 0, event
-            self._snapshot_groups.append((device, group))
             self._snapshot_buffers.append(SnapshotBuffer(group, shadows))
 
     def snapshot_runs(self) -> list[tuple[torch.device, list[WindowSpan]]]:
         """Per device, the snapshotted spans in the order their shadows lie in its buffer."""
-        return list(self._snapshot_groups)
+        return [(snap.buffer.device, snap.spans) for snap in self._snapshot_buffers]
 
     def snapshot_buffers(self) -> list[SnapshotBuffer]:
         """Per device, the buffer that holds the snapshots (it keeps them alive)."""
@@ -343,7 +341,7 @@ class CaptureWindow:
                     ws.shadow = None
             # the snapshots' memory goes back now (a save that hashes them at commit holds
             # its own references until then)
-            self._snapshot_groups, self._snapshot_buffers = [], []
+            self._snapshot_buffers = []
             self.closed_at = time.perf_counter()
             self.cond.notify_all()
         for callback in self._on_close:

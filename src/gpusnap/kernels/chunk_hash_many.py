@@ -104,11 +104,16 @@ def _row_table(
     NumPy on the host, not torch ops: each torch call costs the calling thread several times
     a NumPy call's host time, and a restore's copy thread builds one table per batch (the
     torch version took ~35% of its samples on the H200)."""
+    _rows_from_arrays(*_span_arrays(spans, counts), chunk_size, host)
+
+
+def _span_arrays(spans: Sequence[torch.Tensor], counts: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Address, length and chunk count of each span that has chunks."""
     used = [i for i, c in enumerate(counts) if c]
     starts = np.fromiter((spans[i].data_ptr() for i in used), dtype=np.int64, count=len(used))
     sizes = np.fromiter((spans[i].numel() for i in used), dtype=np.int64, count=len(used))
     per = np.fromiter((counts[i] for i in used), dtype=np.int64, count=len(used))
-    _rows_from_arrays(starts, sizes, per, chunk_size, host)
+    return starts, sizes, per
 
 
 def _rows_from_arrays(starts: np.ndarray, sizes: np.ndarray, per: np.ndarray, chunk_size: int, host: torch.Tensor) -> None:
@@ -168,17 +173,12 @@ def chunk_hashes_packed(
         triton_path = False
         if impl == "triton":
             raise ValueError("impl='triton' needs every span 16-byte aligned")
-    if triton_path:
-        used = per > 0
-        _launch_many(buffer.data_ptr() + offs[used], lens[used], per[used], total, chunk_size, out,
-                     DEFAULT_TRITON_CONFIG)
-        return out
-    row = 0
-    for off, n, count in zip(offs.tolist(), lens.tolist(), per.tolist()):
-        if count:
-            chunk_hashes(buffer[off : off + n], chunk_size, out=out[row : row + count],
-                         impl="torch" if impl == "torch" else "auto")
-            row += count
+    if not triton_path:  # (per-span views: the CPU, or unaligned spans)
+        return chunk_hashes_many([buffer[o : o + n] for o, n in zip(offs.tolist(), lens.tolist())],
+                                 chunk_size, out, impl=impl)
+    used = per > 0
+    _launch_many(buffer.data_ptr() + offs[used], lens[used], per[used], total, chunk_size, out,
+                 DEFAULT_TRITON_CONFIG)
     return out
 
 
@@ -193,11 +193,7 @@ def _hash_triton_many(
     # The loads need 16-byte aligned chunks; the copies live until the kernels are enqueued,
     # which is enough: the caching allocator reuses their memory in this stream's order.
     spans = [s.clone() if c and s.data_ptr() % 16 else s for s, c in zip(spans, counts)]
-    used = [i for i, c in enumerate(counts) if c]
-    starts = np.fromiter((spans[i].data_ptr() for i in used), dtype=np.int64, count=len(used))
-    sizes = np.fromiter((spans[i].numel() for i in used), dtype=np.int64, count=len(used))
-    per = np.fromiter((counts[i] for i in used), dtype=np.int64, count=len(used))
-    _launch_many(starts, sizes, per, out.shape[0], chunk_size, out, config)
+    _launch_many(*_span_arrays(spans, counts), out.shape[0], chunk_size, out, config)
     del spans  # (the aligned copies: see above)
 
 
