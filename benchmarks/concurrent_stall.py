@@ -247,7 +247,8 @@ def main() -> None:
     ap.add_argument("--profile-save", action="store_true",
                     help="cProfile the last save() of each placement and print its top functions")
     ap.add_argument("--configs", default=None,
-                    help="Config variants measured one after another, e.g. 'io_threads=6;io_threads=12,copy_ahead=8'")
+                    help="Config variants measured one after another, e.g. 'io_threads=6;io_threads=12,copy_ahead=8'; "
+                         "'_gather=0' (not a Config field) snapshots through _foreach_copy_ instead of the gather kernel")
     args = ap.parse_args()
     global PROFILE_SAVE
     PROFILE_SAVE = args.profile_save
@@ -292,10 +293,14 @@ def main() -> None:
     variants = [v for v in (args.configs or "").split(";") if v] or [""]
     for n, variant in enumerate(variants):
         defaults = gpusnap.Config()
+        pairs = [kv.split("=") for kv in variant.split(",") if kv]
+        switches = {k: int(v) for k, v in pairs if k.startswith("_")}  # not Config fields: SWITCHES
         overrides = {
             k: (bool(int(v)) if isinstance(getattr(defaults, k), bool) else int(v))
-            for k, v in (kv.split("=") for kv in variant.split(",") if kv)
+            for k, v in pairs if not k.startswith("_")
         }
+        for name, on in switches.items():
+            SWITCHES[name](bool(on))
         cfg = gpusnap.Config.from_env(**overrides)
         key = variant or "gpusnap"
         out: dict[str, Any] = {"io_threads": cfg.io_threads, "copy_ahead": cfg.copy_ahead,
@@ -321,6 +326,8 @@ def main() -> None:
         # each config's checkpoints go: on tmpfs, four configs of GPT-2 large filled the host
         # memory (the H200 machine's 128 GiB) and the kernel killed the run
         shutil.rmtree(ck_root, ignore_errors=True)
+        for name in switches:
+            SWITCHES[name](True)  # back to the default for the next config
         print(f"[{key}] stall after/cow {out['after']['stall_median_s'] * 1e3:.1f}/{out['cow']['stall_median_s'] * 1e3:.1f} ms, "
               f"interval {out['after']['interval_stall_median_s'] * 1e3:.1f}/{out['cow']['interval_stall_median_s'] * 1e3:.1f} ms, "
               f"exact {out['first_exact'] and out['after']['bit_exact'] and out['cow']['bit_exact']}", flush=True)
@@ -337,6 +344,19 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1, default=str)
     table(res)
+
+
+def _gather(on: bool) -> None:
+    """``_gather=0``: snapshots through one ``_foreach_copy_`` of per-span views (the path
+    before kernels.gather_copy), for an A/B in one run."""
+    from gpusnap.capture import window
+    from gpusnap.kernels import gather_copy
+
+    window.gather_copy_available = gather_copy.gather_copy_available if on else (lambda device: False)
+
+
+# Benchmark switches, given in --configs as "_name=0/1" next to Config fields.
+SWITCHES = {"_gather": _gather}
 
 
 def table(res: dict[str, Any]) -> None:

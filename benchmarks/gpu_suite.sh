@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks and measurements, each step time-boxed, logs under
 # $OUT (default ./gpu-out). Usage: benchmarks/gpu_suite.sh [demo] [tests] [stall] [diag] [incr]
-# [restore] [rdiag] [probe] [hash] [quick] (default: all but rdiag, probe, hash and quick). Run from the repository root on
+# [restore] [rdiag] [probe] [gather] [hash] [quick] (default: all but rdiag, probe, gather, hash and quick). Run from the repository root on
 # the GPU machine; read what comes back with benchmarks/suite_summary.py suite.tgz. SUITE_S
 # (default 570) bounds the whole call: a step gets at most the time left,
 # and one with under 30 s left is skipped, so the logs of the steps before it always come back.
@@ -50,6 +50,8 @@ for s in "${steps[@]}"; do
            tail -12 "$L/rdiag.log" ;;
     probe) t 150 python3 benchmarks/restore_probe.py ${PROBE_ARGS:-} > "$L/probe.log" 2>&1
            tail -16 "$L/probe.log" ;;
+    gather) t 120 python3 benchmarks/gather_copy_bench.py --json "$L/gather.json" > "$L/gather.log" 2>&1
+            tail -6 "$L/gather.log" ;;
     hash) t 120 python3 benchmarks/hash_kernel.py --out "$L/hash.json" > "$L/hash.log" 2>&1
           tail -20 "$L/hash.log" ;;
     quick) t 560 python3 -m gpusnap bench --quick --out "$L/bench" > "$L/quick.log" 2>&1

@@ -134,6 +134,12 @@ def test_triton_interpreter_many_equals_per_span() -> None:
         print("interpreter ok")
         """
     )
+    run_interpreted(script, path)
+
+
+def run_interpreted(script: str, path: str) -> None:
+    """Run ``script`` under Triton's interpreter (PYTHONPATH: the repository, then ``path``);
+    it must print "interpreter ok"."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([root, path]))
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,

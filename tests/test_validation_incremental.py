@@ -192,11 +192,9 @@ def test_a_retried_blocking_save_reports_the_callers_whole_wait(
 @pytest.mark.parametrize("snapshot", [True, False], ids=["snapshot", "tracked"])
 def test_incremental_compares_only_where_it_pays(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, snapshot: bool) -> None:
     """Training (every chunk changes): after one comparison that finds nothing unchanged, saves
-    copy at once (no wait for the hashes) and one in COMPARE_EVERY compares again; frozen
-    state keeps comparing and skipping. Every checkpoint restores exactly."""
-    from gpusnap import checkpointer as checkpointer_mod
-
-    monkeypatch.setattr(checkpointer_mod, "COMPARE_EVERY", 3)
+    copy at once (no wait for the hashes), and each one still learns the unchanged share from
+    its own hashes. Once the state freezes, the first save copies at once but finds it all
+    unchanged, so the next one compares and skips. Every checkpoint restores exactly."""
     compared: list[bool] = []
     init = _concurrent.ConcurrentSave.__init__
 
@@ -208,28 +206,36 @@ def test_incremental_compares_only_where_it_pays(tmp_path: Any, monkeypatch: pyt
     config = _config(cpu_snapshot_bytes=(1 << 20) if snapshot else 0)  # whole-state snapshot, or tracked
     g = torch.Generator().manual_seed(11)
     state = {"w": torch.randn(4096, generator=g), "m": torch.randn(2048, generator=g)}
+    total = sum(v.nbytes for v in state.values())
     notes, expected, ids = [], [], []
     with gpusnap.Checkpointer(tmp_path / "ck", config=config) as ck:
-        for _ in range(7):  # training: everything changes between saves
-            for t in state.values():
+        for step in range(7):  # training: everything changes between saves...
+            for name, t in state.items():
+                if step == 4 and name == "w":  # ...except once: "w" is left as it was
+                    continue
                 t.add_(torch.randn(t.shape, generator=g))
             expected.append({k: v.clone() for k, v in state.items()})
             info = ck.save(state).wait()
             notes.append(info.stats["incremental"])
             ids.append(info.id)
             assert info.stats["tracked"] is not snapshot or len(ids) == 1  # a first window is tracked
-            assert info.stats["bytes_written"] >= sum(v.nbytes for v in state.values()) - CHUNK
         # save 1: nothing to compare with; 2 compares (0% unchanged); 3, 4 copy at once;
-        # 5 compares again (COMPARE_EVERY = 3); 6, 7 copy at once
-        assert compared == [False, True, False, False, True, False, False], notes
+        # 5 copies at once but finds "w" (2/3 of the bytes) unchanged; so 6 compares
+        # (0% again), and 7 copies at once
+        assert compared == [False, True, False, False, False, True, False], notes
         assert notes[0] == "nothing to compare with"
         assert notes[1].startswith("compared") and "0.0%" in notes[1]
-        assert notes[2].startswith("not compared"), notes[2]
-        for frozen_round in range(3):  # frozen: nothing changes, every save compares and skips
+        assert notes[2].startswith("not compared") and "found 0.0%" in notes[2], notes[2]
+        assert f"found {state['w'].nbytes / total:.1%}" in notes[4], notes[4]
+        assert notes[5].startswith("compared") and "0.0%" in notes[5]
+        frozen = []
+        for _ in range(3):  # frozen: the first copies at once, then every save compares and skips
             info = ck.save(state).wait()
-            assert info.stats["incremental"].startswith("compared"), info.stats["incremental"]
-            if frozen_round:
-                assert info.stats["bytes_skipped"] == sum(v.nbytes for v in state.values())
+            frozen.append(info.stats["incremental"])
+            if len(frozen) > 1:
+                assert frozen[-1].startswith("compared"), frozen
+                assert info.stats["bytes_skipped"] == total
+        assert frozen[0].startswith("not compared") and "found 100.0%" in frozen[0], frozen
         for cid, want in zip(ids, expected):
             got = {k: torch.zeros_like(v) for k, v in state.items()}
             ck.restore(got, cid)
@@ -277,9 +283,9 @@ def snapshot_refs(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     batched = window_mod._batched_copies
 
     def spy(spans: Any) -> Any:
-        for device, group, shadows, event in batched(spans):
-            refs.extend(weakref.ref(s) for s in shadows)
-            yield device, group, shadows, event
+        for device, group, buffer, offsets, event in batched(spans):
+            refs.append(weakref.ref(buffer))
+            yield device, group, buffer, offsets, event
 
     monkeypatch.setattr(window_mod, "_batched_copies", spy)
     return refs

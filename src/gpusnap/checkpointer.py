@@ -44,8 +44,7 @@ __all__ = ["Checkpointer", "info_from_manifest"]
 log = logging.getLogger("gpusnap")
 
 # Incremental saves compare with the latest checkpoint only where it pays (_should_compare):
-SKIP_WORTH = 0.05  # the last comparison found at least this share of the bytes unchanged...
-COMPARE_EVERY = 8  # ...or this many saves have passed since it
+SKIP_WORTH = 0.05  # when the last save found at least this share of the bytes unchanged
 
 
 def info_from_manifest(manifest: Manifest) -> CheckpointInfo:
@@ -124,10 +123,9 @@ class Checkpointer:
         self._order_memo: tuple[FlatPlan | None, list[str], list[int]] | None = None  # plan, write order, copy order
         self._access_paths: list[str] | None = None  # key paths in the first window's read order
         self._previous: dict[str, str] | None = None  # latest checkpoint: device hash -> digest
-        # share of the bytes the last comparing save found unchanged, and saves since it
+        # share of the bytes the last incremental save found unchanged, compared or not
         # (incremental saves compare only where it pays: _should_compare)
         self._unchanged_share: float | None = None
-        self._saves_uncompared = 0
         self._eager_paths: set[str] = set()  # written unseen once: captured at save() from now on
         self._retries: list[_SaveJob] = []  # failed validation; retried at the owner's next call
         self._staging: StagingArena | None = None
@@ -308,31 +306,29 @@ class Checkpointer:
         self._windows.append(capture)
         return capture
 
-    def _incremental_note(self, share: float | None) -> str:
-        """``stats["incremental"]``; ``share``: the bytes this save found unchanged, None if it did not compare."""
+    def _incremental_note(self, share: float | None, compared: bool) -> str:
+        """``stats["incremental"]``; ``share``: the bytes this save found unchanged (None: no
+        checkpoint to compare with)."""
         if not self.config.incremental:
             return "off"
-        if share is not None:
-            return f"compared with the latest checkpoint: {share:.1%} of the bytes unchanged"
-        if self._unchanged_share is None:
+        if share is None:
             return "nothing to compare with"
-        return (f"not compared (copied at once): the last comparison found {self._unchanged_share:.1%} "
-                f"unchanged, below {SKIP_WORTH:.0%}; one save in {COMPARE_EVERY} compares")
+        if compared:
+            return f"compared with the latest checkpoint: {share:.1%} of the bytes unchanged"
+        return (f"not compared (copied at once, as the previous save found less than {SKIP_WORTH:.0%} "
+                f"unchanged); its hashes found {share:.1%} of the bytes unchanged")
 
     def _should_compare(self) -> bool:
         """Whether this incremental save compares its hashes with the latest checkpoint's
-        before copying. Comparing makes the copier wait for the consistent point's hashes (on
-        the low-priority copy stream, behind the program's kernels): on GPT-2 large training,
-        where nothing is unchanged, the window stayed open twice as long and the save was
-        durable up to 32% later (BENCHMARKS.md, seventh session). So after a comparison that
-        found less than :data:`SKIP_WORTH` of the bytes unchanged, saves copy at once, and one
-        save in :data:`COMPARE_EVERY` compares again (a workload may freeze its weights)."""
+        before copying. Comparing makes the copier wait for the consistent point's hashes,
+        which kept GPT-2 large training windows open twice as long with nothing unchanged
+        (BENCHMARKS.md, seventh session). Every incremental save learns the unchanged share
+        from its hashes, compared or not (an uncompared one after its copies, for a dict
+        lookup per chunk), so a save compares only when the previous one found at least
+        :data:`SKIP_WORTH` of the bytes unchanged: training copies at once every time, and a
+        workload that freezes its weights compares from the save after that."""
         share = self._unchanged_share
-        if share is None or share >= SKIP_WORTH or self._saves_uncompared + 1 >= COMPARE_EVERY:
-            self._saves_uncompared = 0
-            return True
-        self._saves_uncompared += 1
-        return False
+        return share is None or share >= SKIP_WORTH
 
     def _previous_spans(self, repo: Repository) -> dict[str, str]:
         """Device hash -> stored digest of the latest checkpoint's chunks (incremental saves
@@ -492,10 +488,10 @@ class Checkpointer:
                 if capture is not None:
                     stats.update(_window_stats(capture))
                     share = None
-                    if capture.compared:  # the share the next saves go by (_should_compare)
+                    if capture.previous:  # the share the next save goes by (_should_compare)
                         total = job.counters.bytes_total
                         share = self._unchanged_share = capture.bytes_unchanged / total if total else 0.0
-                    stats["incremental"] = self._incremental_note(share)
+                    stats["incremental"] = self._incremental_note(share, capture.compared)
                     stats["validation"] = capture.validation
                     if job.retry_note is not None:
                         stats["validation"] += f" (a retry: the first attempt failed: {job.retry_note})"

@@ -340,6 +340,8 @@ class ConcurrentSave:
                 self._hash_snapshots()
         self.validation = self._validate()
         hashes = self.before_hex() if self.before is not None else [None] * len(self.flat.spans)
+        if self.previous and not self.compared:
+            self.bytes_unchanged = self._unchanged_bytes(hashes)
         return tuple(
             StorageEntry(
                 nbytes=s.nbytes,
@@ -349,6 +351,19 @@ class ConcurrentSave:
             )
             for s, digests, h in zip(self.flat.spans, self.digests, hashes)
         )
+
+    def _unchanged_bytes(self, hashes: list[list[str]]) -> int:
+        """Bytes whose chunk hash the previous checkpoint holds: what comparing would have
+        skipped. A save that copied at once learns it after the fact, for a few dict lookups,
+        so the next save can decide whether comparing pays (``Checkpointer._should_compare``)."""
+        cs, known, total = self.chunk_size, self.previous, 0
+        for span, h in zip(self.flat.spans, hashes):
+            same = sum(1 for x in h if x in known)
+            if same:
+                total += same * cs
+                if h[-1] in known and span.nbytes % cs:  # the last chunk is short
+                    total -= cs - span.nbytes % cs
+        return total
 
     def reap(self) -> bool:
         """Pop the tracker if the window is closed and this is its thread (top of stack only)."""

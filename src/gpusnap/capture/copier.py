@@ -87,7 +87,6 @@ class Copier:
         self.max_inflight = self.ahead * piece_bytes  # bytes
         self._inflight: deque[tuple[Any, float, list[Segment], Region, int]] = deque()
         self._inflight_bytes = 0
-        self._held_buffers: set[int] = set()  # snapshot buffers recorded on a copy stream
         # A Checkpointer's one long-lived copier thread (``runner``): starting a thread per
         # save cost save() ~5 ms on a busy 2-core machine (Thread.start waits for it to run).
         self._runner = runner
@@ -192,23 +191,26 @@ class Copier:
 
     def _copy_snapshots(self) -> None:
         """Every span is a snapshot taken at save(), and the snapshots of one device lie back
-        to back in one buffer (``CaptureWindow.snapshot_runs``). Nothing can write them, so
+        to back in one buffer (``CaptureWindow.snapshot_buffers``). Nothing can write them, so
         there is no order to keep and no state to update per piece: copy each run of changed
         chunks that sit next to each other in the buffer as one piece (a model's hundreds of
-        small tensors then make a few dozen copies, not hundreds of Python round trips)."""
+        small tensors then make a few dozen copies, not hundreds of Python round trips). The
+        runs are found from the buffer offsets alone: no tensor per span."""
         cs, piece = self.chunk_size, self.piece_bytes
-        for device, spans in self.window.snapshot_runs():
-            stream = self.streams.get(device) if device.type == "cuda" else None
+        for snap in self.window.snapshot_buffers():
+            buffer = snap.buffer
+            stream = self.streams.get(buffer.device) if buffer.device.type == "cuda" else None
             started = time.perf_counter()
-            segments: list[tuple[WindowSpan, int, int, torch.Tensor]] = []  # and source bytes
-            for ws in spans:
+            segments: list[Segment] = []  # (span, start, bytes, position in the buffer)
+            for ws, offset in zip(snap.spans, snap.offsets()):
                 skip = self.skip(ws) if self.skip is not None else ()
-                assert ws.shadow is not None
                 for start, n in _changed_runs(ws.nbytes, skip, cs, piece):
-                    segments.append((ws, start, n, ws.shadow[start : start + n]))
+                    segments.append((ws, start, n, offset + start))
             if self.skip is not None:
                 self._traced("skip", started)
-            for run, first, n in _adjacent_runs(segments, piece):
+            if stream is not None and segments:
+                buffer.record_stream(stream)  # the buffer outlives our copies
+            for run, base, n in _adjacent_runs(segments, piece):
                 if self.window.error is not None:
                     raise self.window.error
                 if stream is not None:
@@ -217,12 +219,9 @@ class Copier:
                 region = self._allocate(n)
                 issued_at = time.perf_counter()
                 try:
-                    src = first.as_strided((n,), (1,), first.storage_offset())
-                    region.data[:n].copy_(src, non_blocking=stream is not None)
+                    region.data[:n].copy_(buffer[base : base + n], non_blocking=stream is not None)
                     event = None
                     if stream is not None:
-                        if not self._held(src):
-                            src.record_stream(stream)  # the buffer outlives our copies
                         event = waitable_event()
                         event.record(stream)
                 except BaseException:
@@ -231,16 +230,8 @@ class Copier:
                 if event is None and self.trace is not None:
                     self.trace.span("copy", _label_run(run), issued_at, time.perf_counter())
                 self._issued(run, region, n, event)
-            for ws in spans:
+            for ws in snap.spans:
                 self.window.mark_captured(ws)
-
-    def _held(self, src: torch.Tensor) -> bool:
-        """Whether ``src``'s snapshot buffer was recorded on the copy stream already."""
-        key = src.untyped_storage().data_ptr()
-        if key in self._held_buffers:
-            return True
-        self._held_buffers.add(key)
-        return False
 
     def _allocate(self, n: int) -> Region:
         """A staging region for the next piece. Pieces in flight hold regions that only come
@@ -364,30 +355,23 @@ def _changed_runs(nbytes: int, skip: Collection[int], chunk_size: int, limit: in
         k = j
 
 
-def _adjacent_runs(
-    segments: list[tuple[WindowSpan, int, int, torch.Tensor]], limit: int
-) -> Iterator[tuple[list[Segment], torch.Tensor, int]]:
-    """Group segments whose source bytes follow each other in one buffer (up to the padding
-    that aligns each snapshot, ``SNAPSHOT_ALIGN``) into runs of at most ``limit`` bytes:
-    (segments with their offsets in the run, the first one's source, the run's bytes)."""
+def _adjacent_runs(segments: list[Segment], limit: int) -> Iterator[tuple[list[Segment], int, int]]:
+    """Group segments (their last field: the position of their bytes in one buffer) that
+    follow each other in the buffer, up to the padding that aligns each snapshot
+    (``SNAPSHOT_ALIGN``), into runs of at most ``limit`` bytes: (segments with their offsets
+    in the run, the run's position in the buffer, its bytes)."""
     run: list[Segment] = []
-    first: torch.Tensor | None = None
     base = end = 0
-    for ws, start, n, src in segments:
-        ptr = src.data_ptr()
-        if run and (
-            not 0 <= ptr - end < SNAPSHOT_ALIGN
-            or ptr + n - base > limit
-            or src.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()  # type: ignore[union-attr]
-        ):
-            yield run, first, end - base  # type: ignore[misc]
+    for ws, start, n, pos in segments:
+        if run and (not 0 <= pos - end < SNAPSHOT_ALIGN or pos + n - base > limit):
+            yield run, base, end - base
             run = []
         if not run:
-            first, base = src, ptr
-        run.append((ws, start, n, ptr - base))
-        end = ptr + n
+            base = pos
+        run.append((ws, start, n, pos - base))
+        end = pos + n
     if run:
-        yield run, first, end - base  # type: ignore[misc]
+        yield run, base, end - base
 
 
 def _label_run(segments: list[Segment]) -> str:

@@ -29,9 +29,11 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from gpusnap.capture.trace import Trace
+from gpusnap.kernels.gather_copy import gather_copy, gather_copy_available, gather_copy_tensors
 from gpusnap.state.flatten import FlatState, StorageSpan
 
 __all__ = ["SNAPSHOT_ALIGN", "CaptureWindow", "SnapshotBuffer", "SpanState", "WindowSpan", "WindowStats"]
@@ -52,8 +54,9 @@ class WindowSpan:
     device: torch.device
     state: SpanState = SpanState.PENDING
     issued: int = 0  # bytes whose copies are enqueued (CPU: done)
-    shadow: torch.Tensor | None = None  # bytes [shadow_from, nbytes) as they were at save()
-    shadow_from: int = 0
+    shadow: torch.Tensor | None = None  # holds bytes [shadow_from, nbytes) as they were at
+    shadow_from: int = 0  # save(), from byte shadow_offset on: one buffer serves every span
+    shadow_offset: int = 0  # copied with this one (no tensor per span)
     shadow_event: Any = None  # CUDA event after the shadow copy, on the writer's stream
     live_event: Any = None  # CUDA event after the last piece copied from the live bytes
     waited: set[int] | None = None  # streams already waiting on live_event (None: none yet;
@@ -234,14 +237,10 @@ class CaptureWindow:
     def _snapshot(self, spans: list[WindowSpan]) -> None:
         """Whole-span shadows taken now, on the current streams (not counted as COW)."""
         self._snapshot_buffers: list[SnapshotBuffer] = []
-        for _device, group, shadows, event in _batched_copies(spans):
-            for ws, shadow in zip(group, shadows):
-                ws.shadow, ws.shadow_from, ws.shadow_event = shadow, 0, event
-            self._snapshot_buffers.append(SnapshotBuffer(group, shadows))
-
-    def snapshot_runs(self) -> list[tuple[torch.device, list[WindowSpan]]]:
-        """Per device, the snapshotted spans in the order their shadows lie in its buffer."""
-        return [(snap.buffer.device, snap.spans) for snap in self._snapshot_buffers]
+        for _device, group, buffer, offsets, event in _batched_copies(spans):
+            for ws, offset in zip(group, offsets):
+                ws.shadow, ws.shadow_offset, ws.shadow_from, ws.shadow_event = buffer, offset, 0, event
+            self._snapshot_buffers.append(SnapshotBuffer(group, buffer, offsets))
 
     def snapshot_buffers(self) -> list[SnapshotBuffer]:
         """Per device, the buffer that holds the snapshots (it keeps them alive)."""
@@ -251,9 +250,9 @@ class CaptureWindow:
         """Copy the bytes not yet issued of each span, on the writer's stream (so before its
         write); spans on one device share one buffer and one multi-tensor copy kernel."""
         started = time.perf_counter()
-        for _device, group, shadows, event in _batched_copies(spans):
-            for ws, shadow in zip(group, shadows):
-                ws.shadow, ws.shadow_from, ws.shadow_event = shadow, ws.issued, event
+        for _device, group, buffer, offsets, event in _batched_copies(spans):
+            for ws, offset in zip(group, offsets):
+                ws.shadow, ws.shadow_offset, ws.shadow_from, ws.shadow_event = buffer, offset, ws.issued, event
                 self.stats.bytes_cow += ws.cow
                 self.stats.cow_events += 1
         self.stats.cow_peak = max(self.stats.cow_peak, self.cow_used)
@@ -311,7 +310,7 @@ class CaptureWindow:
         what to shadow from ``issued``, so issuing must be atomic with the decision.
         """
         if ws.shadow is not None and start >= ws.shadow_from:
-            off = start - ws.shadow_from
+            off = ws.shadow_offset + start - ws.shadow_from
             return ws.shadow[off : off + n], True
         return ws.span.as_bytes()[start : start + n], False
 
@@ -367,17 +366,16 @@ class CaptureWindow:
 
 class SnapshotBuffer:
     """One device's snapshots, back to back in one buffer: ``spans[i]``'s bytes are
-    ``buffer[offsets()[i] : offsets()[i] + spans[i].nbytes]``. Holding it keeps them all alive."""
+    ``buffer[offsets[i] : offsets[i] + spans[i].nbytes]``. Holding it keeps them all alive."""
 
-    def __init__(self, spans: list[WindowSpan], shadows: list[torch.Tensor]) -> None:
+    def __init__(self, spans: list[WindowSpan], buffer: torch.Tensor, offsets: list[int]) -> None:
         self.spans = spans
-        self._shadows = shadows
-        storage = shadows[0].untyped_storage()  # the buffer's (split views share it)
-        self.buffer = shadows[0].new_empty(0).set_(storage, 0, (storage.nbytes(),), (1,))
+        self.buffer = buffer
+        self._offsets = offsets
 
     def offsets(self) -> list[int]:
         """Byte offset of each span's snapshot in ``buffer``."""
-        return [shadow.storage_offset() for shadow in self._shadows]
+        return self._offsets
 
 
 SNAPSHOT_ALIGN = 16  # each shadow starts 16-byte aligned in its buffer: the hash kernels'
@@ -386,30 +384,35 @@ SNAPSHOT_ALIGN = 16  # each shadow starts 16-byte aligned in its buffer: the has
 
 def _batched_copies(
     spans: list[WindowSpan],
-) -> Iterator[tuple[torch.device, list[WindowSpan], list[torch.Tensor], Any]]:
-    """Per device: the spans, copies of their bytes not yet issued (one buffer, each copy
-    aligned to ``SNAPSHOT_ALIGN``, one multi-tensor copy kernel, on the current stream) and a
-    CUDA event after the copy."""
+) -> Iterator[tuple[torch.device, list[WindowSpan], torch.Tensor, list[int], Any]]:
+    """Per device: the spans, one buffer holding copies of their bytes not yet issued (each
+    at its offset, aligned to ``SNAPSHOT_ALIGN``), those offsets, and a CUDA event after the
+    copy, which runs on the current stream.
+
+    On CUDA with Triton the copy is one kernel fed by the spans' addresses
+    (``kernels.gather_copy``): no tensor per span, which was most of ``save()``'s host time
+    after ``flatten`` for a model's thousands of storages. Elsewhere, one ``_foreach_copy_``
+    from a uint8 alias of each span."""
     by_device: dict[torch.device, list[WindowSpan]] = {}
     for ws in spans:
         by_device.setdefault(ws.device, []).append(ws)
     for device, group in by_device.items():
-        sources = [ws.span.as_bytes()[ws.issued :] if ws.issued else ws.span.as_bytes() for ws in group]
-        if len(group) == 1:
-            shadows = [sources[0].clone()]
+        sizes = np.fromiter((ws.nbytes - ws.issued for ws in group), dtype=np.int64, count=len(group))
+        padded = sizes + (-sizes % SNAPSHOT_ALIGN)
+        offsets = np.cumsum(padded) - padded
+        buffer = torch.empty(int(padded.sum()), dtype=torch.uint8, device=device)
+        if gather_copy_available(device):
+            addrs = np.fromiter((ws.span.storage.data_ptr() + ws.span.start + ws.issued for ws in group),
+                                dtype=np.int64, count=len(group))
+            gather_copy(buffer, offsets, addrs, sizes)
         else:
-            sizes = []  # each copy, then its padding: one split makes every view
-            for src in sources:
-                n = src.numel()
-                sizes += (n, -n % SNAPSHOT_ALIGN)
-            buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-            shadows = list(buffer.split(sizes)[::2])
-            torch._foreach_copy_(shadows, sources)
+            sources = [ws.span.as_bytes()[ws.issued :] if ws.issued else ws.span.as_bytes() for ws in group]
+            gather_copy_tensors(buffer, offsets.tolist(), sources)
         event = None
         if device.type == "cuda":
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
-        yield device, group, shadows, event
+        yield device, group, buffer, offsets.tolist(), event
 
 
 def _name(ws: WindowSpan) -> str:

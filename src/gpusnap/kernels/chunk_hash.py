@@ -68,6 +68,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from gpusnap import launch_hooks
@@ -86,6 +87,7 @@ __all__ = [
     "TritonConfig",
     "chunk_hashes",
     "hashes_to_hex",
+    "hex_rows",
     "num_chunks",
     "triton_available",
 ]
@@ -185,7 +187,17 @@ def hashes_to_hex(hashes: torch.Tensor) -> list[str]:
     """One 32-character hex string per row of :func:`chunk_hashes` (copies to the host)."""
     if hashes.dim() != 2 or hashes.shape[1] != HASH_WORDS or hashes.dtype != torch.int64:
         raise ValueError(f"expected an int64 tensor of shape (n, {HASH_WORDS})")
-    return ["".join(f"{v & _M64:016x}" for v in row) for row in hashes.cpu().tolist()]
+    return hex_rows(hashes.cpu().numpy())
+
+
+def hex_rows(rows: np.ndarray) -> list[str]:
+    """:func:`hashes_to_hex` of an ``(n, 2)`` int64 array on the host: one NumPy conversion
+    and one ``bytes.hex`` for the whole table, not a format call per word. A save converts
+    thousands of rows on a thread that competes with the program for the GIL."""
+    words = np.ascontiguousarray(rows, dtype=np.int64).view(np.uint64)
+    text = words.astype(">u8").tobytes().hex()  # big-endian: each word's hex digits
+    step = 16 * HASH_WORDS
+    return [text[i : i + step] for i in range(0, len(text), step)]
 
 
 def _check(data: torch.Tensor, chunk_size: int) -> None:

@@ -1,0 +1,124 @@
+"""kernels.gather_copy: many spans, given by address, into one buffer with one launch."""
+
+from __future__ import annotations
+
+import importlib.util
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from gpusnap.kernels import gather_copy as gc
+from tests.test_chunk_hash_many import _interpreter_path, run_interpreted
+
+# (source offset in the store, length): aligned and unaligned starts, odd lengths, an empty
+# span, spans of many tiles and of a partial last tile
+SPANS = [(0, 4096), (16, 40_000), (3, 1000), (64, 0), (1000, 17), (2048, 123_457), (5, 70_001), (4096, 16)]
+
+
+def layout(spans: list[tuple[int, int]], align: int = 16) -> tuple[list[int], int]:
+    """Destination offsets, each aligned, and the buffer's size."""
+    offsets, pos = [], 0
+    for _, n in spans:
+        offsets.append(pos)
+        pos += n + (-n % align)
+    return offsets, pos
+
+
+def expected(store: torch.Tensor, spans: list[tuple[int, int]], offsets: list[int], size: int) -> torch.Tensor:
+    want = torch.zeros(size, dtype=torch.uint8)
+    for (s, n), o in zip(spans, offsets):
+        want[o : o + n] = store[s : s + n].cpu()
+    return want
+
+
+def test_tile_table_cuts_spans_into_tiles() -> None:
+    table = gc.tile_table(1000, [0, 64, 200], [5000, 7000, 9000], [40, 0, 33], tile_bytes=16)
+    assert table.tolist() == [
+        [5000, 5016, 5032, 9000, 9016, 9032],
+        [1000, 1016, 1032, 1200, 1216, 1232],
+        [16, 16, 8, 16, 16, 1],
+    ]
+    with pytest.raises(ValueError, match="multiple of 16"):
+        gc.tile_table(0, [0], [0], [1], tile_bytes=24)
+    with pytest.raises(ValueError, match="negative"):
+        gc.tile_table(0, [0], [0], [-1])
+    with pytest.raises(ValueError, match="one length"):
+        gc.tile_table(0, [0, 1], [0], [1])
+
+
+def test_gather_copy_tensors_equals_the_reference() -> None:
+    store = torch.randint(0, 256, (300_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    offsets, size = layout(SPANS)
+    out = torch.zeros(size, dtype=torch.uint8)
+    gc.gather_copy_tensors(out, offsets, [store[s : s + n] for s, n in SPANS])
+    assert torch.equal(out, expected(store, SPANS, offsets, size))
+
+
+def test_gather_copy_refuses_what_it_cannot_run() -> None:
+    out = torch.zeros(64, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="Triton and a CUDA tensor"):
+        gc.gather_copy(out, [0], [out.data_ptr()], [8])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the compiled kernel is tested instead")
+def test_triton_interpreter_gather_copy() -> None:
+    """The kernel, interpreted on CPU addresses: wide and byte paths, several tile sizes."""
+    path = _interpreter_path()
+    if path is None:
+        pytest.skip("no Triton >= 3.9 importable (set GPUSNAP_TRITON_PATH)")
+    script = textwrap.dedent(
+        """
+        import torch
+        from gpusnap.kernels import gather_copy as gc
+        from tests.test_gather_copy import SPANS, expected, layout
+
+        store = torch.randint(0, 256, (300_000,), dtype=torch.uint8)
+        offsets, size = layout(SPANS)
+        for tile, block in ((4096, 64), (1 << 20, 2048), (80, 16), (16, 2)):
+            out = torch.zeros(size, dtype=torch.uint8)
+            table = torch.from_numpy(gc.tile_table(out.data_ptr(), offsets,
+                                                   [store.data_ptr() + s for s, _ in SPANS],
+                                                   [n for _, n in SPANS], tile))
+            gc._t_gather_kernel[(table.shape[1],)](table, table.shape[1], BLOCK=block, BLOCK_B=32)
+            assert torch.equal(out, expected(store, SPANS, offsets, size)), tile
+        print("interpreter ok")
+        """
+    )
+    run_interpreted(script, path)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+@pytest.mark.parametrize("tile", [16, 4096, gc.DEFAULT_TILE_BYTES])
+def test_gather_copy_on_cuda(tile: int) -> None:
+    """Every byte lands at its offset, and nothing outside the spans is written."""
+    store = torch.randint(0, 256, (300_000,), dtype=torch.uint8, device="cuda")
+    offsets, size = layout(SPANS)
+    out = torch.full((size + 64,), 7, dtype=torch.uint8, device="cuda")
+    gc.gather_copy(out, offsets, [store.data_ptr() + s for s, _ in SPANS], [n for _, n in SPANS], tile_bytes=tile)
+    want = torch.full((size + 64,), 7, dtype=torch.uint8)
+    for (s, n), o in zip(SPANS, offsets):
+        want[o : o + n] = store[s : s + n].cpu()
+    assert torch.equal(out.cpu(), want)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_gather_copy_of_many_tensors_in_stream_order() -> None:
+    """A model's worth of storages of several dtypes, overwritten right after the copy was
+    enqueued on the same stream: the buffer holds the values from before."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    tensors = [torch.randn(int(n), device="cuda", generator=g).to(dt)
+               for n, dt in zip(np.random.default_rng(0).integers(1, 300_000, 400),
+                                [torch.float32, torch.bfloat16, torch.int64, torch.uint8] * 100)]
+    sizes = [t.untyped_storage().nbytes() for t in tensors]
+    offsets, size = layout([(0, n) for n in sizes])
+    before = [t.clone() for t in tensors]
+    out = torch.empty(size, dtype=torch.uint8, device="cuda")
+    gc.gather_copy(out, offsets, [t.data_ptr() for t in tensors], sizes)
+    for t in tensors:
+        t.zero_()
+    for t, o, n, b in zip(tensors, offsets, sizes, before):
+        assert torch.equal(out[o : o + n], b.reshape(-1).view(torch.uint8)), (o, n)
