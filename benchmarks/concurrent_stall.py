@@ -155,10 +155,17 @@ def phase(loop: Loop, ck: gpusnap.Checkpointer, app: dict, where: str, saves: in
             else:
                 box["pending"] = ck.save(app, tag=tag)
 
+        before = alloc_counts()
         t_save_step, peak = peak_extra(loop, lambda: loop.step(hook, where))
+        mid = alloc_counts()
         interval = [t_save_step] + [loop.step() for _ in range(every - 1)]
+        end = alloc_counts()
         rows.append({"pending": box["pending"], "expected": expected, "step_s": t_save_step,
-                     "interval_s": sum(interval), "peak_extra": max(0, peak - plain_peak)})
+                     "interval_s": sum(interval), "peak_extra": max(0, peak - plain_peak),
+                     # device mallocs/frees/retries of the caching allocator: in the save's
+                     # step, and in the rest of its interval
+                     "alloc_step": [b - a for a, b in zip(before, mid)],
+                     "alloc_rest": [b - a for a, b in zip(mid, end)]})
     ck.wait()
     collections.__exit__()
     infos = [r["pending"].wait() for r in rows]
@@ -169,10 +176,22 @@ def phase(loop: Loop, ck: gpusnap.Checkpointer, app: dict, where: str, saves: in
     return out
 
 
+def alloc_counts() -> tuple[int, int, int]:
+    """The caching allocator's device mallocs, frees and retries so far (0s on the CPU)."""
+    if not torch.cuda.is_available():
+        return (0, 0, 0)
+    m = torch.cuda.memory_stats()
+    return (m.get("num_device_alloc", 0), m.get("num_device_free", 0), m.get("num_alloc_retries", 0))
+
+
 def summarize(ck, args, dev, data, ph: dict[str, Any]) -> dict[str, Any]:
     infos = ph["infos"]
     st = [i.stats for i in infos]
     return {
+        "stalls_s": ph["stalls"],
+        "interval_stalls_s": [r["interval_stall"] for r in ph["rows"]],
+        "alloc_step": [r["alloc_step"] for r in ph["rows"]],
+        "alloc_rest": [r["alloc_rest"] for r in ph["rows"]],
         "stall_median_s": statistics.median(ph["stalls"]),
         "stall_max_s": max(ph["stalls"]),
         "interval_stall_median_s": statistics.median(r["interval_stall"] for r in ph["rows"]),
@@ -375,6 +394,7 @@ def table(res: dict[str, Any]) -> None:
             "durable_s", "bytes_cow_max", "waits_max", "stream_waits_max", "peak_extra_device_bytes",
             "staging_bytes", "bytes_copied_median", "bytes_skipped_median", "bytes_snapshot_max",
             "copies_median", "tracked_windows", "full_gc_count", "full_gc_s", "bit_exact")
+    lists = ("stalls_s", "interval_stalls_s", "alloc_step", "alloc_rest")
     for key in res["configs"]:
         c = res[key]
         print(f"  [{key}] first save stall {ms(c['first_save_stall_s'])}, exact {c['first_exact']}")
@@ -386,6 +406,11 @@ def table(res: dict[str, Any]) -> None:
             a, b = c["after"][k], c["cow"][k]
             fmt = ms if k.endswith("_s") else (gb if "bytes" in k else str)
             print(f"  {k:<28}{fmt(a):>14}{fmt(b):>14}")
+        for k in lists:  # per save: the spread behind the medians, and the allocator's work
+            for where in ("after", "cow"):
+                vals = c[where].get(k, [])
+                shown = [f"{v * 1e3:.1f}" for v in vals] if k.endswith("_s") else [str(v) for v in vals]
+                print(f"  [{key}] {k} {where}: {' '.join(shown)}")
 
 
 if __name__ == "__main__":

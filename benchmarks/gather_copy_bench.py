@@ -40,6 +40,7 @@ def main() -> None:
     ap.add_argument("--model", default="gpt2-large")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep", action="store_true", help="also time tile size x block x warps")
     args = ap.parse_args()
     tensors = state_storages(args.model)
     storages = [t.untyped_storage() for t in tensors]
@@ -80,6 +81,22 @@ def main() -> None:
             end.synchronize()
             gpu.append(start.elapsed_time(end) / 1e3)
         res[name] = {"host_s": min(host), "gpu_s": min(gpu), "gb_s": int(sizes.sum()) / min(gpu) / 1e9}
+    if args.sweep:
+        sweep = res["sweep"] = []
+        for tile in (1 << 18, 1 << 20, 1 << 22):
+            for block in (1024, 2048, 4096):
+                for warps in (4, 8, 16):
+                    def fn(tile=tile, block=block, warps=warps) -> None:
+                        addrs = np.fromiter((s.data_ptr() for s in storages), dtype=np.int64, count=len(storages))
+                        gather_copy(buffer, offsets, addrs, sizes, tile_bytes=tile, block_words=block, num_warps=warps)
+                    fn()
+                    torch.cuda.synchronize()
+                    best = min(_gpu_time(fn) for _ in range(args.repeat))
+                    sweep.append({"tile": tile, "block": block, "warps": warps, "gpu_s": best})
+        sweep.sort(key=lambda r: r["gpu_s"])
+        for r in sweep[:6]:
+            print(f"sweep: tile {r['tile'] >> 10} KiB, block {r['block']}, warps {r['warps']}: "
+                  f"{r['gpu_s'] * 1e3:.2f} ms, {int(sizes.sum()) / r['gpu_s'] / 1e9:.0f} GB/s")
     foreach()
     want = buffer.clone()
     buffer.zero_()
@@ -94,6 +111,15 @@ def main() -> None:
     for name in ("gather", "foreach", "clone"):
         r = res[name]
         print(f"{name:<10}{r['host_s'] * 1e3:>10.2f}{r['gpu_s'] * 1e3:>10.2f}{r['gb_s']:>10.0f}")  # type: ignore[index]
+
+
+def _gpu_time(fn) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 # the GPU machine; read what comes back with benchmarks/suite_summary.py suite.tgz. SUITE_S
 # (default 570) bounds the whole call: a step gets at most the time left,
 # and one with under 30 s left is skipped, so the logs of the steps before it always come back.
-# STALL_CONFIGS and STALL_ARGS (e.g. --gc-freeze) vary the stall step; TEST_FILES picks the
+# STALL_CONFIGS and STALL_ARGS (e.g. --gc-freeze) vary the stall step, STALL_S bounds it (420); TEST_FILES picks the
 # tests step's files, RDIAG_ARGS the restore diagnosis's options, PROBE_ARGS restore_probe.py's,
 # RESTORE_REPEAT the restore bench's timed runs per measurement (best kept; 1: includes first-use costs).
 set -uo pipefail
@@ -36,7 +36,7 @@ for s in "${steps[@]}"; do
              tests/test_restore_pipelined.py tests/test_restore_lazy.py tests/test_restore_pieces.py \
              tests/test_chunk_hash.py tests/test_chunk_hash_many.py tests/test_bench_dcp.py tests/test_state_rng.py} \
              > "$L/tests.log" 2>&1; tail -3 "$L/tests.log" ;;
-    stall) t 420 python3 benchmarks/concurrent_stall.py --model gpt2-large --saves 2 --every 20 --batch 4 ${STALL_ARGS:-} \
+    stall) t ${STALL_S:-420} python3 benchmarks/concurrent_stall.py --model gpt2-large --saves 2 --every 20 --batch 4 ${STALL_ARGS:-} \
              --configs "${STALL_CONFIGS:-device_snapshot=0,validate=0,incremental=0;device_snapshot=0;device_snapshot=1,incremental=0;device_snapshot=1}" --json "$L/stall.json" \
              > "$L/stall.log" 2>&1; tail -44 "$L/stall.log" ;;
     diag) t 240 python3 benchmarks/stall_diagnosis.py --variants "${DIAG_VARIANTS:-full,plain,no-store,poll,switch}" \
@@ -50,8 +50,8 @@ for s in "${steps[@]}"; do
            tail -12 "$L/rdiag.log" ;;
     probe) t 150 python3 benchmarks/restore_probe.py ${PROBE_ARGS:-} > "$L/probe.log" 2>&1
            tail -16 "$L/probe.log" ;;
-    gather) t 120 python3 benchmarks/gather_copy_bench.py --json "$L/gather.json" > "$L/gather.log" 2>&1
-            tail -6 "$L/gather.log" ;;
+    gather) t 120 python3 benchmarks/gather_copy_bench.py ${GATHER_ARGS:-} --json "$L/gather.json" > "$L/gather.log" 2>&1
+            tail -12 "$L/gather.log" ;;
     hash) t 120 python3 benchmarks/hash_kernel.py --out "$L/hash.json" > "$L/hash.log" 2>&1
           tail -20 "$L/hash.log" ;;
     quick) t 560 python3 -m gpusnap bench --quick --out "$L/bench" > "$L/quick.log" 2>&1

@@ -46,7 +46,8 @@ __all__ = ["DEFAULT_TILE_BYTES", "gather_copy", "gather_copy_available", "gather
 
 DEFAULT_TILE_BYTES = 1 << 20  # per program: big enough to stream, small enough to spread a
 # 9 GB snapshot over ~9k programs (132 SMs)
-_BLOCK_WORDS = 2048  # int64 words per loop step (16 KiB): 8 per thread at 8 warps
+DEFAULT_BLOCK_WORDS = 2048  # int64 words per loop step (16 KiB): 8 per thread at 8 warps
+DEFAULT_NUM_WARPS = 8
 _BLOCK_BYTES = 1024  # bytes per step of the unaligned remainder
 
 
@@ -92,6 +93,8 @@ def gather_copy(
     sizes: Sequence[int] | np.ndarray,
     *,
     tile_bytes: int = DEFAULT_TILE_BYTES,
+    block_words: int = DEFAULT_BLOCK_WORDS,
+    num_warps: int = DEFAULT_NUM_WARPS,
 ) -> torch.Tensor:
     """Copy ``sizes[i]`` bytes from device address ``src_addrs[i]`` to
     ``dst[dst_offsets[i]:]`` for every ``i``, on the current stream of ``dst``'s device: one
@@ -99,7 +102,9 @@ def gather_copy(
 
     ``dst``: a contiguous 1-D uint8 CUDA tensor; every source must lie on its device (raw
     addresses cannot be checked: the caller's promise). Destinations are checked to lie within
-    ``dst``; overlapping destinations are the caller's error, as for any copy."""
+    ``dst``; overlapping destinations are the caller's error, as for any copy.
+    ``tile_bytes``, ``block_words`` (int64 words per loop step, a power of two) and
+    ``num_warps`` shape the launch (``benchmarks/gather_copy_bench.py --sweep``)."""
     if not gather_copy_available(dst.device):
         raise RuntimeError("gather_copy needs Triton and a CUDA tensor (else use gather_copy_tensors)")
     if dst.dtype != torch.uint8 or dst.dim() != 1 or not dst.is_contiguous():
@@ -117,8 +122,8 @@ def gather_copy(
         # (the caching host allocator keeps ``host`` until the copy has run: dropped at once)
         device_table = torch.empty_like(host, device=dst.device)
         device_table.copy_(host, non_blocking=True)
-        _t_gather_kernel[(rows,)](device_table, rows, BLOCK=_BLOCK_WORDS, BLOCK_B=_BLOCK_BYTES,
-                                  num_warps=8)
+        _t_gather_kernel[(rows,)](device_table, rows, BLOCK=block_words, BLOCK_B=_BLOCK_BYTES,
+                                  num_warps=num_warps)
     return dst
 
 
