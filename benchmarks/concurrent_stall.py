@@ -20,6 +20,7 @@ CPU runs (``--model tiny``) are smoke tests, not performance figures.
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import gc
 import io
@@ -57,8 +58,11 @@ def state_tensors(model, optim) -> list[torch.Tensor]:
     return out
 
 
-def clone_state(model, optim) -> list[torch.Tensor]:
-    return [t.detach().clone() for t in state_tensors(model, optim)]
+def clone_state(model, optim) -> torch.Tensor:
+    """The state's bytes in one buffer: one object for Python's collector to walk while the
+    saves run, not one tensor per state tensor (a kept list of 1745 clones per save made the
+    bench's own full collections costlier)."""
+    return torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in state_tensors(model, optim)])
 
 
 class Loop:
@@ -110,6 +114,12 @@ class FullCollections:
 
     def __init__(self) -> None:
         self.count, self.seconds, self._start = 0, 0.0, None
+        self.objects: list[int] = []  # objects left in the oldest generation after each
+
+    def census(self) -> list[tuple[str, int]]:
+        """The commonest types in the oldest generation now (what a full collection walks)."""
+        counts = collections.Counter(type(o).__name__ for o in gc.get_objects(2))
+        return counts.most_common(8)
 
     def __call__(self, phase: str, info: dict[str, Any]) -> None:
         if info.get("generation") != 2:
@@ -120,6 +130,7 @@ class FullCollections:
             self.count += 1
             self.seconds += time.perf_counter() - self._start
             self._start = None
+            self.objects.append(len(gc.get_objects(2)))  # (after the timing)
 
     def __enter__(self) -> FullCollections:
         gc.callbacks.append(self)
@@ -136,7 +147,7 @@ def phase(loop: Loop, ck: gpusnap.Checkpointer, app: dict, where: str, saves: in
           median_rest: float, plain_peak: int) -> dict[str, Any]:
     """``saves`` concurrent saves, one every ``every`` steps, placed at ``where``."""
     rows = []
-    collections = FullCollections().__enter__()
+    full = FullCollections().__enter__()
     for s in range(saves):
         # forward/backward change no state bytes (grads are not state), so a clone before the
         # timed step equals the state at either save point, and stays out of the timing
@@ -167,9 +178,10 @@ def phase(loop: Loop, ck: gpusnap.Checkpointer, app: dict, where: str, saves: in
                      "alloc_step": [b - a for a, b in zip(before, mid)],
                      "alloc_rest": [b - a for a, b in zip(mid, end)]})
     ck.wait()
-    collections.__exit__()
+    full.__exit__()
     infos = [r["pending"].wait() for r in rows]
-    out: dict[str, Any] = {"infos": infos, "rows": rows, "full_gc": (collections.count, collections.seconds)}
+    out: dict[str, Any] = {"infos": infos, "rows": rows, "full_gc": (full.count, full.seconds),
+                           "gen2_objects": full.objects, "gen2_census": full.census()}
     out["stalls"] = [max(0.0, r["step_s"] - median_rest) for r in rows]
     for r in rows:
         r["interval_stall"] = max(0.0, r["interval_s"] - every * median_rest)
@@ -189,6 +201,8 @@ def summarize(ck, args, dev, data, ph: dict[str, Any]) -> dict[str, Any]:
     st = [i.stats for i in infos]
     return {
         "stalls_s": ph["stalls"],
+        "gen2_objects": ph["gen2_objects"],
+        "gen2_census": ph["gen2_census"],
         "interval_stalls_s": [r["interval_stall"] for r in ph["rows"]],
         "alloc_step": [r["alloc_step"] for r in ph["rows"]],
         "alloc_rest": [r["alloc_rest"] for r in ph["rows"]],
@@ -244,8 +258,9 @@ def verify(ck: gpusnap.Checkpointer, args, dev, data, rows, infos) -> bool:
     target = {"model": fresh_model, "optim": fresh_optim, "step": -1}
     for r, info in zip(rows, infos):
         ck.restore(target, info.id)
-        got = state_tensors(fresh_model, fresh_optim)
-        ok = len(got) == len(r["expected"]) and all(torch.equal(a, b) for a, b in zip(got, r["expected"]))
+        got = clone_state(fresh_model, fresh_optim)
+        ok = torch.equal(got, r["expected"])
+        del got
         exact &= ok
         r["expected"] = None
     return exact
@@ -322,6 +337,8 @@ def main() -> None:
             SWITCHES[name](bool(on))
         cfg = gpusnap.Config.from_env(**overrides)
         key = variant or "gpusnap"
+        if key in res.get("configs", []):  # a config measured again later in the run
+            key += f" #{sum(k.split(' #')[0] == key for k in res.get('configs', [])) + 1}"
         out: dict[str, Any] = {"io_threads": cfg.io_threads, "copy_ahead": cfg.copy_ahead,
                                "copy_piece_bytes": cfg.copy_piece_bytes}
         res.setdefault("configs", []).append(key)
@@ -394,7 +411,7 @@ def table(res: dict[str, Any]) -> None:
             "durable_s", "bytes_cow_max", "waits_max", "stream_waits_max", "peak_extra_device_bytes",
             "staging_bytes", "bytes_copied_median", "bytes_skipped_median", "bytes_snapshot_max",
             "copies_median", "tracked_windows", "full_gc_count", "full_gc_s", "bit_exact")
-    lists = ("stalls_s", "interval_stalls_s", "alloc_step", "alloc_rest")
+    lists = ("stalls_s", "interval_stalls_s", "alloc_step", "alloc_rest", "gen2_objects", "gen2_census")
     for key in res["configs"]:
         c = res[key]
         print(f"  [{key}] first save stall {ms(c['first_save_stall_s'])}, exact {c['first_exact']}")

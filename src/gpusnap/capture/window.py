@@ -343,7 +343,8 @@ class CaptureWindow:
             self._snapshot_buffers = []
             self.closed_at = time.perf_counter()
             self.cond.notify_all()
-        for callback in self._on_close:
+        callbacks, self._on_close = self._on_close, []  # run once; and they are bound
+        for callback in callbacks:  # methods of the save, which holds this window: no cycle
             callback()
 
     def settle(self) -> None:
