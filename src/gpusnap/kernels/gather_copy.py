@@ -44,10 +44,12 @@ triton, tl = _ch.triton, _ch.tl
 
 __all__ = ["DEFAULT_TILE_BYTES", "gather_copy", "gather_copy_available", "gather_copy_tensors", "tile_table"]
 
-DEFAULT_TILE_BYTES = 1 << 20  # per program: big enough to stream, small enough to spread a
-# 9 GB snapshot over ~9k programs (132 SMs)
-DEFAULT_BLOCK_WORDS = 2048  # int64 words per loop step (16 KiB): 8 per thread at 8 warps
-DEFAULT_NUM_WARPS = 8
+# Launch shape: the best of a sweep on the H200 (BENCHMARKS.md, ninth session: 4.99 ms for
+# GPT-2 large's 9.29 GB, 1862 GB/s, against 4.32 ms for one device copy of as many bytes; the
+# other shapes tried took 5.0-6.2 ms)
+DEFAULT_TILE_BYTES = 4 << 20  # per program: spreads a 9 GB snapshot over ~2.3k programs
+DEFAULT_BLOCK_WORDS = 2048  # int64 words per loop step (16 KiB)
+DEFAULT_NUM_WARPS = 16
 _BLOCK_BYTES = 1024  # bytes per step of the unaligned remainder
 
 
