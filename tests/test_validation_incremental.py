@@ -366,3 +366,48 @@ def test_a_finished_save_leaves_no_cyclic_garbage(tmp_path: Any, incremental: bo
         finally:
             gc.enable()
     assert found == 0, f"{found} objects were only freed by the cycle collector"
+
+
+def test_uncompared_snapshots_go_back_before_the_commit(tmp_path: Any, snapshot_refs: list[Any],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save that copies at once hashes its snapshot when its window closes, while the
+    writers store, and lets it go then: a whole-state snapshot is as big as the state, and
+    used to stay allocated until the commit, seconds later on a big model."""
+    import gc
+    import threading
+    import time
+
+    release = threading.Event()
+    store_many = _concurrent.ConcurrentSave._store_many
+
+    def held(self: Any, pieces: Any) -> None:
+        release.wait(30)
+        store_many(self, pieces)
+
+    state = {f"t{i}": torch.randn(4096) for i in range(4)}
+    config = _config(cpu_snapshot_bytes=1 << 24, staging_bytes=1 << 20)
+    with gpusnap.Checkpointer(tmp_path / "ck", config=config) as ck:
+        for _ in range(2):  # nothing to compare with; compares (0% unchanged)
+            for t in state.values():
+                t.add_(1.0)
+            ck.save(state).wait()
+        snapshot_refs.clear()
+        monkeypatch.setattr(_concurrent.ConcurrentSave, "_store_many", held)
+        for t in state.values():
+            t.add_(1.0)
+        expected = {k: v.clone() for k, v in state.items()}
+        pending = ck.save(state)
+        try:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and any(r() is not None for r in snapshot_refs):
+                gc.collect()
+                time.sleep(0.01)
+            assert snapshot_refs and all(r() is None for r in snapshot_refs), "the snapshot waited for the commit"
+            assert not pending.done()  # the writers are still held: nothing is committed yet
+        finally:
+            release.set()
+        info = pending.wait()
+        assert info.stats["incremental"].startswith("not compared"), info.stats["incremental"]
+        got = {k: torch.zeros_like(v) for k, v in state.items()}
+        ck.restore(got, info.id)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)

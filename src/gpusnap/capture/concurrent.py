@@ -133,6 +133,7 @@ class ConcurrentSave:
             skip=self._skip if self.compared else None,
             after_copy=self._after_copy if validate else None,
             on_drained=self._hashes_to_host if validate else None,
+            after_close=self._hash_kept if self.before is not None and not self.compared else None,
             runner=copier_runner,
         )
         self.tracker = TrackerMode(self.window)
@@ -180,9 +181,18 @@ class ConcurrentSave:
         if self.window.error is not None:
             self._kept = None
 
+    def _hash_kept(self) -> None:
+        """Copier thread, once the window has closed: hash the kept snapshots on the copy
+        streams, then let them go. The writers store meanwhile, so the hash is off the path to
+        the commit (enqueueing it took 170-230 ms of a thread's time on GPT-2 large training,
+        waiting for the GIL, ninth session), and the snapshots' device memory goes back
+        seconds before the commit instead of at it."""
+        if self._kept is not None:
+            self._hash_snapshots()
+
     def _keep_snapshots(self) -> None:
         """Copier thread, before any copy: hold the snapshot buffers, whose spans the copier
-        lets go of one by one, until :meth:`finish` has hashed them."""
+        lets go of one by one, until they are hashed (:meth:`_hash_kept`, else :meth:`finish`)."""
         self._kept = self.window.snapshot_buffers()
 
     def _hash_snapshots(self) -> None:
@@ -192,7 +202,8 @@ class ConcurrentSave:
 
         A save that compares with the previous checkpoint runs this on the copier thread
         before its first copy: it needs the hashes to know what to copy. One that does not
-        only needs them in its manifest: :meth:`finish` runs it, after the window closed.
+        only needs them in its manifest: the copier runs it once the window has closed
+        (:meth:`_hash_kept`; :meth:`finish` if that did not happen).
         On the copier thread it kept the window open 175-350 ms longer on GPT-2 large training
         (BENCHMARKS.md, eighth session): not GPU time (a probe found every call it makes
         returns in under 1 ms with the GPU busy), but a thread waiting for the GIL, which the
@@ -321,6 +332,8 @@ class ConcurrentSave:
         """Wait until every chunk is stored; raise the first failure."""
         self.copier.join()
         self.window.settle()
+        if self.copier.after_close_error is not None and self.window.error is None:
+            self.window.error = self.copier.after_close_error
         launch_hooks.remove_listener(self.window.before_opaque_launch)
         with self._lock:
             futures = list(self._futures)

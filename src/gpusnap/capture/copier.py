@@ -61,6 +61,7 @@ class Copier:
         skip: Callable[[WindowSpan], Collection[int]] | None = None,
         after_copy: Callable[[WindowSpan, int, torch.Tensor], None] | None = None,
         on_drained: Callable[[], None] | None = None,
+        after_close: Callable[[], None] | None = None,
         runner: Executor | None = None,
     ) -> None:
         if piece_bytes % chunk_size or piece_bytes > arena.max_region():
@@ -78,6 +79,9 @@ class Copier:
         self.skip = skip  # chunk indices of a span that need no copy (incremental saves)
         self.after_copy = after_copy  # hashes a piece's source right after its copy (CUDA)
         self.on_drained = on_drained  # every copy completed; runs before the window closes
+        self.after_close = after_close  # runs on this thread (copy streams current) once the
+        # window has closed without error; what it raises is kept in ``after_close_error``
+        self.after_close_error: BaseException | None = None
         self.bytes_copied = 0
         self.copies = 0  # pieces copied (one copy call each)
         # when this thread reached each step (perf_counter), and its time waiting for copies:
@@ -115,7 +119,7 @@ class Copier:
             # cycle, each save of GPT-2 large left ~9k objects (its window's per-span records)
             # for Python's full collections, which ran on the program's thread.
             self.sink = _closed_sink
-            self.prepare = self.skip = self.after_copy = self.on_drained = None
+            self.prepare = self.skip = self.after_copy = self.on_drained = self.after_close = None
             self._finished.set()
 
     def _copy_all(self) -> None:
@@ -142,6 +146,12 @@ class Copier:
             if self.on_drained is not None:
                 self.on_drained()
             self.window.close()
+            if self.after_close is not None:
+                try:
+                    self.after_close()
+                except BaseException as exc:  # the window is closed: the save fails at finish
+                    traceback.clear_frames(exc.__traceback__)
+                    self.after_close_error = exc
         except BaseException as exc:  # the save fails; the program must not wait forever
             # Copies and hash kernels already queued may still write the staging regions and
             # hash tables: let them finish before anything is handed back.
