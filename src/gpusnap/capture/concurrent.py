@@ -13,7 +13,6 @@ staging regions.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -192,7 +191,7 @@ class ConcurrentSave:
 
     def _keep_snapshots(self) -> None:
         """Copier thread, before any copy: hold the snapshot buffers, whose spans the copier
-        lets go of one by one, until they are hashed (:meth:`_hash_kept`, else :meth:`finish`)."""
+        lets go of one by one, until :meth:`_hash_kept` has hashed them."""
         self._kept = self.window.snapshot_buffers()
 
     def _hash_snapshots(self) -> None:
@@ -203,7 +202,7 @@ class ConcurrentSave:
         A save that compares with the previous checkpoint runs this on the copier thread
         before its first copy: it needs the hashes to know what to copy. One that does not
         only needs them in its manifest: the copier runs it once the window has closed
-        (:meth:`_hash_kept`; :meth:`finish` if that did not happen).
+        (:meth:`_hash_kept`).
         On the copier thread it kept the window open 175-350 ms longer on GPT-2 large training
         (BENCHMARKS.md, eighth session): not GPU time (a probe found every call it makes
         returns in under 1 ms with the GPU busy), but a thread waiting for the GIL, which the
@@ -215,7 +214,7 @@ class ConcurrentSave:
         marks = self.copier.marks
         marks["hashing"] = time.perf_counter()
         for snap in kept if kept is not None else self.window.snapshot_buffers():
-            self.before.fill_packed([ws.index for ws in snap.spans], snap.buffer, snap.offsets())
+            self.before.fill_packed([ws.index for ws in snap.spans], snap.buffer, snap.offsets)
         del kept
         marks["hashes_enqueued"] = time.perf_counter()
         self.before.to_host_async()
@@ -346,11 +345,6 @@ class ConcurrentSave:
         except BaseException:
             self._kept = None  # a failed save hashes nothing: its snapshots go back
             raise
-        if self._kept is not None:  # the snapshots' hashes, off the window (_hash_snapshots)
-            with contextlib.ExitStack() as streams:
-                for stream in self.copier.streams.values():
-                    streams.enter_context(torch.cuda.stream(stream))
-                self._hash_snapshots()
         self.validation = self._validate()
         hashes = self.before_hex() if self.before is not None else [None] * len(self.flat.spans)
         if self.previous and not self.compared:

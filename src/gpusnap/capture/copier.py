@@ -218,7 +218,7 @@ class Copier:
             stream = self.streams.get(buffer.device) if buffer.device.type == "cuda" else None
             started = time.perf_counter()
             segments: list[Segment] = []  # (span, start, bytes, position in the buffer)
-            for ws, offset in zip(snap.spans, snap.offsets()):
+            for ws, offset in zip(snap.spans, snap.offsets):
                 skip = self.skip(ws) if self.skip is not None else ()
                 for start, n in _changed_runs(ws.nbytes, skip, cs, piece):
                     segments.append((ws, start, n, offset + start))

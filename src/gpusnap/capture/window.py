@@ -338,8 +338,8 @@ class CaptureWindow:
                 if ws.state is not SpanState.CAPTURED:
                     ws.state = SpanState.CAPTURED
                     ws.shadow = None
-            # the snapshots' memory goes back now (a save that hashes them at commit holds
-            # its own references until then)
+            # the snapshots' memory goes back now (a save that hashes them after the window
+            # holds its own references until then)
             self._snapshot_buffers = []
             self.closed_at = time.perf_counter()
             self.cond.notify_all()
@@ -372,11 +372,7 @@ class SnapshotBuffer:
     def __init__(self, spans: list[WindowSpan], buffer: torch.Tensor, offsets: list[int]) -> None:
         self.spans = spans
         self.buffer = buffer
-        self._offsets = offsets
-
-    def offsets(self) -> list[int]:
-        """Byte offset of each span's snapshot in ``buffer``."""
-        return self._offsets
+        self.offsets = offsets  # byte offset of each span's snapshot in ``buffer``
 
 
 SNAPSHOT_ALIGN = 16  # each shadow starts 16-byte aligned in its buffer: the hash kernels'
