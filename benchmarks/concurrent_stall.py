@@ -112,6 +112,26 @@ def peak_extra(loop: Loop, fn: Callable[[], float]) -> tuple[float, int]:
     return out, torch.cuda.max_memory_allocated() - base
 
 
+def state_dict_costs(model, optim) -> dict[str, float]:
+    """Host time of what save() cannot avoid (the state_dict() calls) against gpusnap's whole
+    flatten, the plan reused: the part of flatten that is gpusnap's own."""
+    from gpusnap.state.flatten import flatten
+
+    app = {"model": model, "optim": optim, "step": 0}
+    plan = flatten(app).plan
+
+    def med(fn: Callable[[], Any]) -> float:
+        times = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    return {"model.state_dict": med(model.state_dict), "optim.state_dict": med(optim.state_dict),
+            "flatten(plan)": med(lambda: flatten(app, plan=plan))}
+
+
 class FullCollections:
     """Python's full (generation 2) garbage collections while it is active: count, seconds."""
 
@@ -304,13 +324,15 @@ def main() -> None:
     median_rest = statistics.median(rest_before)
     _, plain_peak = peak_extra(loop, loop.step)
     res_tracker = tracker_overhead(loop)
+    host_parts = state_dict_costs(model, optim)
+    print("host time at rest (median of 20): " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in host_parts.items()), flush=True)
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     root = args.root or tempfile.mkdtemp(prefix="gpusnap-bench-", dir=shm)
     res: dict[str, Any] = {
         "model": args.model, "state_bytes": nbytes, "tensors": len(tensors), "median_step_s": median_rest,
         "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
         "date": time.strftime("%Y-%m-%d"), "batch": args.batch, "seq": args.seq,
-        "tracker_step_s": res_tracker, "gc_freeze": args.gc_freeze,
+        "tracker_step_s": res_tracker, "gc_freeze": args.gc_freeze, "host_parts_s": host_parts,
     }
     if not args.skip_baselines:
         pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=dev.type == "cuda") for t in tensors]

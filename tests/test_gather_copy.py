@@ -56,6 +56,45 @@ def test_gather_copy_tensors_equals_the_reference() -> None:
     assert torch.equal(out, expected(store, SPANS, offsets, size))
 
 
+def test_gather_copy_host_equals_the_reference() -> None:
+    store = torch.randint(0, 256, (300_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    offsets, size = layout(SPANS)
+    out = torch.zeros(size, dtype=torch.uint8)
+    gc.gather_copy_host(out, offsets, [store.data_ptr() + s for s, _ in SPANS], [n for _, n in SPANS])
+    assert torch.equal(out, expected(store, SPANS, offsets, size))
+    with pytest.raises(ValueError, match="within dst"):
+        gc.gather_copy_host(out, [size - 4], [store.data_ptr()], [8])
+    with pytest.raises(ValueError, match="CPU tensor"):
+        gc.gather_copy_host(out.view(torch.int8), [0], [store.data_ptr()], [1])
+
+
+def test_cpu_snapshot_of_tiny_and_big_spans_is_exact() -> None:
+    """A CPU snapshot mixes memmoved scalars (an optimizer's steps) with big spans copied by
+    torch; both must hold the state of save() after the program overwrites it."""
+    from gpusnap.capture.window import _HOST_MOVE_MAX, CaptureWindow
+    from gpusnap.state.flatten import flatten
+
+    state = {f"step{i}": torch.tensor(float(i)) for i in range(50)}
+    state["big"] = torch.arange(_HOST_MOVE_MAX // 4 + 7, dtype=torch.float32)
+    state["view"] = state["big"][3:10]  # a view: one span with its base
+    state["part"] = torch.arange(1000, dtype=torch.int64)[100:130]  # a span from byte 800 on
+    want = {k: v.clone() for k, v in state.items()}
+    flat = flatten(state)
+    window = CaptureWindow(flat, order=range(len(flat.spans)), cow_budget=0, eager_cpu_bytes=0,
+                           snapshot_cpu_bytes=1 << 30)
+    assert window.all_snapshotted
+    for v in state.values():
+        v.add_(1)
+    (snap,) = window.snapshot_buffers()
+    for ws, off in zip(snap.spans, snap.offsets):
+        got = snap.buffer[off : off + ws.nbytes]
+        for path in ws.span.paths:
+            t = want[path]
+            if path == "view":
+                continue
+            assert torch.equal(got[: t.numel() * t.element_size()].view(t.dtype).reshape(t.shape), t), path
+
+
 def test_gather_copy_refuses_what_it_cannot_run() -> None:
     out = torch.zeros(64, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="Triton and a CUDA tensor"):

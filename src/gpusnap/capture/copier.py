@@ -246,8 +246,7 @@ class Copier:
                 if event is None and self.trace is not None:
                     self.trace.span("copy", _label_run(run), issued_at, time.perf_counter())
                 self._issued(run, region, n, event)
-            for ws in snap.spans:
-                self.window.mark_captured(ws)
+            self.window.mark_captured_many(snap.spans)
 
     def _allocate(self, n: int) -> Region:
         """A staging region for the next piece. Pieces in flight hold regions that only come

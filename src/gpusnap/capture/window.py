@@ -27,13 +27,14 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import compress
 from typing import Any
 
 import numpy as np
 import torch
 
 from gpusnap.capture.trace import Trace
-from gpusnap.kernels.gather_copy import gather_copy, gather_copy_available, gather_copy_tensors
+from gpusnap.kernels.gather_copy import gather_copy, gather_copy_available, gather_copy_host, gather_copy_tensors
 from gpusnap.state.flatten import FlatState, StorageSpan
 
 __all__ = ["SNAPSHOT_ALIGN", "CaptureWindow", "SnapshotBuffer", "SpanState", "WindowSpan", "WindowStats"]
@@ -144,6 +145,7 @@ class CaptureWindow:
             ]
 
         snap = chosen(whole_device)
+        started = time.perf_counter()
         try:
             self._snapshot(snap)
         except torch.cuda.OutOfMemoryError:
@@ -153,6 +155,7 @@ class CaptureWindow:
                 ws.shadow, ws.shadow_event = None, None
             snap = chosen(False)
             self._snapshot(snap)
+        self.snapshot_s = time.perf_counter() - started  # host time of the snapshot copy
         self.bytes_eager = sum(ws.nbytes for ws in snap if ws.index in eager)
         self.bytes_snapshot = sum(ws.nbytes for ws in snap)
         self.snapshotted = frozenset(ws.index for ws in snap)
@@ -315,12 +318,19 @@ class CaptureWindow:
         return ws.span.as_bytes()[start : start + n], False
 
     def mark_captured(self, ws: WindowSpan) -> None:
+        self.mark_captured_many((ws,))
+
+    def mark_captured_many(self, spans: Iterable[WindowSpan]) -> None:
+        """Each of ``spans`` is captured (one lock round and one wake-up for them all: a
+        snapshot window marks a model's thousands of spans at once, on a thread that
+        competes with the program for the GIL)."""
         with self.cond:
-            ws.state = SpanState.CAPTURED
-            self.cow_used -= ws.cow  # the shadow's memory goes back to the budget
-            ws.cow = 0
-            ws.shadow = None
-            ws.span.tensors.clear()  # the live storage may be freed now (copies hold the stream)
+            for ws in spans:
+                ws.state = SpanState.CAPTURED
+                self.cow_used -= ws.cow  # the shadow's memory goes back to the budget
+                ws.cow = 0
+                ws.shadow = None
+                ws.span.tensors.clear()  # the live storage may be freed now (copies hold the stream)
             self.cond.notify_all()
 
     def on_close(self, callback: Callable[[], None]) -> None:
@@ -388,8 +398,9 @@ def _batched_copies(
 
     On CUDA with Triton the copy is one kernel fed by the spans' addresses
     (``kernels.gather_copy``): no tensor per span, which was most of ``save()``'s host time
-    after ``flatten`` for a model's thousands of storages. Elsewhere, one ``_foreach_copy_``
-    from a uint8 alias of each span."""
+    after ``flatten`` for a model's thousands of storages. On the CPU, a ``memmove`` per small
+    span (an optimizer's scalar ``step`` tensors), one ``_foreach_copy_`` of the others, from a
+    uint8 alias of each; the same on CUDA without Triton."""
     by_device: dict[torch.device, list[WindowSpan]] = {}
     for ws in spans:
         by_device.setdefault(ws.device, []).append(ws)
@@ -399,17 +410,36 @@ def _batched_copies(
         offsets = np.cumsum(padded) - padded
         buffer = torch.empty(int(padded.sum()), dtype=torch.uint8, device=device)
         if gather_copy_available(device):
-            addrs = np.fromiter((ws.span.storage.data_ptr() + ws.span.start + ws.issued for ws in group),
-                                dtype=np.int64, count=len(group))
-            gather_copy(buffer, offsets, addrs, sizes)
+            gather_copy(buffer, offsets, _addresses(group), sizes)
+        elif device.type == "cpu":  # tiny spans by address; big ones through torch (threaded)
+            small = sizes <= _HOST_MOVE_MAX
+            if small.any():
+                picked = list(compress(group, small))
+                gather_copy_host(buffer, offsets[small], _addresses(picked), sizes[small])
+            if not small.all():
+                big = ~small
+                gather_copy_tensors(buffer, offsets[big].tolist(), _sources(compress(group, big)))
         else:
-            sources = [ws.span.as_bytes()[ws.issued :] if ws.issued else ws.span.as_bytes() for ws in group]
-            gather_copy_tensors(buffer, offsets.tolist(), sources)
+            gather_copy_tensors(buffer, offsets.tolist(), _sources(group))
         event = None
         if device.type == "cuda":
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
         yield device, group, buffer, offsets.tolist(), event
+
+
+_HOST_MOVE_MAX = 256 << 10  # CPU spans up to this are snapshotted by memmove (see gather_copy_host)
+
+
+def _addresses(group: list[WindowSpan]) -> np.ndarray:
+    """Each span's first byte not yet issued, by address (the spans keep their storages alive)."""
+    return np.fromiter((ws.span.storage.data_ptr() + ws.span.start + ws.issued for ws in group),
+                       dtype=np.int64, count=len(group))
+
+
+def _sources(group: Iterable[WindowSpan]) -> list[torch.Tensor]:
+    """Each span's bytes not yet issued, as a uint8 alias."""
+    return [ws.span.as_bytes()[ws.issued :] if ws.issued else ws.span.as_bytes() for ws in group]
 
 
 def _name(ws: WindowSpan) -> str:
