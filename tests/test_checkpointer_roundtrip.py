@@ -154,6 +154,29 @@ def test_keep_last_retains_newest(tmp_path):
     assert torch.equal(t, torch.full((2048,), 3.0))
 
 
+def test_retention_does_not_reread_the_manifests_it_keeps(tmp_path, monkeypatch):
+    """Retention after each commit reuses the manifests this process committed: re-reading
+    and re-parsing every retained manifest cost each save the parse on the writer thread and
+    left parsed copies (thousands of objects each on a large model) for the collector. An
+    explicit gc still reads every manifest afresh."""
+    from gpusnap.storage.repository import Repository
+
+    reads = []
+    real = Repository._read_manifest
+    monkeypatch.setattr(Repository, "_read_manifest", lambda self, name: reads.append(name) or real(self, name))
+    t = torch.zeros(2048)
+    with gpusnap.Checkpointer(tmp_path / "ck", keep_last=2, config=_small_config()) as ck:
+        for i in range(5):
+            t.fill_(i)
+            ck.save({"t": t}, tag=f"s{i}").wait()
+        assert reads == []
+        assert [i.tag for i in ck.list()] == ["s3", "s4"]
+        ck.restore({"t": t}, "s3")
+        assert torch.equal(t, torch.full((2048,), 3.0))
+        report = ck._repo.gc(2)
+        assert not report.deleted_checkpoints and len(reads) == 2  # explicit: afresh
+
+
 def test_mutation_right_after_nonblocking_save_is_not_captured(tmp_path):
     t = torch.zeros(1 << 16)
     with gpusnap.Checkpointer(tmp_path / "ck", config=_small_config()) as ck:

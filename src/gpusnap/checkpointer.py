@@ -462,6 +462,10 @@ class Checkpointer:
                 with self._pending_lock:
                     if job.pending in self._pending and job not in self._retries:
                         self._pending.remove(job.pending)
+            # not held while this thread waits for the next save: a finished job still holds
+            # its window's per-span records (~7k objects on GPT-2 large), which Python's full
+            # collections would walk until then
+            del job
 
     def _run_job(self, repo: Repository, job: _SaveJob) -> None:
         pending = job.pending
@@ -533,7 +537,7 @@ class Checkpointer:
             info = info_from_manifest(manifest)
             info.stats["duration_s"] = time.perf_counter() - job.started
             if self.keep_last is not None:
-                report = repo.gc(self.keep_last, blocking=False)
+                report = repo.gc(self.keep_last, blocking=False, fresh=False)  # see Repository.gc
                 if report.skipped:
                     log.info("gpusnap: retention skipped, the root is busy: %s", report.notes)
             pending._finish(info)
