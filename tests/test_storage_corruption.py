@@ -16,9 +16,9 @@ def _locate(repo: Repository, digest: str) -> tuple[Path, int]:
     for fan in repo.backend.listdir("packs"):
         for name in repo.backend.listdir(f"packs/{fan}"):
             index = read_pack_index(repo.backend, f"packs/{fan}/{name}")
-            for e in index.entries:
-                if e.digest == digest:
-                    return Path(repo.backend.describe(index.path)), e.offset
+            for d, offset, _ in index.entries:
+                if d == digest:
+                    return Path(repo.backend.describe(index.path)), offset
     raise AssertionError(f"{digest} not stored")
 
 

@@ -17,7 +17,7 @@ def _packs(repo: Repository) -> dict[str, set[str]]:
     for fan in repo.backend.listdir("packs"):
         for name in repo.backend.listdir(f"packs/{fan}"):
             index = read_pack_index(repo.backend, f"packs/{fan}/{name}")
-            out[index.path] = {e.digest for e in index.entries}
+            out[index.path] = {digest for digest, _, _ in index.entries}
     return out
 
 

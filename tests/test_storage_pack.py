@@ -28,9 +28,9 @@ def test_layout_and_index_round_trip(tmp_path: Path) -> None:
     raw = (tmp_path / path).read_bytes()
     assert raw[:8] == PACK_MAGIC and raw[-8:] == PACK_END_MAGIC
     index = read_pack_index(backend, path)
-    assert [e.digest for e in index.entries] == [chunk_digest(c) for c in chunks]
-    for e, c in zip(index.entries, chunks):
-        assert raw[e.offset : e.offset + e.length] == c
+    assert [digest for digest, _, _ in index.entries] == [chunk_digest(c) for c in chunks]
+    for (_, offset, length), c in zip(index.entries, chunks):
+        assert raw[offset : offset + length] == c
     assert pack_path(index.pack_id) == f"packs/{index.pack_id[:2]}/{index.pack_id}.pack"
 
 

@@ -375,14 +375,14 @@ class Repository:
     def _rebuild_chunk_map(self) -> None:
         self._chunks = {}
         for index in self._packs.values():
-            for e in index.entries:
-                self._chunks.setdefault(e.digest, (index.path, e.offset, e.length))
+            for digest, offset, length in index.entries:
+                self._chunks.setdefault(digest, (index.path, offset, length))
 
     def _add_pack(self, index: PackIndex) -> None:
         with self._mutex:
             self._packs[index.path] = index
-            for e in index.entries:
-                self._chunks.setdefault(e.digest, (index.path, e.offset, e.length))
+            for digest, offset, length in index.entries:
+                self._chunks.setdefault(digest, (index.path, offset, length))
 
     def _known(self, digest: str) -> bool:
         with self._mutex:
@@ -625,11 +625,11 @@ class Repository:
                 packs = list(self._packs.values())
             partly, dead_bytes = 0, 0
             for index in packs:
-                live_entries = [e for e in index.entries if e.digest in live]
+                live_entries = [e for e in index.entries if e[0] in live]
                 if live_entries:
                     if len(live_entries) < len(index.entries):
                         partly += 1
-                        dead_bytes += sum(e.length for e in index.entries if e.digest not in live)
+                        dead_bytes += sum(n for d, _, n in index.entries if d not in live)
                     continue
                 with self._io("gc: deleting pack", index.path):
                     self.backend.remove(index.path)
@@ -699,8 +699,8 @@ class Repository:
                 pack_errors.append(str(_storage_error(exc, "reading pack index", where, writing=False)))
         where_is: dict[str, tuple[str, int, int]] = {}
         for index in packs.values():
-            for e in index.entries:
-                where_is.setdefault(e.digest, (index.path, e.offset, e.length))
+            for digest, offset, length in index.entries:
+                where_is.setdefault(digest, (index.path, offset, length))
         if checkpoint_id is None:
             problems.extend(pack_errors)
 
