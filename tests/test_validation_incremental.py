@@ -282,8 +282,8 @@ def snapshot_refs(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     refs: list[Any] = []
     batched = window_mod._batched_copies
 
-    def spy(spans: Any) -> Any:
-        for device, group, buffer, offsets, event in batched(spans):
+    def spy(spans: Any, **kwargs: Any) -> Any:
+        for device, group, buffer, offsets, event in batched(spans, **kwargs):
             refs.append(weakref.ref(buffer))
             yield device, group, buffer, offsets, event
 

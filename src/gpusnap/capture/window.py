@@ -240,7 +240,8 @@ class CaptureWindow:
     def _snapshot(self, spans: list[WindowSpan]) -> None:
         """Whole-span shadows taken now, on the current streams (not counted as COW)."""
         self._snapshot_buffers: list[SnapshotBuffer] = []
-        for _device, group, buffer, offsets, event in _batched_copies(spans):
+        # (flatten has just checked every storage's size: the snapshot may copy by address)
+        for _device, group, buffer, offsets, event in _batched_copies(spans, sized=True):
             for ws, offset in zip(group, offsets):
                 ws.shadow, ws.shadow_offset, ws.shadow_from, ws.shadow_event = buffer, offset, 0, event
             self._snapshot_buffers.append(SnapshotBuffer(group, buffer, offsets))
@@ -390,7 +391,7 @@ SNAPSHOT_ALIGN = 16  # each shadow starts 16-byte aligned in its buffer: the has
 
 
 def _batched_copies(
-    spans: list[WindowSpan],
+    spans: list[WindowSpan], *, sized: bool = False
 ) -> Iterator[tuple[torch.device, list[WindowSpan], torch.Tensor, list[int], Any]]:
     """Per device: the spans, one buffer holding copies of their bytes not yet issued (each
     at its offset, aligned to ``SNAPSHOT_ALIGN``), those offsets, and a CUDA event after the
@@ -400,18 +401,33 @@ def _batched_copies(
     (``kernels.gather_copy``): no tensor per span, which was most of ``save()``'s host time
     after ``flatten`` for a model's thousands of storages. On the CPU, a ``memmove`` per small
     span (an optimizer's scalar ``step`` tensors), one ``_foreach_copy_`` of the others, from a
-    uint8 alias of each; the same on CUDA without Triton."""
+    uint8 alias of each; the same on CUDA without Triton.
+
+    A copy by address trusts that each storage still holds ``span.end`` bytes. ``sized``: the
+    caller knows it (``save()``, right after ``flatten``); otherwise (a copy-on-write
+    shadow, later in the window) a storage the program shrank unseen (``resize_(0)``, as
+    FSDP does with its parameters' storages) goes through the torch path, which cannot
+    read freed memory (and leaves the mismatch to validation)."""
     by_device: dict[torch.device, list[WindowSpan]] = {}
     for ws in spans:
         by_device.setdefault(ws.device, []).append(ws)
+    groups: list[tuple[torch.device, list[WindowSpan], bool]] = []
     for device, group in by_device.items():
+        if sized or all(ws.span.storage.nbytes() >= ws.span.end for ws in group):
+            groups.append((device, group, True))
+        else:  # the spans still whole by address, the shrunk ones through torch
+            whole = [ws for ws in group if ws.span.storage.nbytes() >= ws.span.end]
+            shrunk = [ws for ws in group if ws.span.storage.nbytes() < ws.span.end]
+            groups += [(device, whole, True)] if whole else []
+            groups.append((device, shrunk, False))
+    for device, group, by_address in groups:
         sizes = np.fromiter((ws.nbytes - ws.issued for ws in group), dtype=np.int64, count=len(group))
         padded = sizes + (-sizes % SNAPSHOT_ALIGN)
         offsets = np.cumsum(padded) - padded
         buffer = torch.empty(int(padded.sum()), dtype=torch.uint8, device=device)
-        if gather_copy_available(device):
+        if by_address and gather_copy_available(device):
             gather_copy(buffer, offsets, _addresses(group), sizes)
-        elif device.type == "cpu":  # tiny spans by address; big ones through torch (threaded)
+        elif by_address and device.type == "cpu":  # tiny spans by address; big ones by torch
             small = sizes <= _HOST_MOVE_MAX
             if small.any():
                 picked = list(compress(group, small))

@@ -145,10 +145,13 @@ def gather_copy_host(dst: torch.Tensor, dst_offsets: Sequence[int] | np.ndarray,
         raise ValueError("dst must be a contiguous 1-D uint8 CPU tensor")
     offs = np.asarray(dst_offsets, dtype=np.int64)
     n = np.asarray(sizes, dtype=np.int64)
+    src = np.asarray(src_addrs, dtype=np.int64)
+    if not (offs.shape == src.shape == n.shape) or offs.ndim != 1:
+        raise ValueError("dst_offsets, src_addrs and sizes must be 1-D and of one length")
     if len(offs) and (offs.min() < 0 or (offs + n).max() > dst.numel() or n.min() < 0):
         raise ValueError("every destination must lie within dst, and sizes must not be negative")
     move, base = ctypes.memmove, dst.data_ptr()
-    for d, s, k in zip((offs + base).tolist(), np.asarray(src_addrs, dtype=np.int64).tolist(), n.tolist()):
+    for d, s, k in zip((offs + base).tolist(), src.tolist(), n.tolist()):
         move(d, s, k)
     return dst
 

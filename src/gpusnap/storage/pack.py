@@ -48,7 +48,7 @@ assert FOOTER_SIZE == 40
 # of GPT-2 large, tenth session), and Python's collector stops tracking an exact tuple of
 # plain values, where it walked every dataclass instance at each full collection, on
 # whichever thread was allocating (the training loop's, mostly).
-PackEntry = tuple[str, int, int]
+PackEntry = tuple[str, int, int]  # (a type for annotations: build entries as plain tuples)
 
 
 @dataclass(frozen=True)
