@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import cProfile
 import gc
 import io
@@ -166,42 +167,42 @@ class FullCollections:
 PROFILE_SAVE = False
 
 
-def phase(loop: Loop, ck: gpusnap.Checkpointer, app: dict, where: str, saves: int, every: int,
-          median_rest: float, plain_peak: int) -> dict[str, Any]:
-    """``saves`` concurrent saves, one every ``every`` steps, placed at ``where``."""
-    rows = []
-    full = FullCollections().__enter__()
-    for s in range(saves):
-        # forward/backward change no state bytes (grads are not state), so a clone before the
-        # timed step equals the state at either save point, and stays out of the timing
-        expected = clone_state(loop.model, loop.optim)
-        box: dict[str, Any] = {}
+def one_save(loop: Loop, ck: gpusnap.Checkpointer, app: dict, where: str, tag: str, every: int,
+             plain_peak: int, profile: bool = False) -> dict[str, Any]:
+    """One concurrent save placed at ``where``, then the rest of its interval (``every``
+    steps in all): the row of measurements ``finish_rows`` turns into stalls."""
+    # forward/backward change no state bytes (grads are not state), so a clone before the
+    # timed step equals the state at either save point, and stays out of the timing
+    expected = clone_state(loop.model, loop.optim)
+    box: dict[str, Any] = {}
 
-        def hook(box: dict[str, Any] = box, tag: str = f"{where}{s}", last: bool = s == saves - 1) -> None:
-            if PROFILE_SAVE and last:  # where the host time of save() goes (--profile-save)
-                prof = cProfile.Profile()
-                prof.enable()
-                box["pending"] = ck.save(app, tag=tag)
-                prof.disable()
-                text = io.StringIO()
-                pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
-                print(f"  save() profile, {where} (tottime):\n" + text.getvalue()[-4000:], flush=True)
-            else:
-                box["pending"] = ck.save(app, tag=tag)
+    def hook() -> None:
+        if profile:  # where the host time of save() goes (--profile-save)
+            prof = cProfile.Profile()
+            prof.enable()
+            box["pending"] = ck.save(app, tag=tag)
+            prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+            print(f"  save() profile, {where} (tottime):\n" + text.getvalue()[-4000:], flush=True)
+        else:
+            box["pending"] = ck.save(app, tag=tag)
 
-        before = alloc_counts()
-        t_save_step, peak = peak_extra(loop, lambda: loop.step(hook, where))
-        mid = alloc_counts()
-        interval = [t_save_step] + [loop.step() for _ in range(every - 1)]
-        end = alloc_counts()
-        rows.append({"pending": box["pending"], "expected": expected, "step_s": t_save_step,
-                     "interval_s": sum(interval), "peak_extra": max(0, peak - plain_peak),
-                     # device mallocs/frees/retries of the caching allocator: in the save's
-                     # step, and in the rest of its interval
-                     "alloc_step": [b - a for a, b in zip(before, mid)],
-                     "alloc_rest": [b - a for a, b in zip(mid, end)]})
-    ck.wait()
-    full.__exit__()
+    before = alloc_counts()
+    t_save_step, peak = peak_extra(loop, lambda: loop.step(hook, where))
+    mid = alloc_counts()
+    interval = [t_save_step] + [loop.step() for _ in range(every - 1)]
+    end = alloc_counts()
+    return {"pending": box["pending"], "expected": expected, "step_s": t_save_step,
+            "interval_s": sum(interval), "peak_extra": max(0, peak - plain_peak),
+            # device mallocs/frees/retries of the caching allocator: in the save's
+            # step, and in the rest of its interval
+            "alloc_step": [b - a for a, b in zip(before, mid)],
+            "alloc_rest": [b - a for a, b in zip(mid, end)]}
+
+
+def finish_rows(rows: list[dict[str, Any]], full: FullCollections, every: int, median_rest: float) -> dict[str, Any]:
+    """Wait for the rows' saves; their stalls against the median step at rest."""
     infos = [r["pending"].wait() for r in rows]
     out: dict[str, Any] = {"infos": infos, "rows": rows, "full_gc": (full.count, full.seconds),
                            "gen2_objects": full.objects, "gen2_census": full.census()}
@@ -209,6 +210,37 @@ def phase(loop: Loop, ck: gpusnap.Checkpointer, app: dict, where: str, saves: in
     for r in rows:
         r["interval_stall"] = max(0.0, r["interval_s"] - every * median_rest)
     return out
+
+
+def phase(loop: Loop, ck: gpusnap.Checkpointer, app: dict, where: str, saves: int, every: int,
+          median_rest: float, plain_peak: int) -> dict[str, Any]:
+    """``saves`` concurrent saves, one every ``every`` steps, placed at ``where``."""
+    full = FullCollections().__enter__()
+    rows = [one_save(loop, ck, app, where, f"{where}{s}", every, plain_peak, PROFILE_SAVE and s == saves - 1)
+            for s in range(saves)]
+    ck.wait()
+    full.__exit__()
+    return finish_rows(rows, full, every, median_rest)
+
+
+def interleaved_phases(loop: Loop, cks: dict[str, gpusnap.Checkpointer], app: dict, where: str, saves: int,
+                       every: int, median_rest: float, plain_peak: int) -> dict[str, dict[str, Any]]:
+    """``phase`` for several configs at once (``--interleave``): round ``s`` saves once with
+    each config, starting with config ``s mod n``, so that no config is always measured first
+    or right after the same other one. Each config's saves are paired with the others' in
+    time: what drifts during the run (the host, the collector's generations) drifts for all.
+    Python's full collections are counted per config, in the intervals of its own saves."""
+    keys = list(cks)
+    rows: dict[str, list[dict[str, Any]]] = {k: [] for k in keys}
+    fulls = {k: FullCollections() for k in keys}
+    for s in range(saves):
+        for key in keys[s % len(keys):] + keys[: s % len(keys)]:
+            full = fulls[key].__enter__()
+            rows[key].append(one_save(loop, cks[key], app, where, f"{where}{s}", every, plain_peak))
+            full.__exit__()
+    for ck in cks.values():
+        ck.wait()
+    return {k: finish_rows(rows[k], fulls[k], every, median_rest) for k in keys}
 
 
 def alloc_counts() -> tuple[int, int, int]:
@@ -301,6 +333,10 @@ def main() -> None:
     ap.add_argument("--skip-baselines", action="store_true")
     ap.add_argument("--gc-freeze", action="store_true",
                     help="gc.freeze() once the model is built (docs/capture.md): full collections then skip it")
+    ap.add_argument("--interleave", action="store_true",
+                    help="alternate the configs save by save (each with its own Checkpointer, the first "
+                         "config rotating) instead of measuring one config after another: an A/B that "
+                         "order and drift cannot bias")
     ap.add_argument("--profile-save", action="store_true",
                     help="cProfile the last save() of each placement and print its top functions")
     ap.add_argument("--configs", default=None,
@@ -350,35 +386,27 @@ def main() -> None:
 
     app = {"model": model, "optim": optim, "step": 0}
     variants = [v for v in (args.configs or "").split(";") if v] or [""]
-    for n, variant in enumerate(variants):
-        defaults = gpusnap.Config()
-        pairs = [kv.split("=") for kv in variant.split(",") if kv]
-        switches = {k: int(v) for k, v in pairs if k.startswith("_")}  # not Config fields: SWITCHES
-        overrides = {
-            k: (bool(int(v)) if isinstance(getattr(defaults, k), bool) else int(v))
-            for k, v in pairs if not k.startswith("_")
-        }
+    parsed = []
+    for variant in variants:
+        key, cfg, switches = parse_variant(variant, [k for k, _, _ in parsed])
+        parsed.append((key, cfg, switches))
+        res.setdefault("configs", []).append(key)
+        res[key] = {"io_threads": cfg.io_threads, "copy_ahead": cfg.copy_ahead, "copy_piece_bytes": cfg.copy_piece_bytes}
+    if args.interleave:
+        if any(switches for _, _, switches in parsed):
+            raise SystemExit("--interleave takes Config fields only: a '_' switch changes every config at once")
+        run_interleaved(loop, app, parsed, res, args, dev, data, root, median_rest, plain_peak)
+    for n, (key, cfg, switches) in enumerate(parsed if not args.interleave else []):
         for name, on in switches.items():
             SWITCHES[name](bool(on))
-        cfg = gpusnap.Config.from_env(**overrides)
-        key = variant or "gpusnap"
-        if key in res.get("configs", []):  # a config measured again later in the run
-            key += f" #{sum(k.split(' #')[0] == key for k in res.get('configs', [])) + 1}"
-        out: dict[str, Any] = {"io_threads": cfg.io_threads, "copy_ahead": cfg.copy_ahead,
-                               "copy_piece_bytes": cfg.copy_piece_bytes}
-        res.setdefault("configs", []).append(key)
-        res[key] = out
+        out = res[key]
         ck_root = os.path.join(root, f"ck{n}")
         # a phase restores each of its saves afterwards: retention must keep them all (with
         # keep_last=2, --saves 4 lost its first two before the check: CheckpointNotFoundError)
         with gpusnap.Checkpointer(ck_root, config=cfg, keep_last=args.saves + 1) as ck:
             if not args.skip_baselines and n == 0:
                 res["gpusnap_blocking_s"] = timed(loop, lambda ck=ck: ck.save(app, blocking=True))
-            # the first concurrent save grows the staging arena (pinned memory): measured alone
-            first = phase(loop, ck, app, "after", 1, args.every, median_rest, plain_peak)
-            out["first_save_stall_s"] = first["stalls"][0]
-            out["first_save_phases_s"] = first["infos"][0].stats.get("save_phases_s")
-            out["first_exact"] = verify(ck, args, dev, data, first["rows"], first["infos"])
+            first_save(loop, ck, app, out, args, dev, data, median_rest, plain_peak)
             for where in ("after", "cow"):
                 out[where] = summarize(ck, args, dev, data, phase(loop, ck, app, where, args.saves, args.every,
                                                                   median_rest, plain_peak))
@@ -389,11 +417,9 @@ def main() -> None:
         shutil.rmtree(ck_root, ignore_errors=True)
         for name in switches:
             SWITCHES[name](True)  # back to the default for the next config
-        print(f"[{key}] stall after/cow {out['after']['stall_median_s'] * 1e3:.1f}/{out['cow']['stall_median_s'] * 1e3:.1f} ms, "
-              f"interval {out['after']['interval_stall_median_s'] * 1e3:.1f}/{out['cow']['interval_stall_median_s'] * 1e3:.1f} ms, "
-              f"exact {out['first_exact'] and out['after']['bit_exact'] and out['cow']['bit_exact']}", flush=True)
-        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _stack
-        res["modes_at_rest"] = [type(m).__name__ for m in _stack()]  # must be empty
+        report_config(key, out)
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _stack
+    res["modes_at_rest"] = [type(m).__name__ for m in _stack()]  # must be empty
     if args.root is None:
         shutil.rmtree(root, ignore_errors=True)
     rest_after = [loop.step() for _ in range(10)]
@@ -405,6 +431,62 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1, default=str)
     table(res)
+
+
+def parse_variant(variant: str, taken: list[str]) -> tuple[str, gpusnap.Config, dict[str, int]]:
+    """``"field=v,_switch=0"`` -> (result key, Config, benchmark switches); a config given
+    again gets ``#2``, ``#3`` on its key."""
+    defaults = gpusnap.Config()
+    pairs = [kv.split("=") for kv in variant.split(",") if kv]
+    switches = {k: int(v) for k, v in pairs if k.startswith("_")}  # not Config fields: SWITCHES
+    overrides = {
+        k: (bool(int(v)) if isinstance(getattr(defaults, k), bool) else int(v))
+        for k, v in pairs if not k.startswith("_")
+    }
+    key = variant or "gpusnap"
+    if key in taken:  # a config measured again later in the run
+        key += f" #{sum(k.split(' #')[0] == key for k in taken) + 1}"
+    return key, gpusnap.Config.from_env(**overrides), switches
+
+
+def first_save(loop: Loop, ck: gpusnap.Checkpointer, app: dict, out: dict[str, Any], args, dev, data,
+               median_rest: float, plain_peak: int) -> None:
+    """The first concurrent save grows the staging arena (pinned memory): measured alone."""
+    first = phase(loop, ck, app, "after", 1, args.every, median_rest, plain_peak)
+    out["first_save_stall_s"] = first["stalls"][0]
+    out["first_save_phases_s"] = first["infos"][0].stats.get("save_phases_s")
+    out["first_exact"] = verify(ck, args, dev, data, first["rows"], first["infos"])
+
+
+def run_interleaved(loop: Loop, app: dict, parsed, res: dict[str, Any], args, dev, data, root: str,
+                    median_rest: float, plain_peak: int) -> None:
+    """``--interleave``: every config's Checkpointer open at once, their saves alternated
+    (``interleaved_phases``)."""
+    with contextlib.ExitStack() as stack:
+        cks = {key: stack.enter_context(gpusnap.Checkpointer(os.path.join(root, f"ck{n}"), config=cfg,
+                                                             keep_last=args.saves + 1))
+               for n, (key, cfg, _) in enumerate(parsed)}
+        if not args.skip_baselines:
+            first_ck = next(iter(cks.values()))
+            res["gpusnap_blocking_s"] = timed(loop, lambda: first_ck.save(app, blocking=True))
+        for key, ck in cks.items():
+            first_save(loop, ck, app, res[key], args, dev, data, median_rest, plain_peak)
+        for where in ("after", "cow"):
+            phases = interleaved_phases(loop, cks, app, where, args.saves, args.every, median_rest, plain_peak)
+            for key, ck in cks.items():
+                res[key][where] = summarize(ck, args, dev, data, phases[key])
+        for ck in cks.values():
+            ck.wait()
+            ck.list()  # pops any closed window's tracker
+    for n, (key, _, _) in enumerate(parsed):
+        shutil.rmtree(os.path.join(root, f"ck{n}"), ignore_errors=True)
+        report_config(key, res[key])
+
+
+def report_config(key: str, out: dict[str, Any]) -> None:
+    print(f"[{key}] stall after/cow {out['after']['stall_median_s'] * 1e3:.1f}/{out['cow']['stall_median_s'] * 1e3:.1f} ms, "
+          f"interval {out['after']['interval_stall_median_s'] * 1e3:.1f}/{out['cow']['interval_stall_median_s'] * 1e3:.1f} ms, "
+          f"exact {out['first_exact'] and out['after']['bit_exact'] and out['cow']['bit_exact']}", flush=True)
 
 
 def _gather(on: bool) -> None:
