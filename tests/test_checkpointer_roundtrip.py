@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+
+import pytest
 import torch
 from torch import nn
 
@@ -175,6 +178,27 @@ def test_retention_does_not_reread_the_manifests_it_keeps(tmp_path, monkeypatch)
         assert torch.equal(t, torch.full((2048,), 3.0))
         report = ck._repo.gc(2)
         assert not report.deleted_checkpoints and len(reads) == 2  # explicit: afresh
+
+
+@pytest.mark.parametrize("blocking", [False, True])
+def test_memory_of_state_dropped_after_a_save_is_freed(tmp_path, blocking):
+    """Once a save is durable, gpusnap holds none of the state's memory: a program that drops
+    a tensor (a model it no longer serves) gets the memory back at once, not at its next
+    save. The writer thread used to keep the finished job, whose spans held every storage of
+    the state, until the next save arrived."""
+    freed = torch.UntypedStorage._expired
+    with gpusnap.Checkpointer(tmp_path / "ck", config=_small_config()) as ck:
+        keep = torch.randn(1024)
+        for i in range(3):
+            t = torch.randn(1 << 18)
+            weak = t.untyped_storage()._weak_ref()
+            try:
+                ck.save({"t": t, "keep": keep}, blocking=blocking).wait()
+                del t
+                gc.collect()
+                assert freed(weak), f"save {i}: gpusnap still holds the dropped tensor's memory"
+            finally:
+                torch.UntypedStorage._free_weak_ref(weak)
 
 
 def test_mutation_right_after_nonblocking_save_is_not_captured(tmp_path):
