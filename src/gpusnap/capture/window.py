@@ -331,7 +331,7 @@ class CaptureWindow:
                 self.cow_used -= ws.cow  # the shadow's memory goes back to the budget
                 ws.cow = 0
                 ws.shadow = None
-                ws.span.tensors.clear()  # the live storage may be freed now (copies hold the stream)
+                ws.span.tensors.clear()  # (the span's ``storage`` still holds the memory until the save is done)
             self.cond.notify_all()
 
     def on_close(self, callback: Callable[[], None]) -> None:
@@ -413,13 +413,13 @@ def _batched_copies(
         by_device.setdefault(ws.device, []).append(ws)
     groups: list[tuple[torch.device, list[WindowSpan], bool]] = []
     for device, group in by_device.items():
-        if sized or all(ws.span.storage.nbytes() >= ws.span.end for ws in group):
+        whole = [True] * len(group) if sized else [ws.span.storage.nbytes() >= ws.span.end for ws in group]
+        if all(whole):
             groups.append((device, group, True))
         else:  # the spans still whole by address, the shrunk ones through torch
-            whole = [ws for ws in group if ws.span.storage.nbytes() >= ws.span.end]
-            shrunk = [ws for ws in group if ws.span.storage.nbytes() < ws.span.end]
-            groups += [(device, whole, True)] if whole else []
-            groups.append((device, shrunk, False))
+            shrunk = [not w for w in whole]
+            groups += [(device, list(compress(group, whole)), True)] if any(whole) else []
+            groups.append((device, list(compress(group, shrunk)), False))
     for device, group, by_address in groups:
         sizes = np.fromiter((ws.nbytes - ws.issued for ws in group), dtype=np.int64, count=len(group))
         padded = sizes + (-sizes % SNAPSHOT_ALIGN)

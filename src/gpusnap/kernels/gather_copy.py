@@ -114,11 +114,8 @@ def gather_copy(
         raise RuntimeError("gather_copy needs Triton and a CUDA tensor (else use gather_copy_tensors)")
     if dst.dtype != torch.uint8 or dst.dim() != 1 or not dst.is_contiguous():
         raise ValueError("dst must be a contiguous 1-D uint8 tensor")
-    offs = np.asarray(dst_offsets, dtype=np.int64)
-    n = np.asarray(sizes, dtype=np.int64)
-    if len(offs) and (offs.min() < 0 or (offs + n).max() > dst.numel()):
-        raise ValueError("every destination must lie within dst")
-    table = tile_table(dst.data_ptr(), offs, src_addrs, n, tile_bytes)
+    offs, src, n = _checked_spans(dst, dst_offsets, src_addrs, sizes)
+    table = tile_table(dst.data_ptr(), offs, src, n, tile_bytes)
     rows = table.shape[1]
     if not rows:
         return dst
@@ -143,17 +140,31 @@ def gather_copy_host(dst: torch.Tensor, dst_offsets: Sequence[int] | np.ndarray,
     that the caller keeps alive (their addresses cannot be checked)."""
     if dst.device.type != "cpu" or dst.dtype != torch.uint8 or dst.dim() != 1 or not dst.is_contiguous():
         raise ValueError("dst must be a contiguous 1-D uint8 CPU tensor")
-    offs = np.asarray(dst_offsets, dtype=np.int64)
-    n = np.asarray(sizes, dtype=np.int64)
-    src = np.asarray(src_addrs, dtype=np.int64)
-    if not (offs.shape == src.shape == n.shape) or offs.ndim != 1:
-        raise ValueError("dst_offsets, src_addrs and sizes must be 1-D and of one length")
-    if len(offs) and (offs.min() < 0 or (offs + n).max() > dst.numel() or n.min() < 0):
-        raise ValueError("every destination must lie within dst, and sizes must not be negative")
+    offs, src, n = _checked_spans(dst, dst_offsets, src_addrs, sizes)
     move, base = ctypes.memmove, dst.data_ptr()
     for d, s, k in zip((offs + base).tolist(), src.tolist(), n.tolist()):
         move(d, s, k)
     return dst
+
+
+def _checked_spans(
+    dst: torch.Tensor,
+    dst_offsets: Sequence[int] | np.ndarray,
+    src_addrs: Sequence[int] | np.ndarray,
+    sizes: Sequence[int] | np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The three arrays of a gather into ``dst``, checked: one length each, no negative size,
+    every destination within ``dst`` (sources are raw addresses: they cannot be checked)."""
+    offs = np.asarray(dst_offsets, dtype=np.int64)
+    src = np.asarray(src_addrs, dtype=np.int64)
+    n = np.asarray(sizes, dtype=np.int64)
+    if not (offs.shape == src.shape == n.shape) or offs.ndim != 1:
+        raise ValueError("dst_offsets, src_addrs and sizes must be 1-D and of one length")
+    if len(n) and n.min() < 0:
+        raise ValueError("sizes must not be negative")
+    if len(offs) and (offs.min() < 0 or (offs + n).max() > dst.numel()):
+        raise ValueError("every destination must lie within dst")
+    return offs, src, n
 
 
 def gather_copy_tensors(dst: torch.Tensor, dst_offsets: Sequence[int], sources: Sequence[torch.Tensor]) -> torch.Tensor:
