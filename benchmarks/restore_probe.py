@@ -288,11 +288,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--probes", default="copy,read,register,pipeline")
     ap.add_argument("--file-gb", type=float, default=4.0)
+    ap.add_argument("--dir", default=None,
+                    help="where the probe file goes (default /dev/shm): e.g. a tmpfs mounted with huge=always")
     args = ap.parse_args()
     dev = torch.device("cuda")
     probes = args.probes.split(",")
     size = int(args.file_gb * 1e9) // (64 * MiB) * (64 * MiB)
-    tmp = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    tmp = tempfile.mkdtemp(dir=args.dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None))
     path = os.path.join(tmp, "data")
     with open(path, "wb") as f:
         block = os.urandom(64 * MiB)

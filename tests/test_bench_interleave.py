@@ -4,10 +4,15 @@ config rotating, so that an A/B of configs is not biased by which one runs first
 from __future__ import annotations
 
 import importlib.util
+import time
+import types
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+
+import gpusnap
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "concurrent_stall.py"
 
@@ -22,14 +27,6 @@ def bench() -> Any:
     return module
 
 
-class _Done:
-    def __init__(self, tag: str) -> None:
-        self.tag = tag
-
-    def wait(self) -> str:
-        return self.tag
-
-
 class _Ck:
     def wait(self) -> None:
         pass
@@ -39,10 +36,10 @@ def test_interleaved_saves_rotate_the_first_config(bench: Any, monkeypatch: pyte
     order: list[tuple[str, str]] = []
 
     def fake_save(loop: Any, ck: Any, app: Any, where: str, tag: str, every: int, plain_peak: int,
-                  profile: bool = False) -> dict[str, Any]:
+                  profile: bool = False, full: Any = None) -> dict[str, Any]:
         key = next(k for k, c in cks.items() if c is ck)
         order.append((key, tag))
-        return {"pending": _Done(f"{key}:{tag}"), "step_s": 1.5, "interval_s": 10.0}
+        return {"info": f"{key}:{tag}", "exact": True, "step_s": 1.5, "interval_s": 10.0}
 
     monkeypatch.setattr(bench, "one_save", fake_save)
     cks = {"a": _Ck(), "b": _Ck(), "c": _Ck()}
@@ -60,3 +57,54 @@ def test_parse_variant_numbers_repeated_configs(bench: Any) -> None:
     assert key == "device_snapshot=0,_gather=0" and cfg.device_snapshot is False and switches == {"_gather": 0}
     assert bench.parse_variant("validate=0", ["validate=0"])[0] == "validate=0 #2"
     assert bench.parse_variant("", [])[0] == "gpusnap"
+
+
+class _TinyLM(torch.nn.Module):
+    """What the bench's loop calls: ``model(data, labels=data).loss``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 8)
+        self.head = torch.nn.Linear(8, 32)
+
+    def forward(self, data: torch.Tensor, labels: torch.Tensor) -> Any:
+        logits = self.head(self.emb(data))
+        return types.SimpleNamespace(loss=torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()))
+
+
+def _loop(bench: Any, pipelined: bool) -> Any:
+    torch.manual_seed(0)
+    model = _TinyLM()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = torch.randint(0, 32, (2, 6))
+    loop = bench.Loop(model, optim, data, torch.device("cpu"), pipelined=pipelined)
+    loop.steps(2)  # AdamW's state exists from here on
+    return loop
+
+
+def test_pipelined_step_leaves_out_the_excluded_work(bench: Any) -> None:
+    loop = _loop(bench, pipelined=True)
+    span = loop.step(hook=lambda: loop.exclude(lambda: time.sleep(0.3)))
+    assert isinstance(span, bench.EventSpan)
+    assert loop.host_s >= 0.3  # the host spent it inside the step...
+    assert float(span) < 0.3  # ...and the step's time leaves it out
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+@pytest.mark.parametrize("where", ["after", "cow"])
+def test_one_save_checks_each_save_against_the_consistent_point(
+        bench: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pipelined: bool, where: str) -> None:
+    loop = _loop(bench, pipelined)
+    monkeypatch.setattr(bench, "build", lambda name, dev, seed=0: (lambda m: (m, torch.optim.AdamW(m.parameters())))(_TinyLM()))
+    monkeypatch.setitem(bench._TARGET, "name", "tiny")
+    monkeypatch.delitem(bench._TARGET, "app", raising=False)
+    app = {"model": loop.model, "optim": loop.optim, "step": 0}
+    with gpusnap.Checkpointer(tmp_path / "ck", keep_last=2) as ck:
+        rows = [bench.one_save(loop, ck, app, where, f"{where}{s}", 3, 0) for s in range(2)]
+        # a wrong expectation is caught: the check compares bytes, it does not just succeed
+        wrong = [t.clone() for t in loop.expected_out()]
+        wrong[0][0] ^= 1
+        assert not bench.verify(ck, loop, rows[1]["info"], wrong)
+    assert all(r["exact"] for r in rows)
+    assert rows[0]["info"].id != rows[1]["info"].id
+    assert all(r["interval_s"] >= r["step_s"] > 0 for r in rows)
