@@ -294,6 +294,10 @@ def one_save(loop: Loop, ck: gpusnap.Checkpointer, app: dict, where: str, tag: s
     exact = verify(ck, loop, info, box.pop("expected"))
     if full is not None:
         full.active = True
+    # as it goes: a run killed at its time limit still shows the saves it made
+    print(f"  {os.path.basename(ck.root)} {tag}: step {interval_s[0] * 1e3:.1f} ms (host {host_step * 1e3:.1f}), "
+          f"interval {sum(interval_s) * 1e3:.1f} ms, save() {info.stats['stall_s'] * 1e3:.1f} ms, "
+          f"window {info.stats['window_s'] * 1e3:.0f} ms, exact {exact}", flush=True)
     return {"info": info, "exact": exact, "step_s": interval_s[0],
             "interval_s": sum(interval_s), "peak_extra": max(0, peak - plain_peak),
             "host_step_s": host_step,  # the save step's host time, until all of it was enqueued
@@ -504,6 +508,7 @@ def main() -> None:
         key, cfg, switches = parse_variant(variant, [k for k, _, _ in parsed])
         parsed.append((key, cfg, switches))
         res.setdefault("configs", []).append(key)
+        print(f"ck{len(parsed) - 1}: {key}", flush=True)
         res[key] = {"io_threads": cfg.io_threads, "copy_ahead": cfg.copy_ahead, "copy_piece_bytes": cfg.copy_piece_bytes}
     if args.interleave:
         if any(switches for _, _, switches in parsed):

@@ -156,11 +156,11 @@ def test_whole_state_snapshot_out_of_memory_falls_back_to_tracking(tmp_path, mon
     real = window_mod._batched_copies
     failed = []
 
-    def oom_once(spans):
+    def oom_once(spans, **kwargs):
         if not failed and len(spans) > 1:
             failed.append(len(spans))
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
-        return real(spans)
+        return real(spans, **kwargs)
 
     state = {"a": torch.randn(1 << 20, device="cuda"), "b": torch.randn(1 << 20, device="cuda")}
     cfg = Config(chunk_size=1 << 16, pack_size=1 << 24, io_threads=2, fsync=False, eager_device_bytes=0)
