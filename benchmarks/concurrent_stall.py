@@ -32,6 +32,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -82,6 +83,9 @@ class HostEvent:
 
     def synchronize(self) -> None:
         pass
+
+    def query(self) -> bool:
+        return True
 
     def elapsed_time(self, other: HostEvent) -> float:
         return (other.t - self.t) * 1e3
@@ -278,6 +282,8 @@ def one_save(loop: Loop, ck: gpusnap.Checkpointer, app: dict, where: str, tag: s
             text = io.StringIO()
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
             print(f"  save() profile, {where} (tottime):\n" + text.getvalue()[-4000:], flush=True)
+        elif loop.pipelined:
+            box.update(save_on_device(loop, lambda: ck.save(app, tag=tag)))
         else:
             box["pending"] = ck.save(app, tag=tag)
 
@@ -294,17 +300,49 @@ def one_save(loop: Loop, ck: gpusnap.Checkpointer, app: dict, where: str, tag: s
     exact = verify(ck, loop, info, box.pop("expected"))
     if full is not None:
         full.active = True
+    across = {}
+    if "across" in box:  # (pipelined)
+        a, b = box["across"]
+        across = {"device_across_save_s": a.elapsed_time(b) / 1e3, "caught_up": box["caught_up"],
+                  "syncs": box["syncs"]}
     # as it goes: a run killed at its time limit still shows the saves it made
     print(f"  {os.path.basename(ck.root)} {tag}: step {interval_s[0] * 1e3:.1f} ms (host {host_step * 1e3:.1f}), "
           f"interval {sum(interval_s) * 1e3:.1f} ms, save() {info.stats['stall_s'] * 1e3:.1f} ms, "
-          f"window {info.stats['window_s'] * 1e3:.0f} ms, exact {exact}", flush=True)
-    return {"info": info, "exact": exact, "step_s": interval_s[0],
+          f"window {info.stats['window_s'] * 1e3:.0f} ms, exact {exact}"
+          + (f"; device across save() {across['device_across_save_s'] * 1e3:.1f} ms, device caught up "
+             f"{across['caught_up']}, syncs {across['syncs']}" if across else ""), flush=True)
+    return {"info": info, "exact": exact, "step_s": interval_s[0], **across,
             "interval_s": sum(interval_s), "peak_extra": max(0, peak - plain_peak),
             "host_step_s": host_step,  # the save step's host time, until all of it was enqueued
             # device mallocs/frees/retries of the caching allocator: in the save's
             # step, and in the rest of its interval
             "alloc_step": [b - a for a, b in zip(before, mid)],
             "alloc_rest": [b - a for a, b in zip(mid, end)]}
+
+
+def save_on_device(loop: Loop, save: Callable[[], Any]) -> dict[str, Any]:
+    """``save()`` in a pipelined step, watched from the device: events at its call and its
+    return (the device time between them is the snapshot's copy, plus any time the device
+    waited for the host), whether the device had already reached the call's event when
+    save() returned (then the host was no longer ahead), and the synchronizing calls torch
+    saw inside it (``torch.cuda.set_sync_debug_mode``; only those torch knows of)."""
+    cuda = loop.dev.type == "cuda"
+    enter, leave = loop.event(), loop.event()
+    enter.record()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            pending = save()
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode(0)
+    caught_up = enter.query()
+    leave.record()
+    syncs = collections.Counter(f"{os.path.basename(w.filename)}:{w.lineno}" for w in seen
+                                if "synchroniz" in str(w.message))
+    return {"pending": pending, "across": (enter, leave), "caught_up": caught_up, "syncs": dict(syncs)}
 
 
 def finish_rows(rows: list[dict[str, Any]], full: FullCollections, every: int, median_rest: float) -> dict[str, Any]:
@@ -395,6 +433,18 @@ def summarize(ph: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def rest_host_and_syncs(loop: Loop) -> dict[str, Any]:
+    """Host time of 5 plain steps (in a pipelined loop: whether the host runs ahead of the
+    device, or waits for it somewhere), and the synchronizing calls torch sees in one step."""
+    hosts = []
+    for _ in range(5):
+        loop.step()
+        hosts.append(loop.host_s)
+    out = save_on_device(loop, loop.step)
+    loop.sync()
+    return {"host_s": hosts, "syncs": out["syncs"]}
+
+
 def tracker_overhead(loop: Loop) -> dict[str, float]:
     """Median step with the tracker installed over a window that never closes (no spans, so
     nothing to protect): the pure cost of intercepting every op, with and without read logs."""
@@ -473,6 +523,9 @@ def main() -> None:
     tensors = state_tensors(model, optim)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     rest_before = loop.steps(10)
+    at_rest = rest_host_and_syncs(loop)
+    print(f"at rest: host time per step {' '.join(f'{h * 1e3:.1f}' for h in at_rest['host_s'])} ms; "
+          f"synchronizing calls in a step {at_rest['syncs']}", flush=True)
     median_rest = statistics.median(rest_before)
     _, plain_peak = peak_extra(loop, lambda: seconds(loop.step()))
     res_tracker = tracker_overhead(loop)
@@ -485,7 +538,7 @@ def main() -> None:
         "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
         "date": time.strftime("%Y-%m-%d"), "batch": args.batch, "seq": args.seq,
         "tracker_step_s": res_tracker, "gc_freeze": args.gc_freeze, "host_parts_s": host_parts,
-        "pipelined": loop.pipelined,
+        "pipelined": loop.pipelined, "at_rest": at_rest,
     }
     if not args.skip_baselines:
         pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=dev.type == "cuda") for t in tensors]
