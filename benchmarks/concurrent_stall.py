@@ -32,6 +32,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import traceback
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -329,8 +330,15 @@ def save_on_device(loop: Loop, save: Callable[[], Any]) -> dict[str, Any]:
     cuda = loop.dev.type == "cuda"
     enter, leave = loop.event(), loop.event()
     enter.record()
-    with warnings.catch_warnings(record=True) as seen:
+    stacks: list[str] = []
+
+    def seen(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        if "synchroniz" in str(message):  # where the program's thread was (torch only names the op)
+            stacks.append("".join(traceback.format_stack(limit=12)[:-2]))
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = seen
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
         try:
@@ -340,9 +348,8 @@ def save_on_device(loop: Loop, save: Callable[[], Any]) -> dict[str, Any]:
                 torch.cuda.set_sync_debug_mode(0)
     caught_up = enter.query()
     leave.record()
-    syncs = collections.Counter(f"{os.path.basename(w.filename)}:{w.lineno}" for w in seen
-                                if "synchroniz" in str(w.message))
-    return {"pending": pending, "across": (enter, leave), "caught_up": caught_up, "syncs": dict(syncs)}
+    return {"pending": pending, "across": (enter, leave), "caught_up": caught_up,
+            "syncs": len(stacks), "sync_stacks": stacks}
 
 
 def finish_rows(rows: list[dict[str, Any]], full: FullCollections, every: int, median_rest: float) -> dict[str, Any]:
@@ -442,7 +449,9 @@ def rest_host_and_syncs(loop: Loop) -> dict[str, Any]:
         hosts.append(loop.host_s)
     out = save_on_device(loop, loop.step)
     loop.sync()
-    return {"host_s": hosts, "syncs": out["syncs"]}
+    for stack in out["sync_stacks"][:3]:
+        print("a synchronizing call in a plain step, from:\n" + stack, flush=True)
+    return {"host_s": hosts, "syncs": out["syncs"], "sync_stacks": out["sync_stacks"][:3]}
 
 
 def tracker_overhead(loop: Loop) -> dict[str, float]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import time
+import warnings
 import types
 from pathlib import Path
 from typing import Any
@@ -108,3 +109,16 @@ def test_one_save_checks_each_save_against_the_consistent_point(
     assert all(r["exact"] for r in rows)
     assert rows[0]["info"].id != rows[1]["info"].id
     assert all(r["interval_s"] >= r["step_s"] > 0 for r in rows)
+
+
+def test_save_on_device_reports_where_a_synchronizing_call_came_from(bench: Any) -> None:
+    loop = _loop(bench, pipelined=True)
+
+    def syncing_save() -> str:
+        warnings.warn("called a synchronizing CUDA operation")  # as torch's sync debug mode words it
+        warnings.warn("something else")
+        return "pending"
+
+    out = bench.save_on_device(loop, syncing_save)
+    assert out["pending"] == "pending" and out["syncs"] == 1
+    assert "syncing_save" in out["sync_stacks"][0]  # the caller's frame, not torch's
