@@ -336,11 +336,13 @@ def save_on_device(loop: Loop, save: Callable[[], Any]) -> dict[str, Any]:
         if "synchroniz" in str(message):  # where the program's thread was (torch only names the op)
             stacks.append("".join(traceback.format_stack(limit=12)[:-2]))
 
+    if cuda:  # (set before the watch: turning the mode on warns once itself)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.cuda.set_sync_debug_mode("warn")
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = seen
-        if cuda:
-            torch.cuda.set_sync_debug_mode("warn")
         try:
             pending = save()
         finally:
