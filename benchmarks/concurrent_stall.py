@@ -577,7 +577,7 @@ def main() -> None:
     if args.interleave:
         if any(switches for _, _, switches in parsed):
             raise SystemExit("--interleave takes Config fields only: a '_' switch changes every config at once")
-        run_interleaved(loop, app, parsed, res, args, dev, data, root, median_rest, plain_peak)
+        run_interleaved(loop, app, parsed, res, args, root, median_rest, plain_peak)
     for n, (key, cfg, switches) in enumerate(parsed if not args.interleave else []):
         for name, on in switches.items():
             SWITCHES[name](bool(on))
@@ -588,7 +588,7 @@ def main() -> None:
         with gpusnap.Checkpointer(ck_root, config=cfg, keep_last=2) as ck:
             if not args.skip_baselines and n == 0:
                 res["gpusnap_blocking_s"] = timed(loop, lambda ck=ck: ck.save(app, blocking=True))
-            first_save(loop, ck, app, out, args, dev, data, median_rest, plain_peak)
+            first_save(loop, ck, app, out, args.every, median_rest, plain_peak)
             for where in ("after", "cow"):
                 out[where] = summarize(phase(loop, ck, app, where, args.saves, args.every, median_rest, plain_peak))
             ck.wait()
@@ -630,16 +630,16 @@ def parse_variant(variant: str, taken: list[str]) -> tuple[str, gpusnap.Config, 
     return key, gpusnap.Config.from_env(**overrides), switches
 
 
-def first_save(loop: Loop, ck: gpusnap.Checkpointer, app: dict, out: dict[str, Any], args, dev, data,
+def first_save(loop: Loop, ck: gpusnap.Checkpointer, app: dict, out: dict[str, Any], every: int,
                median_rest: float, plain_peak: int) -> None:
     """The first concurrent save grows the staging arena (pinned memory): measured alone."""
-    first = phase(loop, ck, app, "after", 1, args.every, median_rest, plain_peak)
+    first = phase(loop, ck, app, "after", 1, every, median_rest, plain_peak)
     out["first_save_stall_s"] = first["stalls"][0]
     out["first_save_phases_s"] = first["infos"][0].stats.get("save_phases_s")
     out["first_exact"] = first["exact"]
 
 
-def run_interleaved(loop: Loop, app: dict, parsed, res: dict[str, Any], args, dev, data, root: str,
+def run_interleaved(loop: Loop, app: dict, parsed, res: dict[str, Any], args, root: str,
                     median_rest: float, plain_peak: int) -> None:
     """``--interleave``: every config's Checkpointer open at once, their saves alternated
     (``interleaved_phases``)."""
@@ -650,7 +650,7 @@ def run_interleaved(loop: Loop, app: dict, parsed, res: dict[str, Any], args, de
             first_ck = next(iter(cks.values()))
             res["gpusnap_blocking_s"] = timed(loop, lambda: first_ck.save(app, blocking=True))
         for key, ck in cks.items():
-            first_save(loop, ck, app, res[key], args, dev, data, median_rest, plain_peak)
+            first_save(loop, ck, app, res[key], args.every, median_rest, plain_peak)
         for where in ("after", "cow"):
             phases = interleaved_phases(loop, cks, app, where, args.saves, args.every, median_rest, plain_peak)
             for key, ck in cks.items():
