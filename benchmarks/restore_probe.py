@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +32,7 @@ import numpy as np
 import torch
 
 from gpusnap.kernels.chunk_hash import chunk_hashes
+from ring_readers import cudart, probe_file, remove_probe_file  # (benchmarks/ is on the path when this runs)
 
 MiB = 1 << 20
 CHUNK = 4 * MiB
@@ -212,15 +212,7 @@ def register_probe(dev: torch.device, path: str, size: int, flags: int, parts: i
 
 def _cudart_ctypes() -> Any:
     """libcudart as loaded by torch, through ctypes: its calls release the GIL."""
-    import ctypes
-
-    torch.cuda.init()
-    with open("/proc/self/maps") as f:
-        paths = sorted({line.split()[-1] for line in f if "libcudart" in line})
-    lib = ctypes.CDLL(paths[0])
-    lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-    lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
-    return lib
+    return cudart()
 
 
 def pipeline_probe(dev: torch.device, path: str, size: int, threads: int, part: int) -> dict[str, float]:
@@ -293,13 +285,7 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda")
     probes = args.probes.split(",")
-    size = int(args.file_gb * 1e9) // (64 * MiB) * (64 * MiB)
-    tmp = tempfile.mkdtemp(dir=args.dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None))
-    path = os.path.join(tmp, "data")
-    with open(path, "wb") as f:
-        block = os.urandom(64 * MiB)
-        for _ in range(size // len(block)):
-            f.write(block)
+    path, size = probe_file(args.file_gb, args.dir)
     rows: list[str] = []
     try:
         if "copy" in probes:
@@ -351,8 +337,7 @@ def main() -> None:
                 print(line, flush=True)
                 rows.append(line)
     finally:
-        os.unlink(path)
-        os.rmdir(tmp)
+        remove_probe_file(path)
     print("\n".join(["", "summary:"] + rows))
 
 

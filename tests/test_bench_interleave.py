@@ -3,10 +3,9 @@ config rotating, so that an A/B of configs is not biased by which one runs first
 
 from __future__ import annotations
 
-import importlib.util
 import time
-import warnings
 import types
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -14,18 +13,12 @@ import pytest
 import torch
 
 import gpusnap
-
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "concurrent_stall.py"
+from bench_support import load_benchmark
 
 
 @pytest.fixture()
 def bench() -> Any:
-    # (the script imports transformers only to build a model: not needed here)
-    spec = importlib.util.spec_from_file_location("concurrent_stall", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("concurrent_stall")
 
 
 class _Ck:
