@@ -132,9 +132,13 @@ class CaptureWindow:
             per_device[ws.device] = per_device.get(ws.device, 0) + ws.nbytes
         cpu_bytes = per_device.pop(torch.device("cpu"), 0)
         whole_cpu = cpu_bytes <= snapshot_cpu_bytes
-        whole_device = bool(per_device) and max(per_device.values()) <= snapshot_budget
+        whole_device = not per_device or max(per_device.values()) <= snapshot_budget
+
+        live = [ws for ws in self.spans if ws.nbytes]
 
         def chosen(whole: bool) -> list[WindowSpan]:
+            if whole and whole_cpu:  # every span (the usual save): no test per span
+                return live
             return [
                 ws for ws in self.spans
                 if ws.nbytes and (
@@ -149,18 +153,19 @@ class CaptureWindow:
         try:
             self._snapshot(snap)
         except torch.cuda.OutOfMemoryError:
-            if not whole_device:
+            if not whole_device or not per_device:
                 raise
             for ws in snap:
                 ws.shadow, ws.shadow_event = None, None
             snap = chosen(False)
             self._snapshot(snap)
         self.snapshot_s = time.perf_counter() - started  # host time of the snapshot copy
-        self.bytes_eager = sum(ws.nbytes for ws in snap if ws.index in eager)
+        self.bytes_eager = sum(ws.nbytes for ws in snap if ws.index in eager) if eager else 0
         self.bytes_snapshot = sum(ws.nbytes for ws in snap)
         self.snapshotted = frozenset(ws.index for ws in snap)
         # Nothing live left to protect: the program needs no tracker during this window.
-        self.all_snapshotted = all(ws.index in self.snapshotted for ws in self.spans if ws.nbytes)
+        # (``snap`` holds distinct spans of ``live`` only)
+        self.all_snapshotted = len(snap) == len(live)
 
     # -- program side -------------------------------------------------------------------------
     @property
