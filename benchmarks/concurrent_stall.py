@@ -11,12 +11,18 @@ in two placements:
   * ``cow``:   save() between backward() and optimizer.step(), so the step overwrites every
                buffer at once (the copy-on-write-heavy case).
 Stall per save = (time of the step that contains save()) - (median step at rest), and the
-whole interval's inflation (the steps until the next save) is reported too. Each checkpoint's
-expected bytes are cloned *before* save() (synchronized, outside the timed step), and every
-checkpoint is restored into a fresh model and compared bit for bit.
+whole interval's inflation (``--every`` steps from that one on) is reported too.
+
+Each save's expected bytes are cloned, then the save is waited for (untimed: ``wait_s``
+says how long, ``durable_in_interval`` whether it was durable by the interval's end),
+restored into a second model and compared bit for bit, before the next save. So no save's
+durable writes overlap the next save, and a loop that saves faster than it can write (with
+``max_pending_saves`` pushing back) is not what this measures.
+  * steps synchronized (default): the clone is taken before the step's clock starts;
+  * ``--pipelined``: in stream order at the consistent point, its device time left out of
+    the step, its host time (one ``torch.cat`` per device over views built once) not.
 CPU runs (``--model tiny``) are smoke tests, not performance figures.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -61,18 +67,19 @@ def state_tensors(model, optim) -> list[torch.Tensor]:
     return out
 
 
-def clone_state(model, optim, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """The state's bytes in one buffer per device (AdamW's step counts are on the CPU): a few
-    objects for Python's collector to walk while the saves run, not one tensor per state
-    tensor (a kept list of 1745 clones per save made the bench's own full collections costlier).
-    ``out``: buffers of a previous clone to copy into (no allocation inside a timed step)."""
+def state_views(model, optim) -> list[list[torch.Tensor]]:
+    """A uint8 view of each state tensor, grouped by device (devices in name order)."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in state_tensors(model, optim):
         by_device.setdefault(t.device, []).append(t.detach().reshape(-1).view(torch.uint8))
-    groups = [parts for _, parts in sorted(by_device.items(), key=lambda kv: str(kv[0]))]
-    if out is None:
-        return [torch.cat(parts) for parts in groups]
-    return [torch.cat(parts, out=buf) for parts, buf in zip(groups, out)]
+    return [parts for _, parts in sorted(by_device.items(), key=lambda kv: str(kv[0]))]
+
+
+def clone_state(model, optim) -> list[torch.Tensor]:
+    """The state's bytes in one buffer per device (AdamW's step counts are on the CPU): a few
+    objects for Python's collector to walk while the saves run, not one tensor per state
+    tensor (a kept list of 1745 clones per save made the bench's own full collections costlier)."""
+    return [torch.cat(parts) for parts in state_views(model, optim)]
 
 
 class HostEvent:
@@ -123,6 +130,7 @@ class Loop:
         self.host_s = 0.0  # the last step's host time: until every op was enqueued (no sync)
         self.excluded: list[tuple[Any, Any]] = []
         self._expected: list[torch.Tensor] | None = None
+        self._views: list[list[torch.Tensor]] | None = None
 
     def event(self) -> Any:
         return torch.cuda.Event(enable_timing=True) if self.dev.type == "cuda" else HostEvent()
@@ -133,6 +141,15 @@ class Loop:
         if self._expected is None:
             self._expected = clone_state(self.model, self.optim)
         return self._expected
+
+    def clone_expected(self) -> list[torch.Tensor]:
+        """The state's bytes now, into ``expected_out()``: one ``torch.cat`` per device over
+        byte views of the state built at the first call (walking the state_dicts each time
+        cost ~5 ms of host time inside a pipelined step). The state's tensors must stay the
+        same objects, as in this loop; if they did not, the check after the save fails."""
+        if self._views is None:
+            self._views = state_views(self.model, self.optim)
+        return [torch.cat(views, out=buf) for views, buf in zip(self._views, self.expected_out())]
 
     def steps(self, n: int) -> list[float]:
         """``n`` plain steps, in seconds."""
@@ -270,11 +287,11 @@ def one_save(loop: Loop, ck: gpusnap.Checkpointer, app: dict, where: str, tag: s
     else:
         # forward/backward change no state bytes (grads are not state), so a clone before the
         # timed step equals the state at either save point, and stays out of the timing
-        box["expected"] = clone_state(loop.model, loop.optim, loop.expected_out())
+        box["expected"] = loop.clone_expected()
 
     def hook() -> None:
         if loop.pipelined:  # in stream order at the consistent point, its device time excluded
-            box["expected"] = loop.exclude(lambda: clone_state(loop.model, loop.optim, loop.expected_out()))
+            box["expected"] = loop.exclude(loop.clone_expected)
         if profile:  # where the host time of save() goes (--profile-save)
             prof = cProfile.Profile()
             prof.enable()
@@ -297,7 +314,10 @@ def one_save(loop: Loop, ck: gpusnap.Checkpointer, app: dict, where: str, tag: s
     interval_s = [seconds(t) for t in interval]  # (pipelined: waits for the device here)
     if full is not None:
         full.active = False  # the check below is the bench's, not the program's
+    durable_in_interval = box["pending"].done()
+    started = time.perf_counter()
     info = box["pending"].wait()
+    wait_s = time.perf_counter() - started  # untimed by the steps: the bench waits here
     exact = verify(ck, loop, info, box.pop("expected"))
     if full is not None:
         full.active = True
@@ -309,12 +329,15 @@ def one_save(loop: Loop, ck: gpusnap.Checkpointer, app: dict, where: str, tag: s
     # as it goes: a run killed at its time limit still shows the saves it made
     print(f"  {os.path.basename(ck.root)} {tag}: step {interval_s[0] * 1e3:.1f} ms (host {host_step * 1e3:.1f}), "
           f"interval {sum(interval_s) * 1e3:.1f} ms, save() {info.stats['stall_s'] * 1e3:.1f} ms, "
-          f"window {info.stats['window_s'] * 1e3:.0f} ms, exact {exact}"
+          f"window {info.stats['window_s'] * 1e3:.0f} ms, then waited {wait_s * 1e3:.0f} ms, exact {exact}"
           + (f"; device across save() {across['device_across_save_s'] * 1e3:.1f} ms, device caught up "
              f"{across['caught_up']}, syncs {across['syncs']}" if across else ""), flush=True)
     return {"info": info, "exact": exact, "step_s": interval_s[0], **across,
+            "wait_s": wait_s, "durable_in_interval": durable_in_interval,
             "interval_s": sum(interval_s), "peak_extra": max(0, peak - plain_peak),
-            "host_step_s": host_step,  # the save step's host time, until all of it was enqueued
+            # the save step's host time, until all of it was enqueued (pipelined: the clone's
+            # host time and the sync debug mode's switching included)
+            "host_step_s": host_step,
             # device mallocs/frees/retries of the caching allocator: in the save's
             # step, and in the rest of its interval
             "alloc_step": [b - a for a, b in zip(before, mid)],
@@ -326,7 +349,9 @@ def save_on_device(loop: Loop, save: Callable[[], Any]) -> dict[str, Any]:
     return (the device time between them is the snapshot's copy, plus any time the device
     waited for the host), whether the device had already reached the call's event when
     save() returned (then the host was no longer ahead), and the synchronizing calls torch
-    saw inside it (``torch.cuda.set_sync_debug_mode``; only those torch knows of)."""
+    saw inside it (``torch.cuda.set_sync_debug_mode``; only those torch knows of; the mode
+    and the warning hook are process-wide, so a gpusnap thread's call would count too, with
+    that thread's stack)."""
     cuda = loop.dev.type == "cuda"
     enter, leave = loop.event(), loop.event()
     enter.record()
@@ -438,6 +463,8 @@ def summarize(ph: dict[str, Any]) -> dict[str, Any]:
         "full_gc_s": ph["full_gc"][1],
         "bit_exact": ph["exact"],
         "host_step_s": [r["host_step_s"] for r in ph["rows"]],
+        "wait_s": [r["wait_s"] for r in ph["rows"]],
+        "durable_in_interval": [r["durable_in_interval"] for r in ph["rows"]],
         "stats": [{k: v for k, v in s.items() if k != "access_order"} for s in st],
     }
 
@@ -699,7 +726,7 @@ def table(res: dict[str, Any]) -> None:
             "durable_s", "bytes_cow_max", "waits_max", "stream_waits_max", "peak_extra_device_bytes",
             "staging_bytes", "bytes_copied_median", "bytes_skipped_median", "bytes_snapshot_max",
             "copies_median", "tracked_windows", "full_gc_count", "full_gc_s", "bit_exact")
-    lists = ("stalls_s", "interval_stalls_s", "host_step_s", "alloc_step", "alloc_rest", "gen2_objects", "gen2_census")
+    lists = ("stalls_s", "interval_stalls_s", "host_step_s", "wait_s", "durable_in_interval", "alloc_step", "alloc_rest", "gen2_objects", "gen2_census")
     for key in res["configs"]:
         c = res[key]
         print(f"  [{key}] first save stall {ms(c['first_save_stall_s'])}, exact {c['first_exact']}")

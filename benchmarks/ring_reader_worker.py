@@ -2,7 +2,8 @@
 starts in milliseconds and holds no GIL the restoring process needs.
 
 Usage (by ring_readers.py): ``python3 ring_reader_worker.py DATA_PATH RING_FD RING_BYTES``.
-Reads commands from stdin, 24 bytes each: ring offset, file offset, length (three
+Once the file is open and the ring mapped, writes 8 bytes (all ones) on stdout: ready.
+Then reads commands from stdin, 24 bytes each: ring offset, file offset, length (three
 little-endian uint64). Reads that many bytes of the file into the ring (a shared memory
 file, mapped here and page-locked in the parent), then writes the ring offset back (8
 bytes) on stdout. Exits at end of input.
@@ -25,6 +26,8 @@ def main() -> None:
     view = memoryview(ring)
     data = os.open(path, os.O_RDONLY)
     cmds, done = sys.stdin.buffer, sys.stdout.buffer
+    done.write(DONE.pack((1 << 64) - 1))  # ready
+    done.flush()
     while True:
         raw = cmds.read(CMD.size)
         if len(raw) < CMD.size:

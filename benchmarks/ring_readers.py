@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,49 +80,62 @@ class Ring:
         os.close(self.fd)
 
 
-def ring_restore(path: str, dev: torch.device, procs: int, part: int = 64 * MiB, slots: int = 16) -> dict[str, Any]:
+def ring_restore(path: str, dev: torch.device, procs: int, part: int = 64 * MiB, slots: int = 16,
+                 copy_slot: Callable[[torch.Tensor, torch.Tensor], Any] | None = None) -> dict[str, Any]:
     """Copy the file at ``path`` to a new uint8 tensor on ``dev`` through ``procs`` reader
-    processes and a ring of ``slots`` x ``part`` bytes; timings and the tensor."""
+    processes and a ring of ``slots`` x ``part`` bytes; timings and the tensor.
+
+    ``copy_slot(dst, src)`` queues one copy out of the ring and returns an event (``query()``,
+    ``synchronize()``) after which ``src`` may be read into again, or None when the copy is
+    done on return. Default: on CUDA, a copy on a side stream and its event; else a copy now.
+    The clock starts once every reader has started (``spawn_s`` is their start-up)."""
     size = os.path.getsize(path)
     cuda = dev.type == "cuda"
     ring = Ring(slots, part, lock=cuda)
     pinned = cuda and ring.tensor.is_pinned()  # page-locked, as torch sees it: copies run async
-    started = time.perf_counter()
-    workers = [subprocess.Popen([sys.executable, WORKER, path, str(ring.fd), str(ring.nbytes)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(ring.fd,))
-               for _ in range(procs)]
-    spawn_s = time.perf_counter() - started
-    ready: queue.SimpleQueue[int] = queue.SimpleQueue()
-
-    def collect(out: Any) -> None:  # one thread per reader: blocking reads release the GIL
-        while len(raw := out.read(DONE_BYTES)) == DONE_BYTES:
-            ready.put(int.from_bytes(raw, "little"))
-
-    collectors = [threading.Thread(target=collect, args=(w.stdout,), daemon=True) for w in workers]
-    for c in collectors:
-        c.start()
-    dst = torch.empty(size, dtype=torch.uint8, device=dev)
     stream = torch.cuda.Stream(dev) if cuda else None
-    pieces = [(off, min(part, size - off)) for off in range(0, size, part)]
-    reading: dict[int, tuple[int, int]] = {}  # ring offset -> (file offset, length)
+    if copy_slot is None:
+        copy_slot = _stream_copy(stream) if stream is not None else _copy_now
+    workers: list[subprocess.Popen[bytes]] = []
+    collectors: list[threading.Thread] = []
     copying: collections.deque[tuple[Any, int]] = collections.deque()  # (event, ring offset)
-    issued = turn = 0
-
-    def read_into(at: int) -> None:
-        nonlocal issued, turn
-        off, n = pieces[issued]
-        issued += 1
-        reading[at] = (off, n)
-        w = workers[turn % procs]
-        turn += 1
-        try:
-            w.stdin.write(at.to_bytes(8, "little") + off.to_bytes(8, "little") + n.to_bytes(8, "little"))
-            w.stdin.flush()
-        except BrokenPipeError:
-            w.wait(timeout=30)
-            raise RuntimeError(f"a reader died: reader exit codes {[r.poll() for r in workers]}") from None
-
     try:
+        started = time.perf_counter()
+        workers = [subprocess.Popen([sys.executable, WORKER, path, str(ring.fd), str(ring.nbytes)],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(ring.fd,))
+                   for _ in range(procs)]
+        for w in workers:  # each says it is ready (file open, ring mapped)
+            if len(w.stdout.read(DONE_BYTES)) != DONE_BYTES:
+                raise RuntimeError(f"a reader failed to start: exit code {w.wait(timeout=30)}")
+        spawn_s = time.perf_counter() - started
+        ready: queue.SimpleQueue[int] = queue.SimpleQueue()
+
+        def collect(out: Any) -> None:  # one thread per reader: blocking reads release the GIL
+            while len(raw := out.read(DONE_BYTES)) == DONE_BYTES:
+                ready.put(int.from_bytes(raw, "little"))
+
+        collectors = [threading.Thread(target=collect, args=(w.stdout,), daemon=True) for w in workers]
+        for c in collectors:
+            c.start()
+        dst = torch.empty(size, dtype=torch.uint8, device=dev)
+        pieces = [(off, min(part, size - off)) for off in range(0, size, part)]
+        reading: dict[int, tuple[int, int]] = {}  # ring offset -> (file offset, length)
+        issued = turn = 0
+
+        def read_into(at: int) -> None:
+            nonlocal issued, turn
+            off, n = pieces[issued]
+            issued += 1
+            reading[at] = (off, n)
+            w = workers[turn % procs]
+            turn += 1
+            try:
+                w.stdin.write(at.to_bytes(8, "little") + off.to_bytes(8, "little") + n.to_bytes(8, "little"))
+                w.stdin.flush()
+            except BrokenPipeError:
+                w.wait(timeout=30)
+                raise RuntimeError(f"a reader died: reader exit codes {[r.poll() for r in workers]}") from None
+
         if cuda:
             torch.cuda.synchronize(dev)
         started = time.perf_counter()
@@ -134,15 +148,7 @@ def ring_restore(path: str, dev: torch.device, procs: int, part: int = 64 * MiB,
                 codes = [w.poll() for w in workers]
                 raise RuntimeError(f"no piece read for {READ_TIMEOUT_S} s; reader exit codes {codes}") from None
             off, n = reading.pop(at)
-            if cuda:
-                with torch.cuda.stream(stream):
-                    dst[off : off + n].copy_(ring.tensor[at : at + n], non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record(stream)
-            else:
-                dst[off : off + n].copy_(ring.tensor[at : at + n])
-                event = None
-            copying.append((event, at))
+            copying.append((copy_slot(dst[off : off + n], ring.tensor[at : at + n]), at))
             # a slot is read into again once its copy is done (in order, oldest first)
             while copying and issued < len(pieces) and (copying[0][0] is None or copying[0][0].query()):
                 read_into(copying.popleft()[1])
@@ -150,23 +156,51 @@ def ring_restore(path: str, dev: torch.device, procs: int, part: int = 64 * MiB,
                 event, at = copying.popleft()
                 event.synchronize()
                 read_into(at)
-        if stream is not None:
-            stream.synchronize()
+        _drain(copying)
         total_s = time.perf_counter() - started
     finally:
+        _drain(copying)  # no copy may still read the ring when it is unmapped
+        if stream is not None:
+            stream.synchronize()
         for w in workers:
             try:
                 w.stdin.close()
             except BrokenPipeError:  # (a reader that died)
                 pass
         for w in workers:
-            w.wait(timeout=30)
+            try:
+                w.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                w.kill()
+                w.wait()
         for c in collectors:
             c.join(timeout=30)
         ring.close()
     return {"GBps": size / total_s / 1e9, "s": total_s, "spawn_s": spawn_s, "lock_s": ring.lock_s,
             "procs": procs, "part_MiB": part // MiB, "slots": slots, "pinned": pinned,
             "exit_codes": [w.returncode for w in workers], "dst": dst}
+
+
+def _stream_copy(stream: Any) -> Callable[[torch.Tensor, torch.Tensor], Any]:
+    def copy(dst: torch.Tensor, src: torch.Tensor) -> Any:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
+    return copy
+
+
+def _copy_now(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
+
+
+def _drain(copying: collections.deque[tuple[Any, int]]) -> None:
+    while copying:
+        event, _ = copying.popleft()
+        if event is not None:
+            event.synchronize()
 
 
 def spot_check(path: str, dst: torch.Tensor, samples: int = 1 << 16) -> bool:
