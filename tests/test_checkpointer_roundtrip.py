@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
 import torch
@@ -197,6 +198,32 @@ def test_memory_of_state_dropped_after_a_save_is_freed(tmp_path, blocking):
                 del t
                 gc.collect()
                 assert freed(weak), f"save {i}: gpusnap still holds the dropped tensor's memory"
+            finally:
+                torch.UntypedStorage._free_weak_ref(weak)
+
+
+def test_memory_is_freed_at_wait_even_while_the_writer_still_holds_the_job(tmp_path, monkeypatch):
+    """wait() returns as soon as the writer reports the save done; the writer thread may still
+    hold the finished job for a moment (in .ci/run this made the test above fail now and
+    then). The job's records must not keep the state's memory alive by then."""
+    real = gpusnap.Checkpointer._run_job
+
+    def slow_to_let_go(self, repo, job):
+        real(self, repo, job)
+        time.sleep(0.5)  # the job is still referenced here and by the writer loop
+
+    monkeypatch.setattr(gpusnap.Checkpointer, "_run_job", slow_to_let_go)
+    freed = torch.UntypedStorage._expired
+    with gpusnap.Checkpointer(tmp_path / "ck", config=_small_config()) as ck:
+        for blocking in (False, True):
+            t = torch.randn(1 << 18)
+            weak = t.untyped_storage()._weak_ref()
+            try:
+                state = {"t": t}
+                ck.save(state, blocking=blocking).wait()
+                del t, state
+                gc.collect()
+                assert freed(weak), f"blocking={blocking}: the finished job still holds the state's memory"
             finally:
                 torch.UntypedStorage._free_weak_ref(weak)
 

@@ -75,6 +75,17 @@ class _SaveJob:
     retry_note: str | None = None  # why this save is a retry
 
 
+def _release_state(job: _SaveJob) -> None:
+    """Drop a finished save's references to the program's state (its mapping, storages and
+    tensors), on the writer thread *before* the save is reported done: other holders of the
+    job's records (the writer's frame until it returns, the copier's last window) then keep
+    no memory of the program alive once ``wait()`` returns."""
+    job.app_state = None
+    if job.flat is not None:
+        for span in job.flat.spans:
+            span.release()
+
+
 class Checkpointer:
     """Checkpoints and restores an ``app_state`` mapping under ``root``.
 
@@ -540,6 +551,7 @@ class Checkpointer:
                 report = repo.gc(self.keep_last, blocking=False, fresh=False)  # see Repository.gc
                 if report.skipped:
                     log.info("gpusnap: retention skipped, the root is busy: %s", report.notes)
+            _release_state(job)  # before wait() returns: nothing of the state is held after it
             pending._finish(info)
         except BaseException as exc:  # the save failed: report it on the handle, commit nothing
             if capture is not None:
@@ -548,6 +560,7 @@ class Checkpointer:
                 if isinstance(exc, ValidationError) and self._retry(job, exc):
                     return
             log.warning("gpusnap: checkpoint %s failed: %s", pending.id, exc)
+            _release_state(job)
             pending._fail(exc)
 
     def _retry(self, job: _SaveJob, error: ValidationError) -> bool:

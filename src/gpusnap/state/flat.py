@@ -65,6 +65,13 @@ class StorageSpan:
         """Length of the span in bytes (0 when only empty tensors use the storage)."""
         return self.end - self.start
 
+    def release(self) -> None:
+        """Let go of the storage and its tensors (the save is done with them): whatever still
+        holds this span (a finished window, a thread's last job) no longer keeps the
+        program's memory alive. The span's byte range stays, for its records."""
+        self.storage = _RELEASED
+        self.tensors = []
+
     def as_bytes(self) -> torch.Tensor:
         """A uint8 tensor on the storage's device aliasing exactly the span (no copy)."""
         # new_empty on a per-device template: ~1.5 us less than torch.empty(device=...) per
@@ -141,6 +148,7 @@ def tensor_extent(tensor: torch.Tensor) -> tuple[int, int] | None:
 
 
 _uint8_templates: dict[torch.device, torch.Tensor] = {}
+_RELEASED = torch.UntypedStorage(0)  # what a released span points at: no bytes
 
 
 def tensor_problem(tensor: torch.Tensor) -> str | None:
