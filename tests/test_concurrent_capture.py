@@ -214,7 +214,7 @@ def test_blocking_save_of_device_state_goes_through_a_window_and_returns_durable
             v.add_(1)
         info = pending.wait()
         assert "copies" in info.stats, "it went through a capture window"
-        assert info.stats["stall_s"] == pytest.approx(info.stats["duration_s"], rel=0.5)
+        assert info.stats["stall_s"] == info.stats["duration_s"], "the caller waited for all of it"
         ck.restore(state, info.id)
     for k in state:
         assert torch.equal(state[k], before[k]), k

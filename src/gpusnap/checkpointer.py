@@ -547,6 +547,8 @@ class Checkpointer:
                     self._previous = known_chunks(manifest)
             info = info_from_manifest(manifest)
             info.stats["duration_s"] = time.perf_counter() - job.started
+            if job.blocking:  # the caller waited through the commit too
+                info.stats["stall_s"] = info.stats["duration_s"]
             if self.keep_last is not None:
                 report = repo.gc(self.keep_last, blocking=False, fresh=False)  # see Repository.gc
                 if report.skipped:
