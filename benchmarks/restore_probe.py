@@ -210,16 +210,11 @@ def register_probe(dev: torch.device, path: str, size: int, flags: int, parts: i
     return out
 
 
-def _cudart_ctypes() -> Any:
-    """libcudart as loaded by torch, through ctypes: its calls release the GIL."""
-    return cudart()
-
-
 def pipeline_probe(dev: torch.device, path: str, size: int, threads: int, part: int) -> dict[str, float]:
     """Register parts of a read-only map on ``threads`` threads; copy each part once registered."""
     import queue
 
-    lib = _cudart_ctypes()
+    lib = cudart()  # (through ctypes: its calls release the GIL)
     fd = os.open(path, os.O_RDONLY)
     mm = mmap.mmap(fd, size, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
     os.close(fd)

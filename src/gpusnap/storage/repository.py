@@ -91,6 +91,13 @@ def _about(what: str) -> str:
     return f" ({what})" if what else ""
 
 
+def _map_chunks(into: dict[str, tuple[str, int, int]], index: PackIndex) -> None:
+    """Add ``index``'s chunks to ``into`` (digest -> pack path, offset, length); a digest
+    already mapped keeps its first pack."""
+    for digest, offset, length in index.entries:
+        into.setdefault(digest, (index.path, offset, length))
+
+
 def _byte_view(data: bytes | bytearray | memoryview) -> memoryview:
     view = memoryview(data)
     if view.format != "B" or view.ndim != 1:
@@ -375,14 +382,12 @@ class Repository:
     def _rebuild_chunk_map(self) -> None:
         self._chunks = {}
         for index in self._packs.values():
-            for digest, offset, length in index.entries:
-                self._chunks.setdefault(digest, (index.path, offset, length))
+            _map_chunks(self._chunks, index)
 
     def _add_pack(self, index: PackIndex) -> None:
         with self._mutex:
             self._packs[index.path] = index
-            for digest, offset, length in index.entries:
-                self._chunks.setdefault(digest, (index.path, offset, length))
+            _map_chunks(self._chunks, index)
 
     def _known(self, digest: str) -> bool:
         with self._mutex:
@@ -699,8 +704,7 @@ class Repository:
                 pack_errors.append(str(_storage_error(exc, "reading pack index", where, writing=False)))
         where_is: dict[str, tuple[str, int, int]] = {}
         for index in packs.values():
-            for digest, offset, length in index.entries:
-                where_is.setdefault(digest, (index.path, offset, length))
+            _map_chunks(where_is, index)
         if checkpoint_id is None:
             problems.extend(pack_errors)
 
