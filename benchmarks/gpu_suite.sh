@@ -51,7 +51,7 @@ for s in "${steps[@]}"; do
     probe) t 150 python3 benchmarks/restore_probe.py ${PROBE_ARGS:-} > "$L/probe.log" 2>&1
            tail -16 "$L/probe.log" ;;
     ring) t 150 python3 benchmarks/ring_readers.py ${RING_ARGS:-} > "$L/ring.log" 2>&1
-          tail -8 "$L/ring.log" ;;
+          tail -12 "$L/ring.log" ;;
     gather) t 120 python3 benchmarks/gather_copy_bench.py ${GATHER_ARGS:-} --json "$L/gather.json" > "$L/gather.log" 2>&1
             tail -12 "$L/gather.log" ;;
     hash) t 120 python3 benchmarks/hash_kernel.py --out "$L/hash.json" > "$L/hash.log" 2>&1

@@ -11,7 +11,9 @@ Variants (comma list, ``--variants``): default, piece16/piece64/piece128 (16/64/
 p64r8/p64r12 (64 MiB pieces, 8/12 readers), nojoin (small spans keep BLAKE2b on the host
 instead of joining device-checked batches), readers16/12/8/6/4,
 slots8 (device scratch slots), big (piece64 + readers8 + slots8), host (BLAKE2b on the host),
-off (no verification), switch (GIL switch interval 0.5 ms instead of 5 ms).
+off (no verification), switch (GIL switch interval 0.5 ms instead of 5 ms); threads (reader
+threads read, no reader processes: the default before the twelfth session), t64r8 (that with
+64 MiB pieces and 8 readers), procs6/8/14 (reader processes), p64procs12 (64 MiB pieces).
 Run: PYTHONPATH=src python3 benchmarks/restore_diagnosis.py --sample
 """
 
@@ -55,6 +57,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "host": {"config": {"restore_verify_on_device": "off"}},
     "off": {"verify": "off"},
     "switch": {"switch": 5e-4},
+    # reader threads reading for themselves (the path before reader processes): "threads" is
+    # the old default; the reader-process variants set how many processes (PROC_READERS)
+    "threads": {"config": {"restore_reader_processes": "off"}},
+    "t64r8": {"config": {"restore_reader_processes": "off", "restore_piece_bytes": 64 * MiB}, "readers": 8},
+    "procs6": {"procs": 6},
+    "procs8": {"procs": 8},
+    "procs14": {"procs": 14},
+    "p64procs12": {"config": {"restore_piece_bytes": 64 * MiB}},
 }
 
 
@@ -123,6 +133,8 @@ def run_variant(name: str, root: str, app: dict[str, Any], cid: str, dev: torch.
     spec = VARIANTS[name]
     saved_threads, saved_switch = restorer_mod.reader_threads, sys.getswitchinterval()
     saved_cap, saved_join = loader_mod.DEVICE_CHECK_READERS, loader_mod.JOIN_CHECKS
+    saved_procs = restorer_mod.PROC_READERS
+    restorer_mod.PROC_READERS = spec.get("procs", saved_procs)
     loader_mod.JOIN_CHECKS = spec.get("join", saved_join)
     if "readers" in spec:
         restorer_mod.reader_threads = lambda io_threads, n=spec["readers"]: n
@@ -151,6 +163,7 @@ def run_variant(name: str, root: str, app: dict[str, Any], cid: str, dev: torch.
         return best
     finally:
         restorer_mod.reader_threads = saved_threads
+        restorer_mod.PROC_READERS = saved_procs
         loader_mod.DEVICE_CHECK_READERS, loader_mod.JOIN_CHECKS = saved_cap, saved_join
         sys.setswitchinterval(saved_switch)
 

@@ -11,6 +11,9 @@ Three probes, each printing one table row per variant:
 2. ``read``: the readers' ceiling: N threads reading a tmpfs file into pinned buffers.
 3. ``register``: a tmpfs file mapped and page-locked in place (``cudaHostRegister``), then
    copied host-to-device straight from the page cache: registration cost and copy rate.
+5. ``pipe``: the copy loop of (1) on whole 32 MiB pieces only, on one stream or with the
+   H2D copies on a stream of their own, 3 or 6 scratch slots: whether the device side (one
+   stream running H2D, hash and D2D in turn) bounds the loop rather than its host calls.
 4. ``pipeline``: the same, in parts: T threads register parts (through ctypes, so without
    the GIL) while the main thread copies each part once it is registered, each copy within
    one registration. Tells whether page-locking the page cache in parallel can feed the
@@ -82,6 +85,42 @@ class Background:
             t.join()
 
 
+class BackgroundProcs:
+    """``n`` processes reading ``path`` in 32 MiB pieces into their own memory until stopped:
+    the same host load as ``Background(n, reader_body(...))`` without a GIL shared with the
+    copy thread. Tells GIL contention apart from contention for memory bandwidth."""
+
+    LOOP = (
+        "import mmap, os, sys, select\n"
+        "fd = os.open(sys.argv[1], os.O_RDONLY); size = os.fstat(fd).st_size\n"
+        "buf = mmap.mmap(-1, 32 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, 'MAP_POPULATE', 0))\n"
+        "view = memoryview(buf); off = int(sys.argv[2]) % (size - (32 << 20))\n"
+        "sys.stdout.write('r'); sys.stdout.flush()\n"
+        "while not select.select([sys.stdin], [], [], 0)[0]:\n"
+        "    os.preadv(fd, [view], off); off = (off + (32 << 20)) % (size - (32 << 20))\n"
+    )
+
+    def __init__(self, n: int, path: str) -> None:
+        self.n, self.path = n, path
+
+    def __enter__(self) -> BackgroundProcs:
+        import subprocess
+        import sys
+
+        self.procs = [subprocess.Popen([sys.executable, "-c", self.LOOP, self.path, str(k * 32 * MiB)],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE) for k in range(self.n)]
+        for p in self.procs:
+            p.stdout.read(1)  # ready
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for p in self.procs:
+            p.stdin.write(b"x")
+            p.stdin.close()
+        for p in self.procs:
+            p.wait(timeout=30)
+
+
 def reader_body(path: str, size: int, n: int) -> Callable[[int], None]:
     bufs = [torch.empty(32 * MiB, dtype=torch.uint8, pin_memory=True) for _ in range(n)]
     views = [memoryview(b.numpy()) for b in bufs]
@@ -96,24 +135,29 @@ def reader_body(path: str, size: int, n: int) -> Callable[[int], None]:
     return body
 
 
-def copy_probe(dev: torch.device, sizes: list[int], hash_on: bool, piece: int = 32 * MiB) -> dict[str, float]:
+def copy_probe(dev: torch.device, sizes: list[int], hash_on: bool, piece: int = 32 * MiB, *,
+               slots: int = 3, two_streams: bool = False) -> dict[str, float]:
+    """``two_streams``: the H2D copies on a stream of their own (the next piece's H2D need not
+    wait behind this piece's hash and D2D on one stream); ``slots``: device scratch slots."""
     targets = [torch.empty(n, dtype=torch.uint8, device=dev) for n in sizes]
     regions = [torch.randint(0, 255, (piece,), dtype=torch.uint8).pin_memory() for _ in range(8)]
-    scratch = [torch.empty(piece, dtype=torch.uint8, device=dev) for _ in range(3)]
+    scratch = [torch.empty(piece, dtype=torch.uint8, device=dev) for _ in range(slots)]
     rows = piece // CHUNK
-    got = [torch.empty((rows, 2), dtype=torch.int64, device=dev) for _ in range(3)]
-    bad = [torch.empty(rows, dtype=torch.bool, device=dev) for _ in range(3)]
-    flags = [torch.zeros(rows, dtype=torch.bool).pin_memory() for _ in range(3)]
+    got = [torch.empty((rows, 2), dtype=torch.int64, device=dev) for _ in range(slots)]
+    bad = [torch.empty(rows, dtype=torch.bool, device=dev) for _ in range(slots)]
+    flags = [torch.zeros(rows, dtype=torch.bool).pin_memory() for _ in range(slots)]
     want = torch.zeros((rows * 4, 2), dtype=torch.int64, device=dev)
     stream = torch.cuda.Stream(dev)
+    h2d = torch.cuda.Stream(dev) if two_streams else stream
+    freed: list[Any] = [None] * slots  # two streams: the slot's D2D is done (its next H2D may start)
     plan = pieces_of(sizes, piece)
     t_calls = {"h2d": 0.0, "hash": 0.0, "check": 0.0, "event": 0.0, "wait": 0.0, "d2d": 0.0}
-    pend: list[Any] = [None, None, None]
+    pend: list[Any] = [None] * slots
     torch.cuda.synchronize(dev)
     t0 = time.perf_counter()
     with torch.cuda.stream(stream):
         for k, (i, off, n) in enumerate(plan):
-            s = k % 3
+            s = k % slots
             if pend[s] is not None:  # resolve the slot's previous piece: flags, then D2D
                 a = time.perf_counter()
                 ev, (pi, poff, pn) = pend[s]
@@ -121,11 +165,23 @@ def copy_probe(dev: torch.device, sizes: list[int], hash_on: bool, piece: int = 
                 b = time.perf_counter()
                 _ = flags[s].numpy().any()
                 targets[pi][poff : poff + pn].copy_(scratch[s][:pn])
+                if two_streams:
+                    freed[s] = torch.cuda.Event()
+                    freed[s].record(stream)
                 c = time.perf_counter()
                 t_calls["wait"] += b - a
                 t_calls["d2d"] += c - b
             a = time.perf_counter()
-            scratch[s][:n].copy_(regions[k % 8][:n], non_blocking=True)
+            if two_streams:
+                with torch.cuda.stream(h2d):
+                    if freed[s] is not None:
+                        h2d.wait_event(freed[s])
+                    scratch[s][:n].copy_(regions[k % 8][:n], non_blocking=True)
+                    landed = torch.cuda.Event()
+                    landed.record(h2d)
+                stream.wait_event(landed)
+            else:
+                scratch[s][:n].copy_(regions[k % 8][:n], non_blocking=True)
             b = time.perf_counter()
             r = -(-n // CHUNK)
             if hash_on:
@@ -290,6 +346,9 @@ def main() -> None:
                 ("alone", None, True),
                 ("6 readers", lambda: Background(6, reader_body(path, size, 6)), True),
                 # (six threads running pure Python starved the probe on the H200: removed)
+                ("12 readers", lambda: Background(12, reader_body(path, size, 12)), True),
+                ("6 reader procs", lambda: BackgroundProcs(6, path), True),
+                ("12 reader procs", lambda: BackgroundProcs(12, path), True),
                 ("alone, no hash", None, False),
                 ("6 readers, no hash", lambda: Background(6, reader_body(path, size, 6)), False),
             ]
@@ -301,6 +360,23 @@ def main() -> None:
                         r = copy_probe(dev, sizes, hash_on)
                 line = (f"copy  {name:22s} {r['GBps']:6.1f} GB/s {r['s'] * 1e3:7.0f} ms  per piece us: "
                         + " ".join(f"{k[:-3]}={r[k]:.0f}" for k in r if k.endswith("_us")))
+                print(line, flush=True)
+                rows.append(line)
+        if "pipe" in probes:  # whole 32 MiB pieces only: is one stream the device-side bound?
+            sizes = [32 * MiB] * 256  # 8.6 GB
+            copy_probe(dev, sizes[:8], True)  # warm the kernels
+            for name, hash_on, slots, two in (("1 stream, 3 slots", True, 3, False), ("2 streams, 3 slots", True, 3, True),
+                                              ("1 stream, 6 slots", True, 6, False), ("2 streams, 6 slots", True, 6, True),
+                                              ("1 stream, no hash", False, 3, False), ("2 streams, no hash", False, 3, True)):
+                r = copy_probe(dev, sizes, hash_on, slots=slots, two_streams=two)
+                line = (f"pipe  {name:22s} {r['GBps']:6.1f} GB/s {r['s'] * 1e3:7.0f} ms  per piece us: "
+                        + " ".join(f"{k[:-3]}={r[k]:.0f}" for k in r if k.endswith("_us")))
+                print(line, flush=True)
+                rows.append(line)
+            gpt2 = gpt2_large_sizes()
+            for name, two in (("gpt2-large 1 stream", False), ("gpt2-large 2 streams", True)):
+                r = copy_probe(dev, gpt2, True, two_streams=two)
+                line = f"pipe  {name:22s} {r['GBps']:6.1f} GB/s {r['s'] * 1e3:7.0f} ms"
                 print(line, flush=True)
                 rows.append(line)
         if "read" in probes:

@@ -22,7 +22,11 @@ DONE = struct.Struct("<Q")
 
 def main() -> None:
     path, ring_fd, ring_bytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    ring = mmap.mmap(ring_fd, ring_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    # MAP_POPULATE: the page tables are filled now, before "ready". Without it each reader
+    # took a minor fault per 4 KiB page of the ring it first wrote (0.25 M per GiB, in every
+    # reader): 8 readers ran at 15 GB/s on the H200, 1.9 GB/s each (twelfth session).
+    ring = mmap.mmap(ring_fd, ring_bytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                     prot=mmap.PROT_READ | mmap.PROT_WRITE)
     view = memoryview(ring)
     data = os.open(path, os.O_RDONLY)
     cmds, done = sys.stdin.buffer, sys.stdout.buffer

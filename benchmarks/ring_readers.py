@@ -56,15 +56,23 @@ def cudart() -> Any:
 class Ring:
     """``slots`` x ``part`` bytes of shared memory: mapped here, page-locked on CUDA."""
 
-    def __init__(self, slots: int, part: int, lock: bool) -> None:
+    def __init__(self, slots: int, part: int, lock: bool, where: str | None = None) -> None:
+        """``where``: a directory (a tmpfs, e.g. one mounted with ``huge=always``) for the
+        ring's file, unlinked at once; default an anonymous ``memfd``."""
         self.part, self.nbytes = part, slots * part
-        self.fd = os.memfd_create("gpusnap-ring")
+        started = time.perf_counter()  # (lock_s: allocating the pages and page-locking them)
+        if where is None:
+            self.fd = os.memfd_create("gpusnap-ring")
+        else:
+            name = tempfile.mktemp(prefix="gpusnap-ring-", dir=where)
+            self.fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.unlink(name)
         os.ftruncate(self.fd, self.nbytes)
-        self.map = mmap.mmap(self.fd, self.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.map = mmap.mmap(self.fd, self.nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.array = np.frombuffer(self.map, dtype=np.uint8)
         self.tensor = torch.from_numpy(self.array)
         self.lib: Any = None
-        started = time.perf_counter()
         if lock:
             self.lib = cudart()
             err = self.lib.cudaHostRegister(self.array.ctypes.data, self.nbytes, 0)
@@ -81,9 +89,13 @@ class Ring:
 
 
 def ring_restore(path: str, dev: torch.device, procs: int, part: int = 64 * MiB, slots: int = 16,
-                 copy_slot: Callable[[torch.Tensor, torch.Tensor], Any] | None = None) -> dict[str, Any]:
+                 copy_slot: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+                 dst: torch.Tensor | None = None, end: int | None = None,
+                 on_start: Callable[[], None] | None = None, ring_dir: str | None = None) -> dict[str, Any]:
     """Copy the file at ``path`` to a new uint8 tensor on ``dev`` through ``procs`` reader
-    processes and a ring of ``slots`` x ``part`` bytes; timings and the tensor.
+    processes and a ring of ``slots`` x ``part`` bytes; timings and the tensor. With ``dst``
+    and ``end``, only the file's first ``end`` bytes, into ``dst``; ``on_start()`` runs when
+    the clock starts (``t0`` in the result). ``ring_dir``: see ``Ring``.
 
     ``copy_slot(dst, src)`` queues one copy out of the ring and returns an event (``query()``,
     ``synchronize()``) after which ``src`` may be read into again, or None when the copy is
@@ -91,7 +103,7 @@ def ring_restore(path: str, dev: torch.device, procs: int, part: int = 64 * MiB,
     The clock starts once every reader has started (``spawn_s`` is their start-up)."""
     size = os.path.getsize(path)
     cuda = dev.type == "cuda"
-    ring = Ring(slots, part, lock=cuda)
+    ring = Ring(slots, part, lock=cuda, where=ring_dir)
     pinned = cuda and ring.tensor.is_pinned()  # page-locked, as torch sees it: copies run async
     stream = torch.cuda.Stream(dev) if cuda else None
     if copy_slot is None:
@@ -117,8 +129,10 @@ def ring_restore(path: str, dev: torch.device, procs: int, part: int = 64 * MiB,
         collectors = [threading.Thread(target=collect, args=(w.stdout,), daemon=True) for w in workers]
         for c in collectors:
             c.start()
-        dst = torch.empty(size, dtype=torch.uint8, device=dev)
-        pieces = [(off, min(part, size - off)) for off in range(0, size, part)]
+        if dst is None:
+            dst = torch.empty(size, dtype=torch.uint8, device=dev)
+        end = size if end is None else end
+        pieces = [(off, min(part, end - off)) for off in range(0, end, part)]
         reading: dict[int, tuple[int, int]] = {}  # ring offset -> (file offset, length)
         issued = turn = 0
 
@@ -139,6 +153,8 @@ def ring_restore(path: str, dev: torch.device, procs: int, part: int = 64 * MiB,
         if cuda:
             torch.cuda.synchronize(dev)
         started = time.perf_counter()
+        if on_start is not None:
+            on_start()
         for k in range(min(slots, len(pieces))):
             read_into(k * part)
         for _ in range(len(pieces)):
@@ -176,9 +192,75 @@ def ring_restore(path: str, dev: torch.device, procs: int, part: int = 64 * MiB,
         for c in collectors:
             c.join(timeout=30)
         ring.close()
-    return {"GBps": size / total_s / 1e9, "s": total_s, "spawn_s": spawn_s, "lock_s": ring.lock_s,
+    return {"GBps": end / total_s / 1e9, "s": total_s, "t0": started, "spawn_s": spawn_s, "lock_s": ring.lock_s,
             "procs": procs, "part_MiB": part // MiB, "slots": slots, "pinned": pinned,
             "exit_codes": [w.returncode for w in workers], "dst": dst}
+
+
+def register_copy(path: str, dst: torch.Tensor, start: int, end: int, part: int) -> dict[str, float]:
+    """Copy the file's bytes [start, end) to ``dst[start:end]`` with no host copy at all:
+    page-lock each ``part`` of a read-only map of the file in place (``cudaHostRegister``,
+    read-only flag), copy it, unlock it once its copy is done. The driver registers one part
+    at a time (eighth session), so this is one thread; it runs beside the reader processes."""
+    lib = cudart()
+    fd = os.open(path, os.O_RDONLY)
+    mm = mmap.mmap(fd, end, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
+    os.close(fd)
+    arr = np.frombuffer(mm, dtype=np.uint8)
+    addr = arr.ctypes.data
+    src = torch.from_numpy(arr)  # (read-only: torch warns; it is only read)
+    stream = torch.cuda.Stream(dst.device)
+    copying: collections.deque[tuple[Any, int, int]] = collections.deque()
+    reg_s = 0.0
+    try:
+        for off in range(start, end, part):
+            n = min(part, end - off)
+            t = time.perf_counter()
+            err = lib.cudaHostRegister(addr + off, n, 8)  # 8: cudaHostRegisterReadOnly
+            reg_s += time.perf_counter() - t
+            if err:
+                raise RuntimeError(f"cudaHostRegister of the file map failed: error {err}")
+            with torch.cuda.stream(stream):
+                dst[off : off + n].copy_(src[off : off + n], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            copying.append((event, off, n))
+            while copying and copying[0][0].query():
+                lib.cudaHostUnregister(addr + copying.popleft()[1])
+    finally:
+        stream.synchronize()
+        for _, off, _ in copying:
+            lib.cudaHostUnregister(addr + off)
+        del src, arr
+        mm.close()
+    return {"end_t": time.perf_counter(), "reg_GBps": (end - start) / reg_s / 1e9 if reg_s else 0.0}
+
+
+def hybrid_restore(path: str, dev: torch.device, procs: int, part: int, share: float,
+                   reg_part: int = 64 * MiB, ring_dir: str | None = None) -> dict[str, Any]:
+    """The file's tail ``share`` goes to the device page-locked in place (``register_copy``,
+    one thread), the rest through the reader processes' ring, both at once."""
+    size = os.path.getsize(path)
+    split = int(size * (1 - share)) // reg_part * reg_part
+    dst = torch.empty(size, dtype=torch.uint8, device=dev)
+    out: dict[str, Any] = {}
+
+    def tail() -> None:
+        try:
+            out.update(register_copy(path, dst, split, size, reg_part))
+        except BaseException as exc:  # (re-raised below)
+            out["error"] = exc
+
+    th = threading.Thread(target=tail, daemon=True)
+    r = ring_restore(path, dev, procs, part, dst=dst, end=split, on_start=th.start, ring_dir=ring_dir)
+    th.join()
+    if "error" in out:
+        raise out["error"]
+    ring_end = r["t0"] + r["s"]
+    total = max(ring_end, out["end_t"]) - r["t0"]
+    r.update(GBps=size / total / 1e9, s=total, ring_s=r["s"], reg_s=out["end_t"] - r["t0"],
+             reg_GBps=out["reg_GBps"], share=share)
+    return r
 
 
 def _stream_copy(stream: Any) -> Callable[[torch.Tensor, torch.Tensor], Any]:
@@ -233,19 +315,29 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--file-gb", type=float, default=4.0)
     ap.add_argument("--dir", default=None, help="where the file goes (default /dev/shm)")
-    ap.add_argument("--variants", default="4x64,8x64,12x64,8x32,8x128",
-                    help="reader processes x piece MiB, comma-separated")
+    ap.add_argument("--ring-dir", default=None,
+                    help="where the ring's file goes (default: an anonymous memfd), e.g. a huge-page tmpfs")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each variant (each line is one)")
+    ap.add_argument("--variants", default="4x64,8x64,12x64,8x32,8x128,8x64z30,12x64z30,12x64z45",
+                    help="reader processes x piece MiB, comma-separated; zNN: NN%% of the file "
+                         "page-locked in place and copied beside the ring (CUDA only)")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     path, size = probe_file(args.file_gb, args.dir)
     rows = []
     try:
         ring_restore(path, dev, 2, 64 * MiB)  # warm: page cache, CUDA context, copy paths
-        for variant in args.variants.split(","):
-            procs, part = (int(v) for v in variant.split("x"))
-            r = ring_restore(path, dev, procs, part * MiB)
+        for variant in args.variants.split(",") * args.repeat:
+            shape, _, share = variant.partition("z")
+            procs, part = (int(v) for v in shape.split("x"))
+            if share:
+                r = hybrid_restore(path, dev, procs, part * MiB, int(share) / 100, ring_dir=args.ring_dir)
+            else:
+                r = ring_restore(path, dev, procs, part * MiB, ring_dir=args.ring_dir)
             ok = spot_check(path, r.pop("dst"))
-            line = (f"ring procs={procs:2d} part={part:3d}MiB: {r['GBps']:5.1f} GB/s ({r['s'] * 1e3:.0f} ms), "
+            extra = (f" [zero-copy {share}%: ring {r['ring_s'] * 1e3:.0f} ms, registered part "
+                     f"{r['reg_s'] * 1e3:.0f} ms, registering {r['reg_GBps']:.1f} GB/s]" if share else "")
+            line = (f"ring procs={procs:2d} part={part:3d}MiB{extra}: {r['GBps']:5.1f} GB/s ({r['s'] * 1e3:.0f} ms), "
                     f"spawn {r['spawn_s'] * 1e3:.0f} ms, page-lock {r['lock_s'] * 1e3:.0f} ms, equal {ok}, "
                     f"exits {r['exit_codes']}")
             print(line, flush=True)

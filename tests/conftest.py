@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -21,3 +23,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def device(request: pytest.FixtureRequest) -> torch.device:
     """Every mechanism runs on CPU tensors (CI); on a GPU machine also on CUDA tensors."""
     return torch.device(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _reader_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``GPUSNAP_TEST_READER_PROCESSES=on`` (or ``off``) runs every restore of the suite with
+    (without) reader processes, whatever the test's Config says (CPU restores use threads by
+    default; the dedicated tests are in test_restore_reader_procs.py)."""
+    mode = os.environ.get("GPUSNAP_TEST_READER_PROCESSES")
+    if mode:
+        from gpusnap.restore import restorer
+
+        monkeypatch.setattr(restorer, "READER_PROCESSES", mode)

@@ -98,3 +98,15 @@ def raw(t: torch.Tensor) -> torch.Tensor:
 
     with no_dispatch():
         return t.detach().clone()
+
+
+def corrupt_chunk(root: Path, needle: bytes, at: int) -> None:
+    """Flip one bit ``at`` bytes into the first stored chunk that holds ``needle``."""
+    for pack in (root / "packs").rglob("*.pack"):
+        data = bytearray(pack.read_bytes())
+        where = data.find(needle)
+        if where >= 0:
+            data[where + at] ^= 0x10
+            pack.write_bytes(bytes(data))
+            return
+    raise AssertionError("chunk not found in any pack")

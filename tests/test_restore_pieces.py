@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from restore_support import held_root, tiny_config
+from restore_support import corrupt_chunk, held_root, tiny_config
 
 import gpusnap
 from gpusnap import IntegrityError
@@ -42,17 +42,6 @@ def _add_device_hashes(root: Path, checkpoint_id: str) -> None:
         entries.append(dataclasses.replace(e, hashes=tuple(hashes_to_hex(chunk_hashes(t, manifest.chunk_size)))))
     new = dataclasses.replace(manifest, storages=tuple(entries))
     (root / "manifests" / f"{manifest.id}.json").write_bytes(new.to_json())
-
-
-def _corrupt(root: Path, needle: bytes, at: int) -> None:
-    for pack in (root / "packs").rglob("*.pack"):
-        data = bytearray(pack.read_bytes())
-        where = data.find(needle)
-        if where >= 0:
-            data[where + at] ^= 0x10
-            pack.write_bytes(bytes(data))
-            return
-    raise AssertionError("chunk not found in any pack")
 
 
 def _runs(repo: Repository, digests: tuple[str, ...]) -> int:
@@ -95,7 +84,7 @@ def test_piece_read_verifies_every_chunk(tmp_path):
     root = tmp_path / "ck"
     source = {"t": torch.arange(128 * 16.0)}
     checkpoint = _save(root, source)
-    _corrupt(root, source["t"][128 * 9 : 128 * 10].numpy().tobytes(), 7)
+    corrupt_chunk(root, source["t"][128 * 9 : 128 * 10].numpy().tobytes(), 7)
     repo = Repository.open(root)
     entry = repo.load_manifest(checkpoint).storages[0]
     with pytest.raises(IntegrityError, match="does not match its digest"):
@@ -162,7 +151,7 @@ def test_device_check_mismatch_raises_and_the_corrupt_piece_never_lands(tmp_path
     source = {"big": torch.arange(128 * 64.0)}  # 64 chunks; #40 is corrupt
     checkpoint = _save(root, source)
     _add_device_hashes(root, checkpoint)
-    _corrupt(root, source["big"][128 * 40 : 128 * 41].numpy().tobytes(), 9)
+    corrupt_chunk(root, source["big"][128 * 40 : 128 * 41].numpy().tobytes(), 9)
     monkeypatch.setattr(restorer_mod, "VERIFY_ON_DEVICE", True)
     with gpusnap.Checkpointer(root, config=tiny_config()) as ck:
         target = {"big": torch.zeros(128 * 64)}
@@ -439,7 +428,7 @@ def test_a_corrupt_small_span_in_a_joined_batch_is_caught_on_the_device(tmp_path
     source = _interleaved_state()
     checkpoint = _save(root, source)
     _add_device_hashes(root, checkpoint)
-    _corrupt(root, source["b3"].numpy().tobytes(), 3)
+    corrupt_chunk(root, source["b3"].numpy().tobytes(), 3)
     _checkable_on_cpu(monkeypatch)
     monkeypatch.setattr(restorer_mod, "reader_threads", lambda io_threads: 1)
     config = tiny_config(io_threads=1, staging_bytes=64 * CS, restore_piece_bytes=16 * CS, device_check_min_bytes=4 * CS)
@@ -478,7 +467,7 @@ def test_a_corrupt_chunk_in_a_batch_is_named_and_never_written(tmp_path, monkeyp
     checkpoint = _save(root, source)
     _add_device_hashes(root, checkpoint)
     victim = source["s9"]
-    _corrupt(root, victim.numpy().tobytes()[:64], 5)
+    corrupt_chunk(root, victim.numpy().tobytes()[:64], 5)
     monkeypatch.setattr(restorer_mod, "VERIFY_ON_DEVICE", True)
     with gpusnap.Checkpointer(root, config=tiny_config(io_threads=1, staging_bytes=64 * CS, restore_piece_bytes=16 * CS)) as ck:
         target = {k: torch.zeros_like(v) for k, v in source.items()}
@@ -495,7 +484,7 @@ def test_a_failed_batch_reports_the_members_it_already_wrote(tmp_path, monkeypat
     root = tmp_path / "ck"
     source = _small_state()
     checkpoint = _save(root, source)
-    _corrupt(root, source["s9"].numpy().tobytes()[:64], 5)
+    corrupt_chunk(root, source["s9"].numpy().tobytes()[:64], 5)
     monkeypatch.setattr(restorer_mod, "VERIFY_ON_DEVICE", False)
     monkeypatch.setattr("gpusnap.restore.restorer.os.sched_getaffinity", lambda pid: {0}, raising=False)
     with gpusnap.Checkpointer(root, config=tiny_config(io_threads=1, staging_bytes=64 * CS, restore_piece_bytes=16 * CS)) as ck:

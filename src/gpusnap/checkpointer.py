@@ -149,6 +149,7 @@ class Checkpointer:
             verify_on_device={"auto": None, "on": True, "off": False}[self.config.restore_verify_on_device],
             scratch_slots=self.config.restore_scratch_slots,
             device_check_min_bytes=self.config.device_check_min_bytes,
+            reader_processes=self.config.restore_reader_processes,
         )
         self._closed = False
         self._atexit = weakref.WeakMethod(self.close)

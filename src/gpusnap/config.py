@@ -117,6 +117,12 @@ class Config:
         default=1 * MiB, metadata={"doc": "restore: smaller spans keep BLAKE2b on the host (auto mode), unless "
                   "batched with larger device-checked ones"}
     )
+    restore_reader_processes: str = field(
+        default="auto",
+        metadata={"doc": "restore: read pack files in reader processes over shared memory, so that "
+                  "reading takes no GIL from the copy thread (auto: when a restore has CUDA targets "
+                  "and the checkpoint is a local directory on Linux; on: whenever possible; off)"},
+    )
     trace_dir: str = field(
         default="", metadata={"doc": "write a Chrome trace of each capture window here ('' : off)"}
     )
@@ -132,6 +138,10 @@ class Config:
         if self.restore_verify_on_device not in ("auto", "on", "off"):
             raise ValueError(
                 f"Config.restore_verify_on_device must be 'auto', 'on' or 'off', got {self.restore_verify_on_device!r}"
+            )
+        if self.restore_reader_processes not in ("auto", "on", "off"):
+            raise ValueError(
+                f"Config.restore_reader_processes must be 'auto', 'on' or 'off', got {self.restore_reader_processes!r}"
             )
         if self.chunk_size % 512:
             raise ValueError(f"Config.chunk_size must be a multiple of 512, got {self.chunk_size}")

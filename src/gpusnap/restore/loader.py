@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,6 +36,7 @@ from gpusnap.device import host_buffer
 from gpusnap.errors import CheckpointError
 from gpusnap.restore.copier import Copier
 from gpusnap.restore.device_check import DeviceCheck
+from gpusnap.restore.read_procs import ReaderDied, ReaderProcs
 from gpusnap.restore.schedule import LoadSpan, Piece, Schedule, SpanState
 from gpusnap.restore.staging import SlotPool
 from gpusnap.restore.stats import LoadStats
@@ -79,6 +81,12 @@ class Loader:
     ``span_events``: record, per batch, the CUDA event a span is ready after, for ops that wait
     for single spans (a lazy restore's gate). An eager restore waits for the whole load and
     passes False: one event and one torch call fewer per batch on the copy thread.
+
+    ``procs``: reader processes (``read_procs``), one per reader thread at most, over
+    ``slots``'s shared memory: reader thread ``k`` has process ``k`` read its batches' runs
+    (one request per batch) and only plans, checks and hands over. A batch whose request
+    fails (a process gone, a pack removed by a gc, a short read) is read again by the thread
+    itself, which raises the error the thread path raises.
     """
 
     def __init__(
@@ -97,6 +105,7 @@ class Loader:
         scratch_slots: int | None = None,
         device_check_min_bytes: int | None = None,
         span_events: bool = True,
+        procs: ReaderProcs | None = None,
     ) -> None:
         if slots.slot_bytes < manifest.chunk_size:
             raise ValueError(f"staging slots of {slots.slot_bytes} bytes cannot hold {manifest.chunk_size}-byte chunks")
@@ -146,7 +155,14 @@ class Loader:
             # nearly every byte is checked on the device: readers only copy from the page
             # cache, and more of them take the GIL from the copy thread that bounds the rate
             self.threads = min(self.threads, DEVICE_CHECK_READERS)
-        self.stats = LoadStats()
+        self.procs = procs if procs is not None and slots.shared is not None else None
+        if self.procs is not None:
+            # no GIL shared with the copy thread: the cap above does not apply
+            self.threads = max(1, min(len(self.procs), pieces or 1))
+        self._no_proc: set[int] = set()  # reader threads whose process is gone
+        self._local: dict[str, str | None] = {}  # pack path -> local path for the processes
+        self._what: dict[int, str] = {}  # span index -> describe_span (for errors)
+        self.stats = LoadStats(reader_procs=self.threads if self.procs is not None else 0)
         self.started = 0.0
         self.finished: float | None = None
         self.error: BaseException | None = None
@@ -198,7 +214,7 @@ class Loader:
         self._launched = True
         self.copier.start()
         for i in range(self.threads):
-            threading.Thread(target=self._run, name=f"gpusnap-restore-{i}", daemon=True).start()
+            threading.Thread(target=self._run, args=(i,), name=f"gpusnap-restore-{i}", daemon=True).start()
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -215,10 +231,10 @@ class Loader:
             raise self.error
 
     # -- reader threads ------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, k: int = 0) -> None:
         try:
             while batch := self.schedule.take_batch(self.batch_room, self.batch_chunks):
-                self._read(batch)
+                self._read(batch, k)
         except BaseException as exc:  # noqa: BLE001 (any failure stops the load; waiters must not hang)
             self.schedule.fail(exc)
         finally:
@@ -228,8 +244,9 @@ class Loader:
             if last:
                 self.copier.put_end()
 
-    def _read(self, batch: list[tuple[Piece, int]]) -> None:
-        """Read a batch (one piece, or several whole small spans of one kind; schedule.py)."""
+    def _read(self, batch: list[tuple[Piece, int]], k: int = 0) -> None:
+        """Read a batch (one piece, or several whole small spans of one kind; schedule.py) on
+        reader thread ``k``."""
         piece = batch[0][0]
         ls = piece.span
         self.stats.add(batches=1, batched_spans=len(batch) if len(batch) > 1 else 0)
@@ -240,8 +257,13 @@ class Loader:
             view = self.slots.bytes_of(region)
             if ls.device_check or any(Copier._evented(d) for d in ls.devices):
                 try:
+                    host_verify = self.verify and not ls.device_check
+                    read = self._read_in_process(batch, region, k)
                     for p, offset in batch:
-                        self._read_into(p, view[offset : offset + p.nbytes], host_verify=self.verify and not ls.device_check)
+                        if read is None:
+                            self._read_into(p, view[offset : offset + p.nbytes], host_verify=host_verify)
+                        else:
+                            self._check_read(read[id(p)], view, host_verify=host_verify)
                 except BaseException:
                     self.slots.release(region)  # never handed over: no copy reads it
                     raise
@@ -250,8 +272,12 @@ class Loader:
             # Host targets only: the copy is a memcpy done on return, no CUDA involved, so each
             # reader does its own rather than queueing every byte behind one copy thread.
             try:
+                read = self._read_in_process(batch, region, k)
                 for p, offset in batch:
-                    self._read_into(p, view[offset : offset + p.nbytes], host_verify=self.verify)
+                    if read is None:
+                        self._read_into(p, view[offset : offset + p.nbytes], host_verify=self.verify)
+                    else:  # checked member by member, each before it is written (as the thread path)
+                        self._check_read(read[id(p)], view, host_verify=self.verify)
                     self.plan.apply_range(p.span.index, p.offset, region[offset : offset + p.nbytes])
                     # each member counts once written: a later member's failure must not
                     # hide the tensors already restored (the error lists them)
@@ -269,6 +295,67 @@ class Loader:
         if self.schedule.piece_done(piece, 0):
             self.copier.put_whole(ls)
 
+    def _read_in_process(self, batch: list[tuple[Piece, int]], region: torch.Tensor, k: int) -> dict[int, _Read] | None:
+        """Have reader process ``k`` read the whole batch into ``region`` (one request): each
+        piece's read (by ``id(piece)``), to check and count with ``_check_read``; None when the
+        thread must read the batch itself."""
+        if self.procs is None or k in self._no_proc:
+            return None
+        base = self.slots.offset_of(region)
+        reads: dict[int, _Read] = {}
+        requests: list[tuple[str, int, int, int]] = []
+        for p, offset in batch:
+            what = self._what.get(p.span.index) or self._what.setdefault(p.span.index, describe_span(self.plan, p.span.index))
+            digests = self.manifest.storages[p.span.index].chunks[p.first : p.first + p.count]
+            runs = self.repo.chunk_runs(digests, self.chunk_size, p.nbytes, what=what)
+            for path, pack_offset, first, n in runs:
+                local = self._local.get(path, "")
+                if local == "":
+                    local = self._local[path] = self.repo.local_path(path)
+                if local is None:
+                    return None
+                lo, hi = first * self.chunk_size, min(p.nbytes, (first + n) * self.chunk_size)
+                requests.append((local, pack_offset, hi - lo, base + offset + lo))
+            reads[id(p)] = _Read(p, offset, digests, runs, what)
+        started = time.perf_counter()
+        try:
+            got = self.procs.read(k, requests)
+        except ReaderDied:
+            self._no_proc.add(k)  # this thread reads for itself from now on
+            self.stats.add(proc_fallbacks=1)
+            return None
+        except OSError:  # a pack gone (gc) or unreadable: the thread path handles or explains it
+            self.stats.add(proc_fallbacks=1)
+            return None
+        if any(g != r[2] for g, r in zip(got, requests)):  # truncated: the thread path names the chunk
+            self.stats.add(proc_fallbacks=1)
+            return None
+        self.stats.add(proc_batches=1, read_s=time.perf_counter() - started)
+        return reads
+
+    def _check_read(self, read: _Read, view: memoryview, *, host_verify: bool) -> None:
+        """A piece a reader process read: its chunks' digests checked on the host if asked; counted."""
+        p = read.piece
+        started = time.perf_counter()
+        if host_verify:
+            self.repo.check_runs(read.digests, view[read.offset : read.offset + p.nbytes], self.chunk_size,
+                                 read.runs, what=read.what)
+        self._count(p, reads=len(read.runs), read_s=0.0, verify_s=time.perf_counter() - started,
+                    host_verify=host_verify)
+
+    def _count(self, piece: Piece, *, reads: int, read_s: float, verify_s: float, host_verify: bool) -> None:
+        verified = piece.nbytes if self.verify else 0
+        self.stats.add(
+            bytes_read=piece.nbytes,
+            chunks_read=piece.count,
+            pieces=1,
+            reads=reads,
+            read_s=read_s,
+            verify_s=verify_s,
+            host_verified_bytes=verified if host_verify else 0,
+            device_verified_bytes=0 if host_verify else verified,
+        )
+
     def _read_into(self, piece: Piece, out: memoryview, *, host_verify: bool) -> None:
         digests = self.manifest.storages[piece.span.index].chunks[piece.first : piece.first + piece.count]
         cost = self.repo.read_chunks_into(
@@ -278,17 +365,7 @@ class Loader:
             what=describe_span(self.plan, piece.span.index),
             verify=host_verify,
         )
-        verified = piece.nbytes if self.verify else 0
-        self.stats.add(
-            bytes_read=piece.nbytes,
-            chunks_read=piece.count,
-            pieces=1,
-            reads=cost.reads,
-            read_s=cost.read_s,
-            verify_s=cost.verify_s,
-            host_verified_bytes=verified if host_verify else 0,
-            device_verified_bytes=0 if host_verify else verified,
-        )
+        self._count(piece, reads=cost.reads, read_s=cost.read_s, verify_s=cost.verify_s, host_verify=host_verify)
 
     # -- copy thread, at the end ---------------------------------------------------------------
     def _close(self, error: BaseException | None) -> None:
@@ -326,6 +403,17 @@ class Loader:
             explained = CheckpointError(message)
         explained.__cause__ = error
         return explained
+
+
+@dataclass
+class _Read:
+    """A piece a reader process read, with what checking it needs."""
+
+    piece: Piece
+    offset: int  # in the region
+    digests: tuple[str, ...]
+    runs: list[tuple[str, int, int, int]]  # Repository.chunk_runs
+    what: str
 
 
 def _checkable(hashes: tuple[str, ...] | None, devices: frozenset[torch.device], on_device: bool | None) -> bool:

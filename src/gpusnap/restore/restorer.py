@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 from collections.abc import MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
@@ -33,7 +34,8 @@ from gpusnap.restore.eager import load_spans
 from gpusnap.restore.gate import GateMode
 from gpusnap.restore.lazy import LazyRestore, pop_gate
 from gpusnap.restore.loader import Loader
-from gpusnap.restore.staging import SlotPool
+from gpusnap.restore.read_procs import ReaderProcs
+from gpusnap.restore.staging import SlotPool, can_share
 from gpusnap.state.apply import RestorePlan, SpanInfo, plan_restore
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.repository import Repository
@@ -46,6 +48,11 @@ AUTO_UPFRONT_BYTES = 256 << 20  # verify="auto": checkpoints up to this size are
 PIECE_BYTES = 32 << 20  # a piece: one read run, one host region, one device copy (whole chunks)
 EXTRA_REGIONS = 4  # host regions beyond one per reader: pieces queued or in flight on the copy stream
 VERIFY_ON_DEVICE: bool | None = None  # Loader's verify_on_device: None = where device hashes allow
+# Reader processes at most: they share no GIL with the copy thread, so more than the threads'
+# DEVICE_CHECK_READERS help, but each takes a core the copy thread and the program need too
+# (16 cores on the H200 host: a shared ring filled by 12-14 processes ran at 26-28 GB/s).
+PROC_READERS = 12
+READER_PROCESSES: str | None = None  # overrides Config.restore_reader_processes when set (tests)
 
 
 def reader_threads(io_threads: int) -> int:
@@ -94,8 +101,11 @@ class Restorer:
         verify_on_device: bool | None = None,
         scratch_slots: int | None = None,
         device_check_min_bytes: int | None = None,
+        reader_processes: str = "auto",
     ) -> None:
         self.threads = reader_threads(io_threads)
+        self.reader_processes = reader_processes  # Config.restore_reader_processes
+        self._procs: ReaderProcs | None = None
         self.staging_bytes = staging_bytes  # 0: automatic
         # None: the module defaults (read at each restore, so tests can patch them)
         self.piece_bytes = piece_bytes
@@ -138,13 +148,18 @@ class Restorer:
             return handle
         order, source = load_order(manifest, plan)
         handle.stats["order"] = source
+        cuda = _any_cuda(plan, len(spans))
+        use_procs = self._use_procs(repo, cuda)
+        slots = self._slot_pool(manifest.chunk_size, pinned=cuda, nbytes=manifest.nbytes, shared=use_procs)
+        use_procs = use_procs and slots.shared is not None
         loader = Loader(
             repo,
             manifest,
             plan,
             order=order,
             threads=self.threads,
-            slots=self._slot_pool(manifest.chunk_size, pinned=_any_cuda(plan, len(spans)), nbytes=manifest.nbytes),
+            slots=slots,
+            procs=self._reader_procs(slots) if use_procs else None,
             streams={d: self._stream(d) for d in _cuda_devices(plan, len(spans))},
             verify=verify != "off",
             verify_on_device=VERIFY_ON_DEVICE if self.verify_on_device is None else self.verify_on_device,
@@ -253,12 +268,49 @@ class Restorer:
 
     def close(self) -> None:
         self.settle()
+        if self._procs is not None:
+            self._procs.close()
+            self._procs = None
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
 
     # -- reused resources ----------------------------------------------------------------------
-    def _slot_pool(self, chunk_size: int, *, pinned: bool, nbytes: int) -> SlotPool:
+    def _use_procs(self, repo: Repository, cuda: bool) -> bool:
+        """Whether this restore reads in reader processes (``Config.restore_reader_processes``)."""
+        mode = READER_PROCESSES or self.reader_processes
+        if mode == "off" or not can_share() or repo.local_path("") is None:
+            return False
+        return mode == "on" or cuda
+
+    def _reader_procs(self, pool: SlotPool) -> ReaderProcs | None:
+        """The reader processes over ``pool``'s memory, kept across restores (starting them
+        costs tens of ms); new ones when the pool was replaced or one of them died. None
+        (the threads read) when they cannot be started."""
+        procs = self._procs
+        if procs is not None and procs.start_failed:  # (they never will: e.g. sys.executable is not python)
+            self._stop_procs("a reader process did not start")
+            return None
+        if procs is None or procs.pool is not pool or not procs.alive():
+            if procs is not None:
+                procs.close()  # (settle() ran: no restore is loading through them)
+                self._procs = None
+            try:
+                procs = self._procs = ReaderProcs(min(self.threads, PROC_READERS), pool)
+            except OSError as exc:
+                self._stop_procs(f"reader processes could not start ({exc})")
+                return None
+        return procs
+
+    def _stop_procs(self, why: str) -> None:
+        """Read in threads from now on (this Restorer), after warning once."""
+        warnings.warn(f"gpusnap: {why}; restores read in threads from now on", RuntimeWarning, stacklevel=4)
+        self.reader_processes = "off"
+        if self._procs is not None:
+            self._procs.close()
+            self._procs = None
+
+    def _slot_pool(self, chunk_size: int, *, pinned: bool, nbytes: int, shared: bool = False) -> SlotPool:
         """Host regions of about :data:`PIECE_BYTES` (whole chunks), one per reader plus
         :data:`EXTRA_REGIONS`, but no more than a checkpoint of ``nbytes`` can fill, within
         ``staging_bytes`` when it is set; kept across restores, grown when a later one needs
@@ -271,9 +323,19 @@ class Restorer:
             piece = max(chunk_size, min(piece, self.staging_bytes // regions // chunk_size * chunk_size))
             regions = max(2, min(regions, self.staging_bytes // piece))
         pool = self._slots
-        if pool is None or not pool.fits(chunk_size, pinned=pinned) or pool.slots < regions:
+        if pool is None or not pool.fits(chunk_size, pinned=pinned, shared=shared) or pool.slots < regions:
             # (a restore still loading keeps the pool it was given: its Loader holds it)
-            pool = self._slots = SlotPool(regions, piece, pinned=pinned)
+            if self._procs is not None:  # they map the old pool's memory: let it go
+                self._procs.close()
+                self._procs = None
+            try:
+                pool = SlotPool(regions, piece, pinned=pinned, shared=shared)
+            except (OSError, RuntimeError) as exc:
+                if not shared:
+                    raise
+                self._stop_procs(f"shared memory for reader processes failed ({exc})")
+                pool = SlotPool(regions, piece, pinned=pinned)
+            self._slots = pool
         return pool
 
     def _stream(self, device: torch.device) -> Any:

@@ -8,42 +8,120 @@ is slow to allocate, so the pool is made once per ``Restorer`` and kept (DESIGN.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
 import queue
+import sys
+import weakref
 
 import torch
 
 from gpusnap.device import host_buffer
 
-__all__ = ["SlotPool"]
+__all__ = ["SlotPool", "SharedMemory"]
+
+
+class SharedMemory:
+    """``nbytes`` of memory other processes can map (a ``memfd``), page-locked for CUDA
+    copies when ``pinned``: reader processes (``restore/read_procs.py``) fill it, this
+    process copies out of it through ``tensor`` (and views of it).
+
+    The mapping belongs to a ctypes array that every tensor over it keeps alive
+    (``torch.frombuffer``): it is unlocked and unmapped only when the last of them is gone,
+    never under a live view. Raises ``OSError`` (no memfd, no memory) or ``RuntimeError``
+    (page-locking failed); the caller then uses ordinary memory.
+    """
+
+    def __init__(self, nbytes: int, *, pinned: bool) -> None:
+        self.nbytes = nbytes
+        self.fd = os.memfd_create("gpusnap-restore", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, nbytes)
+            addr = _LIBC.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_POPULATE,
+                              self.fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                raise OSError(ctypes.get_errno(), f"mmap of {nbytes} bytes of shared memory failed")
+        except BaseException:
+            os.close(self.fd)
+            raise
+        memory = type("_Mapping", (ctypes.c_uint8 * nbytes,), {}).from_address(addr)
+        state = {"pinned": False}
+        weakref.finalize(memory, _unmap, addr, nbytes, self.fd, state)
+        self.tensor = torch.frombuffer(memory, dtype=torch.uint8)  # keeps ``memory`` alive
+        del memory
+        self.pinned = False
+        if pinned:
+            cudart = torch.cuda.cudart()
+            err = int(getattr(cudart.cudaHostRegister(addr, nbytes, 0), "value", 0) or 0)
+            if err:
+                cudart.cudaGetLastError()  # (the error would stay pending for the next CUDA call)
+                del self.tensor
+                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of shared memory failed: error {err}")
+            state["pinned"] = self.pinned = True
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.mmap.restype = ctypes.c_void_p
+_LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000 if sys.platform.startswith("linux") else 0)
+
+
+def _unmap(addr: int, nbytes: int, fd: int, state: dict[str, bool]) -> None:
+    """The last tensor over the mapping is gone: unlock, unmap, close."""
+    if state["pinned"]:
+        torch.cuda.cudart().cudaHostUnregister(addr)
+    _LIBC.munmap(addr, nbytes)
+    os.close(fd)
+
+
+def can_share() -> bool:
+    """Whether shared regions (and so reader processes) are possible here (Linux memfd)."""
+    return hasattr(os, "memfd_create")
 
 
 class SlotPool:
-    """``slots`` host regions of ``slot_bytes`` each, page-locked when ``pinned``.
+    """``slots`` host regions of ``slot_bytes`` each, page-locked when ``pinned``; in memory
+    reader processes can map when ``shared`` (``self.shared.fd``; region ``r`` starts at
+    ``offset_of(r)``).
 
     >>> pool = SlotPool(2, 512, pinned=False)
     >>> slot = pool.acquire(); pool.release(slot); pool.available()
     2
     """
 
-    def __init__(self, slots: int, slot_bytes: int, *, pinned: bool) -> None:
+    def __init__(self, slots: int, slot_bytes: int, *, pinned: bool, shared: bool = False) -> None:
         if slots < 1 or slot_bytes < 1:
             raise ValueError("a slot pool needs at least one slot of at least one byte")
         self.slots = slots
         self.slot_bytes = slot_bytes
         self.pinned = pinned and torch.cuda.is_available()
         self.nbytes = slots * slot_bytes
-        self._backing = host_buffer(self.nbytes, pinned=self.pinned)
+        self.shared: SharedMemory | None = None
+        if shared:
+            self.shared = SharedMemory(self.nbytes, pinned=self.pinned)
+            self._backing = self.shared.tensor
+        else:
+            self._backing = host_buffer(self.nbytes, pinned=self.pinned)
         self._free: queue.Queue[torch.Tensor] = queue.Queue()
         self._views: dict[int, memoryview] = {}
+        self._offsets: dict[int, int] = {}
         for i in range(slots):
             region = self._backing[i * slot_bytes : (i + 1) * slot_bytes]
             self._views[id(region)] = memoryview(region.numpy())
+            self._offsets[id(region)] = i * slot_bytes
             self._free.put(region)
 
-    def fits(self, slot_bytes: int, *, pinned: bool) -> bool:
+    def fits(self, slot_bytes: int, *, pinned: bool, shared: bool = False) -> bool:
         """Whether this pool can serve a restore of chunks up to ``slot_bytes`` (a piece is as
         many whole chunks as a region holds)."""
-        return slot_bytes <= self.slot_bytes and (self.pinned or not (pinned and torch.cuda.is_available()))
+        return (slot_bytes <= self.slot_bytes and (self.pinned or not (pinned and torch.cuda.is_available()))
+                and (self.shared is not None or not shared))
+
+    def offset_of(self, slot: torch.Tensor) -> int:
+        """Where ``slot`` starts in the pool's memory (in ``shared``, for reader processes)."""
+        return self._offsets[id(slot)]
 
     def acquire(self) -> torch.Tensor:
         """A free region; blocks until the copy thread gives one back."""

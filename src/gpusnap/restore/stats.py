@@ -32,6 +32,9 @@ class LoadStats:
     copy_idle_s: float = 0.0
     copy_wait_s: float = 0.0
     copy_stream_s: float = 0.0
+    reader_procs: int = 0  # reader processes the readers used (0: the threads read)
+    proc_batches: int = 0  # batches read by a reader process
+    proc_fallbacks: int = 0  # batches a reader thread read itself after its process failed
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **values: float) -> None:

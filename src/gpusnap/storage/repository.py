@@ -481,22 +481,7 @@ class Repository:
         view = _byte_view(out)
         if view.readonly:
             raise ValueError("read_chunks_into needs a writable buffer")
-        runs: builtins.list[tuple[str, int, int, int]] = []  # (path, pack offset, first chunk, chunks)
-        for j, digest in enumerate(digests):
-            path, offset, length = self._locate(digest, what)
-            start = j * chunk_size
-            want = min(chunk_size, len(view) - start)
-            if length != want:
-                raise IntegrityError(
-                    f"chunk {digest}{_about(what)} in pack {self.backend.describe(path)} is {length} bytes, "
-                    f"the checkpoint expects {want}"
-                )
-            if runs:
-                p, o, first, n = runs[-1]
-                if p == path and o + (j - first) * chunk_size == offset and j == first + n:
-                    runs[-1] = (p, o, first, n + 1)
-                    continue
-            runs.append((path, offset, j, 1))
+        runs = self.chunk_runs(digests, chunk_size, len(view), what=what)
         started = time.perf_counter()
         for path, offset, first, n in runs:
             lo, hi = first * chunk_size, min(len(view), (first + n) * chunk_size)
@@ -520,11 +505,48 @@ class Repository:
                 )
         read_s = time.perf_counter() - started
         if verify:
-            for path, offset, first, n in runs:
-                for j in range(first, first + n):
-                    lo, hi = j * chunk_size, min(len(view), (j + 1) * chunk_size)
-                    self._check(digests[j], view[lo:hi], path, offset + (j - first) * chunk_size, hi - lo, what)
+            self.check_runs(digests, view, chunk_size, runs, what=what)
         return ChunkReads(reads=len(runs), read_s=read_s, verify_s=time.perf_counter() - started - read_s)
+
+    def check_runs(
+        self, digests: Sequence[str], view: memoryview, chunk_size: int,
+        runs: Sequence[tuple[str, int, int, int]], *, what: str = ""
+    ) -> None:
+        """Check chunks read into ``view`` along ``runs`` (``chunk_runs``) against their
+        digests; raises :class:`IntegrityError` at the first that differs."""
+        for path, offset, first, n in runs:
+            for j in range(first, first + n):
+                lo, hi = j * chunk_size, min(len(view), (j + 1) * chunk_size)
+                self._check(digests[j], view[lo:hi], path, offset + (j - first) * chunk_size, hi - lo, what)
+
+    def chunk_runs(
+        self, digests: Sequence[str], chunk_size: int, nbytes: int, *, what: str = ""
+    ) -> builtins.list[tuple[str, int, int, int]]:
+        """Where consecutive chunks of one span (``nbytes`` in all, chunk ``j`` at ``j *
+        chunk_size``) are stored: ``(pack path, pack offset, first chunk, chunks)`` per run of
+        chunks stored back to back. Checks each chunk's stored length."""
+        runs: builtins.list[tuple[str, int, int, int]] = []
+        for j, digest in enumerate(digests):
+            path, offset, length = self._locate(digest, what)
+            want = min(chunk_size, nbytes - j * chunk_size)
+            if length != want:
+                raise IntegrityError(
+                    f"chunk {digest}{_about(what)} in pack {self.backend.describe(path)} is {length} bytes, "
+                    f"the checkpoint expects {want}"
+                )
+            if runs:
+                p, o, first, n = runs[-1]
+                if p == path and o + (j - first) * chunk_size == offset and j == first + n:
+                    runs[-1] = (p, o, first, n + 1)
+                    continue
+            runs.append((path, offset, j, 1))
+        return runs
+
+    def local_path(self, path: str) -> str | None:
+        """The file system path of a pack, for another process to read; None when the
+        backend is not a local directory."""
+        local = getattr(self.backend, "local_path", None)
+        return None if local is None else str(local(path))
 
     def _read_error(self, exc: OSError, path: str, what: str) -> StorageError:
         doing = f"reading chunk for {what} from pack" if what else "reading chunk from pack"
