@@ -99,6 +99,7 @@ class Copier:
         self._timing: dict[torch.device, Any] = {}  # timing event before each stream's first copy
         self._holding: torch.Tensor | None = None  # the region being handled, until it is held
         self._ended = False  # the readers' end was taken from the queue
+        self._checked = False  # a batch was staged for a device check (stats.first_check_s)
         self.thread: threading.Thread | None = None
 
     # -- readers -------------------------------------------------------------------------------
@@ -178,7 +179,12 @@ class Copier:
             if slot.pieces:
                 self._resolve(slot)
             self._start_timing(ls.devices)
+            first = not self._checked
+            started = time.perf_counter() if first else 0.0
             self.check.stage(slot, pieces, region, pinned_region=self.slots.pinned)
+            if first:
+                self._checked = True
+                self.stats.add(first_check_s=time.perf_counter() - started)
             slot.event = self._event(device) if self._evented(device) else None
             self._checking.append(slot)
             self._hold(region, [slot.event] if slot.event is not None else [])

@@ -138,6 +138,8 @@ class Restorer:
         self.settle()
         spans = [SpanInfo(nbytes=e.nbytes, device=e.device) for e in manifest.storages]
         plan = plan_restore(app_state, manifest.tree, spans, allow_pickle=allow_pickle)
+        setup = _Setup(started)  # where a restore's time before the first read goes (handle.stats["setup"])
+        setup.mark("plan_s")
         if verify == "auto":
             verify = "stream" if lazy or manifest.nbytes > AUTO_UPFRONT_BYTES else "upfront"
         handle = RestoreHandle(manifest.id)
@@ -151,7 +153,11 @@ class Restorer:
         cuda = _any_cuda(plan, len(spans))
         use_procs = self._use_procs(repo, cuda)
         slots = self._slot_pool(manifest.chunk_size, pinned=cuda, nbytes=manifest.nbytes, shared=use_procs)
+        setup.mark("regions_s")
         use_procs = use_procs and slots.shared is not None
+        fresh_procs = self._procs is None
+        procs = self._reader_procs(slots) if use_procs else None
+        setup.mark("procs_s")
         loader = Loader(
             repo,
             manifest,
@@ -159,7 +165,7 @@ class Restorer:
             order=order,
             threads=self.threads,
             slots=slots,
-            procs=self._reader_procs(slots) if use_procs else None,
+            procs=procs,
             streams={d: self._stream(d) for d in _cuda_devices(plan, len(spans))},
             verify=verify != "off",
             verify_on_device=VERIFY_ON_DEVICE if self.verify_on_device is None else self.verify_on_device,
@@ -168,8 +174,11 @@ class Restorer:
             span_events=lazy,  # only a lazy restore's gate waits for single spans
         )
         handle.stats["threads"] = loader.threads  # fewer when the device checks nearly everything
+        setup.mark("loader_s")
+        handle.stats["setup"] = setup.marks
         if lazy:
             session = LazyRestore(loader, plan, handle, started)
+            setup.mark("prepare_s")
             handle._on_wait = lambda: (session.refresh(), self.reap())
             with self._lock:
                 self._active = session
@@ -180,11 +189,14 @@ class Restorer:
                 raise
             return handle
         loader.prepare()
+        setup.mark("prepare_s")
         loader.start()
         loader.wait()
         plan.finish()
         elapsed = time.perf_counter() - started
         handle.stats.update(loader.stats.as_dict())
+        if procs is not None and fresh_procs:  # started by this restore: when the last said ready
+            setup.marks["procs_ready_s"] = procs.ready_s
         handle.stats.update(
             return_s=elapsed,
             total_s=elapsed,
@@ -348,6 +360,22 @@ class Restorer:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="gpusnap-restore-io")
         return self._executor
+
+
+class _Setup:
+    """Seconds per setup step of a restore, each from the end of the one before (the first
+    from ``restore()``'s call): the plan, the host regions (allocated and page-locked on a
+    Checkpointer's first restore), the reader processes (started on its first), the loader,
+    the target aliases. A fresh process's first restore pays most of them once."""
+
+    def __init__(self, started: float) -> None:
+        self.last = started
+        self.marks: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.marks[name] = now - self.last
+        self.last = now
 
 
 def _cuda_devices(plan: RestorePlan, n: int) -> set[torch.device]:
