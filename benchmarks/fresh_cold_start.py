@@ -11,7 +11,9 @@ one of:
 - ``lazy``: ``gpusnap.cold_start`` (empty model, lazy restore), then the forward;
 - ``eager``: ``gpusnap.empty_model``, ``ckpt.restore``, then the forward;
 - ``eager-off``: the same with ``verify="off"`` (no hash kernels: what compiling or loading
-  them costs the first restore of a process).
+  them costs the first restore of a process);
+- a ``-nowarm`` suffix: without loading the hash kernels beside the restore's set-up
+  (``restore/warmup.py``).
 
 Runs alternate, so each kind has runs with Triton's cache cold (the very first on a fresh
 machine) and warm. Each child prints its phases from the moment its interpreter started:
@@ -49,6 +51,10 @@ if dev.type == "cuda":
 mark("cuda_init")
 ids = torch.arange(64, device=dev).unsqueeze(0) % 50257
 kind = sys.argv[3]
+if kind.endswith("-nowarm"):  # without loading the hash kernels beside the set-up (restore/warmup.py)
+    import gpusnap.restore.warmup as warmup
+    warmup.WARM_KERNELS = False
+    kind = kind[: -len("-nowarm")]
 with gpusnap.Checkpointer(sys.argv[1], config=gpusnap.Config.from_env(fsync=False)) as ck:
     if kind == "lazy":
         model, handle = gpusnap.cold_start(build, ck, device=dev)
@@ -64,7 +70,7 @@ with gpusnap.Checkpointer(sys.argv[1], config=gpusnap.Config.from_env(fsync=Fals
     handle.wait(); mark("restore_done")
     stats = {k: handle.stats.get(k) for k in ("return_s", "total_s", "waits", "wait_s", "verify_path", "reader_procs",
                                               "setup", "first_check_s")}
-print("RESULT " + json.dumps({"kind": kind, "marks": marks, "stats": stats,
+print("RESULT " + json.dumps({"kind": sys.argv[3], "marks": marks, "stats": stats,
                               "checksum": float(out.float().sum())}), flush=True)
 """
 

@@ -36,6 +36,7 @@ from gpusnap.restore.lazy import LazyRestore, pop_gate
 from gpusnap.restore.loader import Loader
 from gpusnap.restore.read_procs import ReaderProcs
 from gpusnap.restore.staging import SlotPool, can_share
+from gpusnap.restore.warmup import start_kernel_warmup
 from gpusnap.state.apply import RestorePlan, SpanInfo, plan_restore
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.repository import Repository
@@ -151,6 +152,12 @@ class Restorer:
         order, source = load_order(manifest, plan)
         handle.stats["order"] = source
         cuda = _any_cuda(plan, len(spans))
+        on_device = VERIFY_ON_DEVICE if self.verify_on_device is None else self.verify_on_device
+        warmup = (
+            start_kernel_warmup(_cuda_devices(plan, len(spans)), manifest.chunk_size)
+            if verify != "off" and on_device is not False and any(e.hashes for e in manifest.storages)
+            else None
+        )  # the device check's kernels load while the rest is set up
         use_procs = self._use_procs(repo, cuda)
         slots = self._slot_pool(manifest.chunk_size, pinned=cuda, nbytes=manifest.nbytes, shared=use_procs)
         setup.mark("regions_s")
@@ -168,7 +175,7 @@ class Restorer:
             procs=procs,
             streams={d: self._stream(d) for d in _cuda_devices(plan, len(spans))},
             verify=verify != "off",
-            verify_on_device=VERIFY_ON_DEVICE if self.verify_on_device is None else self.verify_on_device,
+            verify_on_device=on_device,
             scratch_slots=self.scratch_slots,
             device_check_min_bytes=self.device_check_min_bytes,
             span_events=lazy,  # only a lazy restore's gate waits for single spans
@@ -179,6 +186,7 @@ class Restorer:
         if lazy:
             session = LazyRestore(loader, plan, handle, started)
             setup.mark("prepare_s")
+            _join(warmup, setup)
             handle._on_wait = lambda: (session.refresh(), self.reap())
             with self._lock:
                 self._active = session
@@ -190,6 +198,7 @@ class Restorer:
             return handle
         loader.prepare()
         setup.mark("prepare_s")
+        _join(warmup, setup)
         loader.start()
         loader.wait()
         plan.finish()
@@ -376,6 +385,14 @@ class _Setup:
         now = time.perf_counter()
         self.marks[name] = now - self.last
         self.last = now
+
+
+def _join(warmup: threading.Thread | None, setup: _Setup) -> None:
+    """Wait for the kernel warm-up before the copy thread starts (``kernels_s``: what the
+    set-up did not hide)."""
+    if warmup is not None:
+        warmup.join()
+        setup.mark("kernels_s")
 
 
 def _cuda_devices(plan: RestorePlan, n: int) -> set[torch.device]:
