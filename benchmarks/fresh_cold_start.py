@@ -15,8 +15,9 @@ one of:
 - a ``-nowarm`` suffix: without loading the hash kernels beside the restore's set-up
   (``restore/warmup.py``).
 
-Runs alternate, so each kind has runs with Triton's cache cold (the very first on a fresh
-machine) and warm. Each child prints its phases from the moment its interpreter started:
+Runs alternate kinds. Triton's on-disk cache is shared by the runs (warm after the first
+that compiles; the parent's save already compiles the save-side hash kernel) unless
+``--fresh-triton-cache`` gives each run an empty one, as on a machine's very first start. Each child prints its phases from the moment its interpreter started:
 imports, CUDA context, build, restore (returned / done), first logits.
 
 Run: ``PYTHONPATH=src python3 benchmarks/fresh_cold_start.py [--model gpt2-large] [--rounds 2]``
@@ -81,6 +82,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--kinds", default="lazy,eager,eager-off")
     ap.add_argument("--out", default="fresh_cold_start.json")
+    ap.add_argument("--fresh-triton-cache", action="store_true",
+                    help="each child gets an empty TRITON_CACHE_DIR (a machine's very first start; "
+                         "otherwise the parent's save has already compiled the save-side hash kernel)")
     args = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import torch
@@ -107,9 +111,13 @@ def main() -> None:
         runs = []
         for r in range(args.rounds):
             for kind in args.kinds.split(","):
+                env = dict(os.environ)
+                if args.fresh_triton_cache:
+                    env["TRITON_CACHE_DIR"] = os.path.join(root, f"triton-{r}-{kind}")
                 started = time.time()
                 proc = subprocess.run([sys.executable, "-c", CHILD, ck_dir, spec.name, kind, repr(started),
-                                       os.path.abspath(__file__)], capture_output=True, text=True, timeout=300)
+                                       os.path.abspath(__file__)], capture_output=True, text=True, timeout=300,
+                                      env=env)
                 lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
                 if proc.returncode or not lines:
                     print(f"round {r} {kind}: failed ({proc.returncode})\n{proc.stderr[-2000:]}", flush=True)

@@ -382,8 +382,7 @@ def test_close_does_not_wait_for_a_worker_whose_pipe_a_fork_holds(tmp_path: Path
 
 
 def test_setup_times_say_where_a_first_restore_spends_before_reading(tmp_path: Path) -> None:
-    """handle.stats["setup"]: one entry per step; the processes' start only on the restore
-    that started them (a fresh process's first restore pays it, later ones do not)."""
+    """handle.stats["setup"]: one entry per step, eager and lazy."""
     source = _state()
     _save(tmp_path, source)
     steps = {"plan_s", "regions_s", "procs_s", "loader_s", "prepare_s"}
@@ -393,6 +392,5 @@ def test_setup_times_say_where_a_first_restore_spends_before_reading(tmp_path: P
         handle = ck.restore(_blank(source), verify="stream", lazy=True)
         handle.wait()
         lazy = handle.stats["setup"]
-    assert set(first) == steps | {"procs_ready_s"} and set(second) == steps and set(lazy) == steps
+    assert set(first) == steps and set(second) == steps and set(lazy) == steps
     assert all(v >= 0 for v in [*first.values(), *second.values(), *lazy.values()])
-    assert first["procs_ready_s"] > 0

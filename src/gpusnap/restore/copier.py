@@ -82,6 +82,7 @@ class Copier:
         on_close: Callable[[BaseException | None], None],
         *,
         span_events: bool = True,
+        warmup: Any = None,
     ) -> None:
         self.manifest = manifest
         self.plan = plan
@@ -100,6 +101,7 @@ class Copier:
         self._holding: torch.Tensor | None = None  # the region being handled, until it is held
         self._ended = False  # the readers' end was taken from the queue
         self._checked = False  # a batch was staged for a device check (stats.first_check_s)
+        self._warmup = warmup  # restore.warmup.WarmUp: joined before the first device check
         self.thread: threading.Thread | None = None
 
     # -- readers -------------------------------------------------------------------------------
@@ -180,6 +182,10 @@ class Copier:
                 self._resolve(slot)
             self._start_timing(ls.devices)
             first = not self._checked
+            if first and self._warmup is not None:  # never race it for a first compile
+                started = time.perf_counter()
+                self._warmup.join()
+                self.stats.add(kernels_wait_s=time.perf_counter() - started)
             started = time.perf_counter() if first else 0.0
             self.check.stage(slot, pieces, region, pinned_region=self.slots.pinned)
             if first:

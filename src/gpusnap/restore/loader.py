@@ -37,6 +37,7 @@ from gpusnap.errors import CheckpointError
 from gpusnap.restore.copier import Copier
 from gpusnap.restore.device_check import DeviceCheck
 from gpusnap.restore.read_procs import ReaderDied, ReaderProcs
+from gpusnap.restore.warmup import WarmUp
 from gpusnap.restore.schedule import LoadSpan, Piece, Schedule, SpanState
 from gpusnap.restore.staging import SlotPool
 from gpusnap.restore.stats import LoadStats
@@ -87,6 +88,9 @@ class Loader:
     (one request per batch) and only plans, checks and hands over. A batch whose request
     fails (a process gone, a pack removed by a gc, a short read) is read again by the thread
     itself, which raises the error the thread path raises.
+
+    ``warmup``: the hash kernels loading on a side thread (``restore.warmup``); the copy
+    thread waits for it before its first device check.
     """
 
     def __init__(
@@ -106,6 +110,7 @@ class Loader:
         device_check_min_bytes: int | None = None,
         span_events: bool = True,
         procs: ReaderProcs | None = None,
+        warmup: WarmUp | None = None,
     ) -> None:
         if slots.slot_bytes < manifest.chunk_size:
             raise ValueError(f"staging slots of {slots.slot_bytes} bytes cannot hold {manifest.chunk_size}-byte chunks")
@@ -181,6 +186,7 @@ class Loader:
             lambda index: describe_span(plan, index),
             self._close,
             span_events=span_events,
+            warmup=warmup,
         )
 
     @property

@@ -58,8 +58,6 @@ class ReaderProcs:
             raise ValueError("reader processes need a SlotPool made with shared=True")
         self.pool = pool
         self.start_failed = False  # a worker never said ready: the Restorer stops using processes
-        self.spawned = time.perf_counter()
-        self.ready_s = 0.0  # from their start to the latest first ready message read
         fd = pool.shared.fd
         self._procs: list[subprocess.Popen[bytes]] = []
         self._ready = [False] * n
@@ -96,7 +94,6 @@ class ReaderProcs:
                 self.start_failed = True
                 self._kill(proc, "sent no ready message")
             self._ready[k] = True
-            self.ready_s = max(self.ready_s, time.perf_counter() - self.spawned)
         body = marshal.dumps(runs)
         try:
             assert proc.stdin is not None

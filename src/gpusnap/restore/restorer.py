@@ -36,7 +36,7 @@ from gpusnap.restore.lazy import LazyRestore, pop_gate
 from gpusnap.restore.loader import Loader
 from gpusnap.restore.read_procs import ReaderProcs
 from gpusnap.restore.staging import SlotPool, can_share
-from gpusnap.restore.warmup import start_kernel_warmup
+from gpusnap.restore.warmup import WarmUp, start_kernel_warmup
 from gpusnap.state.apply import RestorePlan, SpanInfo, plan_restore
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.repository import Repository
@@ -53,6 +53,7 @@ VERIFY_ON_DEVICE: bool | None = None  # Loader's verify_on_device: None = where 
 # DEVICE_CHECK_READERS help, but each takes a core the copy thread and the program need too
 # (16 cores on the H200 host: a shared ring filled by 12-14 processes ran at 26-28 GB/s).
 PROC_READERS = 12
+WARMUP_JOIN_S = 60.0  # a warm-up left running by a failed restore: waited for this long at most
 READER_PROCESSES: str | None = None  # overrides Config.restore_reader_processes when set (tests)
 
 
@@ -107,6 +108,7 @@ class Restorer:
         self.threads = reader_threads(io_threads)
         self.reader_processes = reader_processes  # Config.restore_reader_processes
         self._procs: ReaderProcs | None = None
+        self._warmup: WarmUp | None = None  # the latest kernel warm-up (joined before the next)
         self.staging_bytes = staging_bytes  # 0: automatic
         # None: the module defaults (read at each restore, so tests can patch them)
         self.piece_bytes = piece_bytes
@@ -137,6 +139,9 @@ class Restorer:
         if lazy and verify == "upfront":
             raise ValueError("verify='upfront' reads everything before writing anything; it cannot be lazy")
         self.settle()
+        if self._warmup is not None:  # (a restore that raised during set-up left it running)
+            self._warmup.join(WARMUP_JOIN_S)
+            self._warmup = None
         spans = [SpanInfo(nbytes=e.nbytes, device=e.device) for e in manifest.storages]
         plan = plan_restore(app_state, manifest.tree, spans, allow_pickle=allow_pickle)
         setup = _Setup(started)  # where a restore's time before the first read goes (handle.stats["setup"])
@@ -153,16 +158,12 @@ class Restorer:
         handle.stats["order"] = source
         cuda = _any_cuda(plan, len(spans))
         on_device = VERIFY_ON_DEVICE if self.verify_on_device is None else self.verify_on_device
-        warmup = (
-            start_kernel_warmup(_cuda_devices(plan, len(spans)), manifest.chunk_size)
-            if verify != "off" and on_device is not False and any(e.hashes for e in manifest.storages)
-            else None
-        )  # the device check's kernels load while the rest is set up
+        if verify != "off" and on_device is not False:  # the device check's kernels load meanwhile
+            self._warmup = start_kernel_warmup(_checked_devices(manifest, plan), manifest.chunk_size, self._stream)
         use_procs = self._use_procs(repo, cuda)
         slots = self._slot_pool(manifest.chunk_size, pinned=cuda, nbytes=manifest.nbytes, shared=use_procs)
         setup.mark("regions_s")
         use_procs = use_procs and slots.shared is not None
-        fresh_procs = self._procs is None
         procs = self._reader_procs(slots) if use_procs else None
         setup.mark("procs_s")
         loader = Loader(
@@ -179,6 +180,7 @@ class Restorer:
             scratch_slots=self.scratch_slots,
             device_check_min_bytes=self.device_check_min_bytes,
             span_events=lazy,  # only a lazy restore's gate waits for single spans
+            warmup=self._warmup,
         )
         handle.stats["threads"] = loader.threads  # fewer when the device checks nearly everything
         setup.mark("loader_s")
@@ -186,7 +188,6 @@ class Restorer:
         if lazy:
             session = LazyRestore(loader, plan, handle, started)
             setup.mark("prepare_s")
-            _join(warmup, setup)
             handle._on_wait = lambda: (session.refresh(), self.reap())
             with self._lock:
                 self._active = session
@@ -198,14 +199,11 @@ class Restorer:
             return handle
         loader.prepare()
         setup.mark("prepare_s")
-        _join(warmup, setup)
         loader.start()
         loader.wait()
         plan.finish()
         elapsed = time.perf_counter() - started
         handle.stats.update(loader.stats.as_dict())
-        if procs is not None and fresh_procs:  # started by this restore: when the last said ready
-            setup.marks["procs_ready_s"] = procs.ready_s
         handle.stats.update(
             return_s=elapsed,
             total_s=elapsed,
@@ -289,6 +287,9 @@ class Restorer:
 
     def close(self) -> None:
         self.settle()
+        if self._warmup is not None:
+            self._warmup.join(WARMUP_JOIN_S)
+            self._warmup = None
         if self._procs is not None:
             self._procs.close()
             self._procs = None
@@ -372,10 +373,12 @@ class Restorer:
 
 
 class _Setup:
-    """Seconds per setup step of a restore, each from the end of the one before (the first
-    from ``restore()``'s call): the plan, the host regions (allocated and page-locked on a
-    Checkpointer's first restore), the reader processes (started on its first), the loader,
-    the target aliases. A fresh process's first restore pays most of them once."""
+    """Seconds per set-up step of a restore, each from the end of the one before: ``plan_s``
+    from ``restore()``'s call (opening the manifest, then the plan), ``regions_s`` (the load
+    order, then the host regions: allocated and page-locked on a Checkpointer's first
+    restore), ``procs_s`` (the reader processes, started on its first; they say ready later,
+    at their first request), ``loader_s``, ``prepare_s`` (the target aliases). A fresh
+    process's first restore pays most of them once."""
 
     def __init__(self, started: float) -> None:
         self.last = started
@@ -387,12 +390,16 @@ class _Setup:
         self.last = now
 
 
-def _join(warmup: threading.Thread | None, setup: _Setup) -> None:
-    """Wait for the kernel warm-up before the copy thread starts (``kernels_s``: what the
-    set-up did not hide)."""
-    if warmup is not None:
-        warmup.join()
-        setup.mark("kernels_s")
+def _checked_devices(manifest: Manifest, plan: RestorePlan) -> set[torch.device]:
+    """The CUDA devices whose spans the loader may check on the device (``loader._checkable``:
+    device hashes stored, streamed, one device)."""
+    out: set[torch.device] = set()
+    for i, e in enumerate(manifest.storages):
+        if e.hashes and plan.streamable(i):
+            devices = plan.devices(i)
+            if len(devices) == 1:
+                out |= {d for d in devices if d.type == "cuda"}
+    return out
 
 
 def _cuda_devices(plan: RestorePlan, n: int) -> set[torch.device]:

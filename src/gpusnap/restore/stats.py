@@ -32,7 +32,8 @@ class LoadStats:
     copy_idle_s: float = 0.0
     copy_wait_s: float = 0.0
     copy_stream_s: float = 0.0
-    first_check_s: float = 0.0  # the copy thread's first device check (a new process loads its kernels then)
+    kernels_wait_s: float = 0.0  # the copy thread waiting for the hash kernels' warm-up (restore.warmup)
+    first_check_s: float = 0.0  # the copy thread's first device check (without a warm-up, a new process loads its kernels then)
     reader_procs: int = 0  # reader processes the readers used (0: the threads read)
     proc_batches: int = 0  # batches read by a reader process
     proc_fallbacks: int = 0  # batches a reader thread read itself after its process failed
