@@ -59,3 +59,67 @@ def test_warmup_runs_both_hash_paths_and_leaves_them_correct() -> None:
     out = torch.empty((sum(num_chunks(s.numel(), chunk) for s in spans), 2), dtype=torch.int64, device=dev)
     chunk_hashes_many([s.cuda() for s in spans], chunk, out)
     assert torch.equal(out.cpu(), torch.cat([chunk_hashes(s, chunk, impl="torch") for s in spans]))
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_the_copy_thread_waits_for_the_warmup_before_its_first_device_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lazy: bool
+) -> None:
+    """Forced onto the CPU (device check 'on'): the first stage() comes after join() returned,
+    the readers did not wait for it, and the wait is counted."""
+    import threading
+    import time
+
+    from gpusnap.restore.device_check import DeviceCheck
+
+    events: list[str] = []
+    release = threading.Event()
+
+    class FakeWarmUp:
+        error = None
+
+        def join(self, timeout: float | None = None) -> bool:
+            events.append("join")
+            release.wait(5)
+            time.sleep(0.05)
+            events.append("joined")
+            return True
+
+    monkeypatch.setattr(restorer_mod, "start_kernel_warmup", lambda *a: FakeWarmUp())
+    real_stage = DeviceCheck.stage
+
+    def stage(self: DeviceCheck, *args: Any, **kwargs: Any) -> None:
+        events.append("stage")
+        real_stage(self, *args, **kwargs)
+
+    monkeypatch.setattr(DeviceCheck, "stage", stage)
+    real_read = restorer_mod.Loader._read_into
+
+    def read_into(self: Any, *args: Any, **kwargs: Any) -> None:
+        events.append("read")
+        release.set()  # the readers run while the warm-up is still loading
+        real_read(self, *args, **kwargs)
+
+    monkeypatch.setattr(restorer_mod.Loader, "_read_into", read_into)
+    source = {"w": torch.randn(4000), "v": torch.randn(3000)}
+    with gpusnap.Checkpointer(tmp_path, config=tiny_config()) as ck:
+        ck.save(source, blocking=True).wait()
+    _add_hashes(tmp_path)
+    with gpusnap.Checkpointer(tmp_path, config=tiny_config(restore_verify_on_device="on")) as ck:
+        target = {k: torch.zeros_like(v) for k, v in source.items()}
+        handle = ck.restore(target, verify="stream", lazy=lazy)
+        handle.wait()
+    assert all(torch.equal(target[k], source[k]) for k in source)
+    assert handle.stats["device_verified_bytes"] > 0
+    assert events.index("read") < events.index("joined") < events.index("stage")
+    assert handle.stats["kernels_wait_s"] >= 0.05
+
+
+def _add_hashes(root: Path) -> None:
+    """Device hashes in the manifest, as a capture on a GPU writes them (test_restore_pieces)."""
+    from test_restore_pieces import _add_device_hashes
+
+    from gpusnap.storage.repository import Repository
+
+    (manifest,) = Repository.open(root).list()
+    _add_device_hashes(root, manifest.id)
