@@ -46,6 +46,7 @@ from gpusnap.state.apply import RestorePlan
 from gpusnap.storage.manifest import DEVICE_HASH, Manifest
 
 __all__ = ["Copier"]
+WARMUP_WAIT_S = 300.0  # the kernel warm-up should take about a second; past this, go on without it
 
 
 @dataclass(frozen=True, eq=False)
@@ -184,7 +185,7 @@ class Copier:
             first = not self._checked
             if first and self._warmup is not None:  # never race it for a first compile
                 started = time.perf_counter()
-                self._warmup.join()
+                self._warmup.join(WARMUP_WAIT_S)
                 self.stats.add(kernels_wait_s=time.perf_counter() - started)
             started = time.perf_counter() if first else 0.0
             self.check.stage(slot, pieces, region, pinned_region=self.slots.pinned)
