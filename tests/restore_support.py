@@ -110,3 +110,21 @@ def corrupt_chunk(root: Path, needle: bytes, at: int) -> None:
             pack.write_bytes(bytes(data))
             return
     raise AssertionError("chunk not found in any pack")
+
+
+def add_device_hashes(root: Path, checkpoint_id: str) -> None:
+    """Rewrite the manifest with each chunk's device hash, as a capture on a GPU writes it."""
+    import dataclasses
+
+    from gpusnap.kernels.chunk_hash import chunk_hashes, hashes_to_hex
+    from gpusnap.storage.repository import Repository
+
+    repo = Repository.open(root)
+    manifest = repo.load_manifest(checkpoint_id)
+    entries = []
+    for e in manifest.storages:
+        data = bytearray(b"".join(repo.read_chunk(d) for d in e.chunks))
+        t = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        entries.append(dataclasses.replace(e, hashes=tuple(hashes_to_hex(chunk_hashes(t, manifest.chunk_size)))))
+    new = dataclasses.replace(manifest, storages=tuple(entries))
+    (root / "manifests" / f"{manifest.id}.json").write_bytes(new.to_json())

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 import torch
-from restore_support import corrupt_chunk, held_root, tiny_config
+from restore_support import add_device_hashes, corrupt_chunk, held_root, tiny_config
 
 import gpusnap
 from gpusnap import IntegrityError
-from gpusnap.kernels.chunk_hash import chunk_hashes, hashes_to_hex
+from gpusnap.kernels.chunk_hash import hashes_to_hex
 from gpusnap.restore import restorer as restorer_mod
 from gpusnap.restore.copier import Copier
 from gpusnap.restore.device_check import hex_to_hashes
@@ -29,19 +28,6 @@ CS = 512  # tiny_config's chunk size
 def _save(root: Path, state: dict, **config: Any) -> str:
     with gpusnap.Checkpointer(root, config=tiny_config(**config)) as ck:
         return ck.save(state, blocking=True).wait().id
-
-
-def _add_device_hashes(root: Path, checkpoint_id: str) -> None:
-    """Rewrite the manifest with each chunk's device hash, as a capture on a GPU writes it."""
-    repo = Repository.open(root)
-    manifest = repo.load_manifest(checkpoint_id)
-    entries = []
-    for e in manifest.storages:
-        data = bytearray(b"".join(repo.read_chunk(d) for d in e.chunks))
-        t = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        entries.append(dataclasses.replace(e, hashes=tuple(hashes_to_hex(chunk_hashes(t, manifest.chunk_size)))))
-    new = dataclasses.replace(manifest, storages=tuple(entries))
-    (root / "manifests" / f"{manifest.id}.json").write_bytes(new.to_json())
 
 
 def _runs(repo: Repository, digests: tuple[str, ...]) -> int:
@@ -134,7 +120,7 @@ def test_device_check_restores_without_host_hashing(tmp_path, monkeypatch):
     root = tmp_path / "ck"
     source = {"big": torch.randn(128 * 64), "t": torch.randn(8, 9).t(), "step": 4}
     checkpoint = _save(root, source)
-    _add_device_hashes(root, checkpoint)
+    add_device_hashes(root, checkpoint)
     monkeypatch.setattr(restorer_mod, "VERIFY_ON_DEVICE", True)  # CPU targets take the device path
     with gpusnap.Checkpointer(root, config=tiny_config()) as ck:
         target = {"big": torch.zeros(128 * 64), "t": torch.zeros(8, 9).t(), "step": 0}
@@ -150,7 +136,7 @@ def test_device_check_mismatch_raises_and_the_corrupt_piece_never_lands(tmp_path
     root = tmp_path / "ck"
     source = {"big": torch.arange(128 * 64.0)}  # 64 chunks; #40 is corrupt
     checkpoint = _save(root, source)
-    _add_device_hashes(root, checkpoint)
+    add_device_hashes(root, checkpoint)
     corrupt_chunk(root, source["big"][128 * 40 : 128 * 41].numpy().tobytes(), 9)
     monkeypatch.setattr(restorer_mod, "VERIFY_ON_DEVICE", True)
     with gpusnap.Checkpointer(root, config=tiny_config()) as ck:
@@ -176,7 +162,7 @@ def test_a_span_is_loaded_right_after_its_last_piece(tmp_path, on_device):
     root = tmp_path / "ck"
     source = {f"t{i}": torch.full((128 * 6,), float(i)) for i in range(5)}  # 6 chunks: 3 pieces of 2
     checkpoint = _save(root, source)
-    _add_device_hashes(root, checkpoint)
+    add_device_hashes(root, checkpoint)
     repo = Repository.open(root)
     manifest = repo.load_manifest(checkpoint)
     target = {k: torch.zeros(128 * 6) for k in source}
@@ -245,7 +231,7 @@ def test_only_the_copy_thread_waits_on_events(tmp_path, monkeypatch, on_device):
     root = tmp_path / "ck"
     source = {f"t{i}": torch.randn(128 * 20, generator=torch.Generator().manual_seed(i)) for i in range(6)}
     checkpoint = _save(root, source)
-    _add_device_hashes(root, checkpoint)
+    add_device_hashes(root, checkpoint)
     _FakeEvent.calls = []
     monkeypatch.setattr(Copier, "_evented", staticmethod(lambda device: True))  # CPU copies "asynchronous"
     monkeypatch.setattr(Copier, "_event", lambda self, device: _FakeEvent())
@@ -268,7 +254,7 @@ def test_config_knobs_reach_the_loader(tmp_path):
     root = tmp_path / "ck"
     source = {"big": torch.randn(128 * 64)}
     checkpoint = _save(root, source)
-    _add_device_hashes(root, checkpoint)
+    add_device_hashes(root, checkpoint)
     with gpusnap.Checkpointer(root, config=tiny_config(restore_verify_on_device="on", restore_piece_bytes=4 * CS)) as ck:
         target = {"big": torch.zeros(128 * 64)}
         handle = ck.restore(target, verify="stream")
@@ -402,7 +388,7 @@ def test_small_spans_between_large_ones_are_checked_on_the_device_in_their_batch
     root = tmp_path / "ck"
     source = _interleaved_state()
     checkpoint = _save(root, source)
-    _add_device_hashes(root, checkpoint)
+    add_device_hashes(root, checkpoint)
     _checkable_on_cpu(monkeypatch)
     monkeypatch.setattr(loader_mod, "JOIN_CHECKS", join)
     monkeypatch.setattr(restorer_mod, "reader_threads", lambda io_threads: 1)
@@ -427,7 +413,7 @@ def test_a_corrupt_small_span_in_a_joined_batch_is_caught_on_the_device(tmp_path
     root = tmp_path / "ck"
     source = _interleaved_state()
     checkpoint = _save(root, source)
-    _add_device_hashes(root, checkpoint)
+    add_device_hashes(root, checkpoint)
     corrupt_chunk(root, source["b3"].numpy().tobytes(), 3)
     _checkable_on_cpu(monkeypatch)
     monkeypatch.setattr(restorer_mod, "reader_threads", lambda io_threads: 1)
@@ -447,7 +433,7 @@ def test_small_spans_travel_in_batches(tmp_path, monkeypatch, on_device, device)
     root = tmp_path / "ck"
     source = {k: v.to(device) for k, v in _small_state().items()}
     checkpoint = _save(root, source)
-    _add_device_hashes(root, checkpoint)
+    add_device_hashes(root, checkpoint)
     monkeypatch.setattr(restorer_mod, "VERIFY_ON_DEVICE", on_device)
     # two readers whatever the core count: more would split the staging into regions too
     # small to batch in (20 regions of 3 chunks on the 16-core H200 host)
@@ -465,7 +451,7 @@ def test_a_corrupt_chunk_in_a_batch_is_named_and_never_written(tmp_path, monkeyp
     root = tmp_path / "ck"
     source = _small_state()
     checkpoint = _save(root, source)
-    _add_device_hashes(root, checkpoint)
+    add_device_hashes(root, checkpoint)
     victim = source["s9"]
     corrupt_chunk(root, victim.numpy().tobytes()[:64], 5)
     monkeypatch.setattr(restorer_mod, "VERIFY_ON_DEVICE", True)
@@ -564,7 +550,7 @@ def test_a_batch_copy_failure_on_the_copy_thread_counts_what_it_wrote(tmp_path, 
     root = tmp_path / "ck"
     source = _small_state()
     checkpoint = _save(root, source)
-    _add_device_hashes(root, checkpoint)
+    add_device_hashes(root, checkpoint)
     monkeypatch.setattr(restorer_mod, "VERIFY_ON_DEVICE", True)
     monkeypatch.setattr(restorer_mod, "reader_threads", lambda io_threads: io_threads)
     monkeypatch.setattr(torch, "_foreach_copy_", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no")))

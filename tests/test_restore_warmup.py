@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from restore_support import tiny_config
+from restore_support import add_device_hashes, tiny_config
 
 import gpusnap
 from gpusnap.kernels.chunk_hash import chunk_hashes, num_chunks
@@ -116,10 +116,7 @@ def test_the_copy_thread_waits_for_the_warmup_before_its_first_device_check(
 
 
 def _add_hashes(root: Path) -> None:
-    """Device hashes in the manifest, as a capture on a GPU writes them (test_restore_pieces)."""
-    from test_restore_pieces import _add_device_hashes
-
     from gpusnap.storage.repository import Repository
 
     (manifest,) = Repository.open(root).list()
-    _add_device_hashes(root, manifest.id)
+    add_device_hashes(root, manifest.id)

@@ -266,10 +266,7 @@ class Loader:
                     host_verify = self.verify and not ls.device_check
                     read = self._read_in_process(batch, region, k)
                     for p, offset in batch:
-                        if read is None:
-                            self._read_into(p, view[offset : offset + p.nbytes], host_verify=host_verify)
-                        else:
-                            self._check_read(read[id(p)], view, host_verify=host_verify)
+                        self._fill(p, offset, view, read, host_verify=host_verify)
                 except BaseException:
                     self.slots.release(region)  # never handed over: no copy reads it
                     raise
@@ -279,11 +276,8 @@ class Loader:
             # reader does its own rather than queueing every byte behind one copy thread.
             try:
                 read = self._read_in_process(batch, region, k)
-                for p, offset in batch:
-                    if read is None:
-                        self._read_into(p, view[offset : offset + p.nbytes], host_verify=self.verify)
-                    else:  # checked member by member, each before it is written (as the thread path)
-                        self._check_read(read[id(p)], view, host_verify=self.verify)
+                for p, offset in batch:  # each member checked before it is written (as the thread path)
+                    self._fill(p, offset, view, read, host_verify=self.verify)
                     self.plan.apply_range(p.span.index, p.offset, region[offset : offset + p.nbytes])
                     # each member counts once written: a later member's failure must not
                     # hide the tensors already restored (the error lists them)
@@ -311,7 +305,7 @@ class Loader:
         reads: dict[int, _Read] = {}
         requests: list[tuple[str, int, int, int]] = []
         for p, offset in batch:
-            what = self._what.get(p.span.index) or self._what.setdefault(p.span.index, describe_span(self.plan, p.span.index))
+            what = self._describe(p.span.index)
             digests = self.manifest.storages[p.span.index].chunks[p.first : p.first + p.count]
             runs = self.repo.chunk_runs(digests, self.chunk_size, p.nbytes, what=what)
             for path, pack_offset, first, n in runs:
@@ -338,6 +332,22 @@ class Loader:
             return None
         self.stats.add(proc_batches=1, read_s=time.perf_counter() - started)
         return reads
+
+    def _fill(self, piece: Piece, offset: int, view: memoryview, read: dict[int, _Read] | None, *,
+              host_verify: bool) -> None:
+        """``piece``'s bytes at ``offset`` of ``view``: read by this thread when its process did
+        not read the batch (``read`` is None), else checked as its process read them."""
+        if read is None:
+            self._read_into(piece, view[offset : offset + piece.nbytes], host_verify=host_verify)
+        else:
+            self._check_read(read[id(piece)], view, host_verify=host_verify)
+
+    def _describe(self, index: int) -> str:
+        """``describe_span`` of span ``index``, made once (every read of it names it for errors)."""
+        what = self._what.get(index)
+        if what is None:
+            what = self._what[index] = describe_span(self.plan, index)
+        return what
 
     def _check_read(self, read: _Read, view: memoryview, *, host_verify: bool) -> None:
         """A piece a reader process read: its chunks' digests checked on the host if asked; counted."""
@@ -368,7 +378,7 @@ class Loader:
             digests,
             out,
             self.chunk_size,
-            what=describe_span(self.plan, piece.span.index),
+            what=self._describe(piece.span.index),
             verify=host_verify,
         )
         self._count(piece, reads=cost.reads, read_s=cost.read_s, verify_s=cost.verify_s, host_verify=host_verify)

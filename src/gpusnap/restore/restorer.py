@@ -33,6 +33,7 @@ from gpusnap.handles import RestoreHandle
 from gpusnap.restore.eager import load_spans
 from gpusnap.restore.gate import GateMode
 from gpusnap.restore.lazy import LazyRestore, pop_gate
+from gpusnap.restore import loader as loader_mod
 from gpusnap.restore.loader import Loader
 from gpusnap.restore.read_procs import ReaderProcs
 from gpusnap.restore.staging import SlotPool, can_share
@@ -158,8 +159,9 @@ class Restorer:
         handle.stats["order"] = source
         cuda = _any_cuda(plan, len(spans))
         on_device = VERIFY_ON_DEVICE if self.verify_on_device is None else self.verify_on_device
-        if verify != "off" and on_device is not False:  # the device check's kernels load meanwhile
-            self._warmup = start_kernel_warmup(_checked_devices(manifest, plan), manifest.chunk_size, self._stream)
+        if verify != "off":  # the device check's kernels load meanwhile
+            self._warmup = start_kernel_warmup(_checked_devices(manifest, plan, on_device), manifest.chunk_size,
+                                               self._stream)
         use_procs = self._use_procs(repo, cuda)
         slots = self._slot_pool(manifest.chunk_size, pinned=cuda, nbytes=manifest.nbytes, shared=use_procs)
         setup.mark("regions_s")
@@ -290,9 +292,7 @@ class Restorer:
         if self._warmup is not None:
             self._warmup.join(WARMUP_JOIN_S)
             self._warmup = None
-        if self._procs is not None:
-            self._procs.close()
-            self._procs = None
+        self._close_procs()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -314,9 +314,7 @@ class Restorer:
             self._stop_procs("a reader process did not start")
             return None
         if procs is None or procs.pool is not pool or not procs.alive():
-            if procs is not None:
-                procs.close()  # (settle() ran: no restore is loading through them)
-                self._procs = None
+            self._close_procs()  # (settle() ran: no restore is loading through them)
             try:
                 procs = self._procs = ReaderProcs(min(self.threads, PROC_READERS), pool)
             except OSError as exc:
@@ -328,6 +326,9 @@ class Restorer:
         """Read in threads from now on (this Restorer), after warning once."""
         warnings.warn(f"gpusnap: {why}; restores read in threads from now on", RuntimeWarning, stacklevel=4)
         self.reader_processes = "off"
+        self._close_procs()
+
+    def _close_procs(self) -> None:
         if self._procs is not None:
             self._procs.close()
             self._procs = None
@@ -347,9 +348,7 @@ class Restorer:
         pool = self._slots
         if pool is None or not pool.fits(chunk_size, pinned=pinned, shared=shared) or pool.slots < regions:
             # (a restore still loading keeps the pool it was given: its Loader holds it)
-            if self._procs is not None:  # they map the old pool's memory: let it go
-                self._procs.close()
-                self._procs = None
+            self._close_procs()  # they map the old pool's memory: let it go
             try:
                 pool = SlotPool(regions, piece, pinned=pinned, shared=shared)
             except (OSError, RuntimeError) as exc:
@@ -390,15 +389,14 @@ class _Setup:
         self.last = now
 
 
-def _checked_devices(manifest: Manifest, plan: RestorePlan) -> set[torch.device]:
-    """The CUDA devices whose spans the loader may check on the device (``loader._checkable``:
-    device hashes stored, streamed, one device)."""
+def _checked_devices(manifest: Manifest, plan: RestorePlan, on_device: bool | None) -> set[torch.device]:
+    """The CUDA devices of the streamed spans the loader may check on the device (by the
+    loader's own rule, ``loader._checkable``)."""
     out: set[torch.device] = set()
     for i, e in enumerate(manifest.storages):
-        if e.hashes and plan.streamable(i):
-            devices = plan.devices(i)
-            if len(devices) == 1:
-                out |= {d for d in devices if d.type == "cuda"}
+        devices = frozenset(plan.devices(i))
+        if plan.streamable(i) and loader_mod._checkable(e.hashes, devices, on_device):
+            out |= {d for d in devices if d.type == "cuda"}
     return out
 
 

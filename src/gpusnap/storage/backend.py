@@ -242,7 +242,7 @@ class LocalBackend:
 
     def local_path(self, path: str) -> str:
         """Where ``path`` lives on the local file system (restore reader processes open it)."""
-        return str(self._abs(path))
+        return self._abs(path)
 
     def readinto_range(self, path: str, offset: int, out: memoryview) -> int:
         view = memoryview(out).cast("B") if memoryview(out).format != "B" else memoryview(out)
