@@ -78,7 +78,7 @@ print("RESULT " + json.dumps({"kind": sys.argv[3], "marks": marks, "stats": stat
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gpt2-large")
+    ap.add_argument("--model", default="gpt2-large", help="one of restore_bench's models (FULL or TINY)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--kinds", default="lazy,eager,eager-off")
     ap.add_argument("--out", default="fresh_cold_start.json")
@@ -91,6 +91,14 @@ def main() -> None:
 
     import gpusnap
     import restore_bench as rb
+
+    names = [s.name for s in rb.FULL + rb.TINY]
+    if args.model not in names:
+        ap.error(f"--model must be one of {', '.join(names)}, not {args.model!r}")
+    kinds = {"lazy", "eager", "eager-off"}
+    bad = [k for k in args.kinds.split(",") if k.removesuffix("-nowarm") not in kinds]
+    if bad:
+        ap.error(f"--kinds: unknown {', '.join(bad)} (lazy, eager, eager-off, each optionally -nowarm)")
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     spec = next(s for s in rb.FULL + rb.TINY if s.name == args.model)

@@ -29,3 +29,11 @@ def test_fresh_processes_restore_and_match(tmp_path: Path) -> None:
         assert run["match"], run
         marks = run["marks"]
         assert 0 <= marks["imports"] <= marks["cuda_init"] <= marks["restore_returned"] <= marks["first_logits"]
+
+
+@pytest.mark.parametrize("args", [["--model", "nope"], ["--model", "tiny", "--kinds", "lazy,fast"]])
+def test_bad_arguments_are_usage_errors(tmp_path: Path, args: list[str]) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fresh_cold_start.py"), *args],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 2 and ("must be one of" in proc.stderr or "unknown fast" in proc.stderr)
