@@ -13,7 +13,10 @@ instead of joining device-checked batches), readers16/12/8/6/4,
 slots8 (device scratch slots), big (piece64 + readers8 + slots8), host (BLAKE2b on the host),
 off (no verification), switch (GIL switch interval 0.5 ms instead of 5 ms); threads (reader
 threads read, no reader processes: the default before the twelfth session), t64r8 (that with
-64 MiB pieces and 8 readers), procs6/8/14 (reader processes), p64procs12 (64 MiB pieces).
+64 MiB pieces and 8 readers), procs6/8/14 (reader processes), p64procs12 (64 MiB pieces);
+procs (32 MiB pieces: the default before the thirteenth session), direct (direct-copy helpers,
+Config.restore_direct_copies="auto"), direct4/6/12 (that with 4/6/12 helpers), d32 (with
+32 MiB pieces), dnoprocs (direct copies, no reader processes for the rest).
 Run: PYTHONPATH=src python3 benchmarks/restore_diagnosis.py --sample
 """
 
@@ -59,12 +62,21 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "switch": {"switch": 5e-4},
     # reader threads reading for themselves (the path before reader processes): "threads" is
     # the old default; the reader-process variants set how many processes (PROC_READERS)
-    "threads": {"config": {"restore_reader_processes": "off"}},
-    "t64r8": {"config": {"restore_reader_processes": "off", "restore_piece_bytes": 64 * MiB}, "readers": 8},
-    "procs6": {"procs": 6},
-    "procs8": {"procs": 8},
-    "procs14": {"procs": 14},
-    "p64procs12": {"config": {"restore_piece_bytes": 64 * MiB}},
+    "threads": {"config": {"restore_reader_processes": "off", "restore_direct_copies": "off"}},
+    "t64r8": {"config": {"restore_reader_processes": "off", "restore_direct_copies": "off",
+                         "restore_piece_bytes": 64 * MiB}, "readers": 8},
+    "procs6": {"procs": 6, "config": {"restore_direct_copies": "off"}},
+    "procs8": {"procs": 8, "config": {"restore_direct_copies": "off"}},
+    "procs14": {"procs": 14, "config": {"restore_direct_copies": "off"}},
+    "p64procs12": {"config": {"restore_piece_bytes": 64 * MiB, "restore_direct_copies": "off"}},
+    # direct-copy helpers (restore/direct.py, the default since the thirteenth session)
+    "procs": {"config": {"restore_piece_bytes": 32 * MiB}},
+    "direct": {"config": {"restore_direct_copies": "auto"}},
+    "direct4": {"direct": 4, "config": {"restore_direct_copies": "auto"}},
+    "direct6": {"direct": 6, "config": {"restore_direct_copies": "auto"}},
+    "direct12": {"direct": 12, "config": {"restore_direct_copies": "auto"}},
+    "d32": {"config": {"restore_piece_bytes": 32 * MiB, "restore_direct_copies": "auto"}},
+    "dnoprocs": {"config": {"restore_reader_processes": "off", "restore_direct_copies": "auto"}},
 }
 
 
@@ -133,8 +145,9 @@ def run_variant(name: str, root: str, app: dict[str, Any], cid: str, dev: torch.
     spec = VARIANTS[name]
     saved_threads, saved_switch = restorer_mod.reader_threads, sys.getswitchinterval()
     saved_cap, saved_join = loader_mod.DEVICE_CHECK_READERS, loader_mod.JOIN_CHECKS
-    saved_procs = restorer_mod.PROC_READERS
+    saved_procs, saved_direct = restorer_mod.PROC_READERS, restorer_mod.DIRECT_HELPERS
     restorer_mod.PROC_READERS = spec.get("procs", saved_procs)
+    restorer_mod.DIRECT_HELPERS = spec.get("direct", saved_direct)
     loader_mod.JOIN_CHECKS = spec.get("join", saved_join)
     if "readers" in spec:
         restorer_mod.reader_threads = lambda io_threads, n=spec["readers"]: n
@@ -143,6 +156,7 @@ def run_variant(name: str, root: str, app: dict[str, Any], cid: str, dev: torch.
     try:
         config = gpusnap.Config.from_env(fsync=False, **spec.get("config", {}))
         best: dict[str, Any] = {}
+        free_before = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 0
         with gpusnap.Checkpointer(root, config=config) as ck:
             for attempt in range(repeat + 1):  # the first grows the pinned regions: not counted
                 sampler = Sampler(("gpusnap-restore-copy", "MainThread")) if sample and attempt == repeat else None
@@ -156,14 +170,19 @@ def run_variant(name: str, root: str, app: dict[str, Any], cid: str, dev: torch.
                     handle = ck.restore(app, cid, verify=spec.get("verify", "stream"))
                     rb.sync(dev)
                 secs = time.perf_counter() - t0
+                direct = ck._restorer._direct
+                if attempt == 0 and direct is not None:  # the helpers start at the first restore: time them ready
+                    direct.wait_ready()
                 if attempt and (not best or secs < best["s"]):
                     best = {"s": secs, "stats": dict(handle.stats)}
                 if sampler:
                     best["profile"] = sampler.top()
+            if dev.type == "cuda":  # device memory the restore keeps: scratch, landing slots, helpers' contexts
+                best["kept_MiB"] = (free_before - torch.cuda.mem_get_info(dev)[0]) / 2**20
         return best
     finally:
         restorer_mod.reader_threads = saved_threads
-        restorer_mod.PROC_READERS = saved_procs
+        restorer_mod.PROC_READERS, restorer_mod.DIRECT_HELPERS = saved_procs, saved_direct
         loader_mod.DEVICE_CHECK_READERS, loader_mod.JOIN_CHECKS = saved_cap, saved_join
         sys.setswitchinterval(saved_switch)
 
@@ -191,12 +210,12 @@ def main() -> None:
             gbps = st["bytes_read"] / r["s"] / 1e9
             busy = 1 - (st.get("copy_idle_s", 0) + st.get("copy_wait_s", 0)) / max(r["s"], 1e-9)
             rows.append((name, r["s"], gbps, gbps / ceiling, busy, st.get("region_wait_s", 0), st.get("threads"),
-                         st.get("pieces"), st.get("batches"), st.get("verify_path")))
-            print(f"[{name}] {r['s'] * 1e3:.0f} ms, {gbps:.1f} GB/s; stats {({k: v for k, v in st.items() if k not in ('first_needed',)})}",
+                         st.get("pieces"), f"{st.get('direct_batches', 0)}/{st.get('batches')}", st.get("verify_path")))
+            print(f"[{name}] {r['s'] * 1e3:.0f} ms, {gbps:.1f} GB/s, device memory kept {r.get('kept_MiB', 0):.0f} MiB; stats {({k: v for k, v in st.items() if k not in ('first_needed',)})}",
                   flush=True)
             for line in r.get("profile", []):
                 print(line)
-        print("\nvariant | restore ms | GB/s | of H2D | copy thread busy | readers' region wait s | readers | pieces | batches | verify")
+        print("\nvariant | restore ms | GB/s | of H2D | copy thread busy | readers' region wait s | readers | pieces | direct/batches | verify")
         for name, s, gbps, frac, busy, wait, threads, pieces, batches, path in rows:
             print(f"{name} | {s * 1e3:.0f} | {gbps:.1f} | {frac:.0%} | {busy:.0%} | {wait:.1f} | {threads} | {pieces} | {batches} | {path}")
     finally:

@@ -35,3 +35,8 @@ def _reader_processes(monkeypatch: pytest.MonkeyPatch) -> None:
         from gpusnap.restore import restorer
 
         monkeypatch.setattr(restorer, "READER_PROCESSES", mode)
+    direct = os.environ.get("GPUSNAP_TEST_DIRECT_COPIES")
+    if direct:  # the same for direct-copy helpers (restore/direct.py; CPU ones need a forced device check)
+        from gpusnap.restore import restorer
+
+        monkeypatch.setattr(restorer, "DIRECT_COPIES", direct)

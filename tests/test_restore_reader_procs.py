@@ -87,6 +87,7 @@ class _Calls:
 
 def _config(**kw: Any) -> gpusnap.Config:
     kw.setdefault("restore_reader_processes", "on")
+    kw.setdefault("restore_direct_copies", "off")  # (direct copies would take the device-checked batches)
     return tiny_config(io_threads=3, staging_bytes=64 * CS, restore_piece_bytes=PIECE, **kw)
 
 

@@ -150,6 +150,7 @@ class Checkpointer:
             scratch_slots=self.config.restore_scratch_slots,
             device_check_min_bytes=self.config.device_check_min_bytes,
             reader_processes=self.config.restore_reader_processes,
+            direct_copies=self.config.restore_direct_copies,
         )
         self._closed = False
         self._atexit = weakref.WeakMethod(self.close)

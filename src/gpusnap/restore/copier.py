@@ -53,6 +53,8 @@ WARMUP_WAIT_S = 300.0  # the kernel warm-up should take about a second; past thi
 class _PieceItem:
     pieces: list[tuple[Piece, int]]  # a batch: (piece, offset in region); spans of one kind
     region: torch.Tensor
+    landed: bool = False  # region is a direct-copy landing slot on the device (restore.direct)
+    after: Any = None  # landed: the helper's CUDA event its copies are done after (None: done)
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,6 +86,7 @@ class Copier:
         *,
         span_events: bool = True,
         warmup: Any = None,
+        direct: Any = None,
     ) -> None:
         self.manifest = manifest
         self.plan = plan
@@ -103,12 +106,16 @@ class Copier:
         self._ended = False  # the readers' end was taken from the queue
         self._checked = False  # a batch was staged for a device check (stats.first_check_s)
         self._warmup = warmup  # restore.warmup.WarmUp: joined before the first device check
+        self._direct = direct  # restore.direct.DirectCopies: owns the landing slots
         self.thread: threading.Thread | None = None
 
     # -- readers -------------------------------------------------------------------------------
-    def put_pieces(self, pieces: list[tuple[Piece, int]], region: torch.Tensor) -> None:
-        """A batch read into ``region`` (each piece at its offset): schedule.take_batch."""
-        self._queue.put(_PieceItem(pieces, region))
+    def put_pieces(self, pieces: list[tuple[Piece, int]], region: torch.Tensor, *, landed: bool = False,
+                   after: Any = None) -> None:
+        """A batch read into ``region`` (each piece at its offset): schedule.take_batch.
+        ``landed``: a direct-copy landing slot on the batch's device, its bytes there once
+        the helper's event ``after`` has completed."""
+        self._queue.put(_PieceItem(pieces, region, landed, after))
 
     def put_whole(self, ls: LoadSpan) -> None:
         self._queue.put(_WholeItem(ls))
@@ -188,13 +195,18 @@ class Copier:
                 self._warmup.join(WARMUP_WAIT_S)
                 self.stats.add(kernels_wait_s=time.perf_counter() - started)
             started = time.perf_counter() if first else 0.0
-            self.check.stage(slot, pieces, region, pinned_region=self.slots.pinned)
+            if item.after is not None:  # the helper's copies, queued in its process: the hash waits for them
+                self.streams[device].wait_event(item.after)
+            self.check.stage(slot, pieces, region, pinned_region=self.slots.pinned, landed=item.landed)
             if first:
                 self._checked = True
                 self.stats.add(first_check_s=time.perf_counter() - started)
             slot.event = self._event(device) if self._evented(device) else None
             self._checking.append(slot)
-            self._hold(region, [slot.event] if slot.event is not None else [])
+            if item.landed:  # the slot reads it until its batch is applied: given back in _resolve
+                self._holding = None
+            else:
+                self._hold(region, [slot.event] if slot.event is not None else [])
             return
         self._start_timing(ls.devices)
         loaded = self._apply(pieces, region)  # its events, when the batch completed spans, also free the region
@@ -209,6 +221,7 @@ class Copier:
         self._checking.remove(slot)
         if bad is not None:
             slot.pieces = []
+            self._unland(slot, None)  # (its hash has run: nothing reads it any more)
             piece, chunk = bad
             digest = self.manifest.storages[piece.span.index].chunks[chunk]
             raise IntegrityError(
@@ -216,7 +229,22 @@ class Copier:
                 f"({DEVICE_HASH}) after the copy to {slot.device} (corrupt); it was not written to the target"
             )
         slot.pieces = []  # the next stage() of this slot queues after these copies on the same stream
-        self._apply(pieces, slot.data)
+        if not slot.landed:
+            self._apply(pieces, slot.source)
+            return
+        try:
+            self._apply(pieces, slot.source)
+        finally:  # the landing slot goes back once the copies out of it have run
+            self._unland(slot, self._event(slot.device) if self._evented(slot.device) else None)
+
+    def _unland(self, slot: ScratchSlot, event: Any) -> None:
+        """Give ``slot``'s landing slot back to the helpers after ``event`` (None: now)."""
+        if slot.landed:
+            region, slot.source, slot.landed = slot.source, slot.data, False
+            if event is None:
+                self._release(region)
+            else:
+                self._in_flight.append((region, event))
 
     def _apply(self, pieces: list[tuple[Piece, int]], data: torch.Tensor) -> dict[torch.device, Any]:
         """Copy each piece of a batch from ``data`` (at its offset) into its targets; then the
@@ -271,6 +299,13 @@ class Copier:
         event.record(self.streams[device])
         return event
 
+    def _release(self, region: torch.Tensor) -> None:
+        """Back to its pool: a direct-copy landing slot, or a host region."""
+        if self._direct is not None and self._direct.owns(region):
+            self._direct.release(region)
+        else:
+            self.slots.release(region)
+
     def _hold(self, region: torch.Tensor, events: list[Any]) -> None:
         """Keep ``region`` until the copies reading it have run (none on CPU: give it back now)."""
         self._holding = None
@@ -279,17 +314,17 @@ class Copier:
         if events:
             self._in_flight.append((region, events[-1]))
         else:
-            self.slots.release(region)
+            self._release(region)
 
     def _reap(self) -> None:
         """Give back the regions whose copies have completed, without waiting."""
-        while self._in_flight and self._in_flight[0][1].query():
-            self.slots.release(self._in_flight.popleft()[0])
+        while self._in_flight and (self._in_flight[0][1] is None or self._in_flight[0][1].query()):
+            self._release(self._in_flight.popleft()[0])
 
     def _release_oldest(self) -> None:
         region, event = self._in_flight.popleft()
         self._wait(event)
-        self.slots.release(region)
+        self._release(region)
 
     def _wait(self, event: Any) -> None:
         if event is None:
@@ -302,6 +337,9 @@ class Copier:
         """After a failure: give back every region handed over until the readers have stopped."""
         for slot in self._checking:
             slot.pieces = []
+            if slot.landed:  # (_finish waits for the stream before it releases these)
+                self._in_flight.append((slot.source, None))
+                slot.source, slot.landed = slot.data, False
         self._checking.clear()
         while not self._ended:
             item = self._queue.get()
@@ -309,16 +347,16 @@ class Copier:
                 self._ended = True
                 return
             if isinstance(item, _PieceItem):
-                self.slots.release(item.region)
+                self._release(item.region)
 
     def _finish(self) -> None:
         """Wait for every queued copy, give back the regions, measure the streams."""
         for stream in self.streams.values():
             stream.synchronize()
         while self._in_flight:
-            self.slots.release(self._in_flight.popleft()[0])
+            self._release(self._in_flight.popleft()[0])
         if self._holding is not None:
-            self.slots.release(self._holding)
+            self._release(self._holding)
             self._holding = None
         spans = []
         for device, start in self._timing.items():

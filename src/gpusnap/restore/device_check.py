@@ -78,6 +78,8 @@ class ScratchSlot:
     pinned: bool = False  # host_hashes is page-locked (CUDA): its copy is asynchronous
     pieces: list[tuple[Piece, int]] = field(default_factory=list)  # (piece, offset in data), checked, not yet applied
     event: Any = None  # after the batch's hash and its copy to the host (None on CPU)
+    source: Any = None  # where the batch's bytes are: ``data``, or a landing slot (``landed``)
+    landed: bool = False  # the batch arrived on the device in a direct-copy landing slot (restore.direct)
     host_rows: Any = field(default=None, repr=False)  # numpy view of host_hashes
 
 
@@ -133,24 +135,32 @@ class DeviceCheck:
         )
 
     def stage(
-        self, slot: ScratchSlot, pieces: Sequence[tuple[Piece, int]], region: torch.Tensor, *, pinned_region: bool
+        self, slot: ScratchSlot, pieces: Sequence[tuple[Piece, int]], region: torch.Tensor, *, pinned_region: bool,
+        landed: bool = False,
     ) -> None:
         """Queue, on the current stream: copy the batch's bytes (``region``, each piece at its
         offset; ``pinned_region``: page-locked host memory) into ``slot`` with one copy, hash
-        every piece's chunks with one launch, and copy the hashes back to the host."""
+        every piece's chunks with one launch, and copy the hashes back to the host.
+        ``landed``: ``region`` already is on the slot's device (a direct-copy landing slot):
+        hashed where it is, no copy; ``slot.source`` is then ``region`` until resolved."""
         assert not slot.pieces, "resolve the slot's previous batch first"
         end = max(offset + piece.nbytes for piece, offset in pieces)
         total = sum(piece.count for piece, _ in pieces)
         if end > self.slot_bytes or total > self.max_chunks:
             raise CheckpointError(f"a batch of {end} bytes, {total} chunks exceeds a scratch slot")
-        slot.data[:end].copy_(region[:end], non_blocking=pinned_region)
+        if landed:
+            source = region
+        else:
+            source = slot.data
+            source[:end].copy_(region[:end], non_blocking=pinned_region)
+        slot.source, slot.landed = source, landed
         got = slot.hashes[:total]
         if len(pieces) == 1:
             # one piece (most bytes of a large model): the single-span kernel, no row table;
             # the copy thread's few host calls per piece bound the restore rate (BENCHMARKS.md)
-            chunk_hashes(slot.data[: pieces[0][0].nbytes], self.chunk_size, out=got)
+            chunk_hashes(source[: pieces[0][0].nbytes], self.chunk_size, out=got)
         else:
-            chunk_hashes_many([slot.data[o : o + p.nbytes] for p, o in pieces], self.chunk_size, got)
+            chunk_hashes_many([source[o : o + p.nbytes] for p, o in pieces], self.chunk_size, got)
         # the whole buffer (a few KiB): no slicing, and rows past the batch are never read
         slot.host_hashes.copy_(slot.hashes, non_blocking=slot.pinned)
         slot.pieces = list(pieces)

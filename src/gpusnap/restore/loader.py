@@ -36,6 +36,7 @@ from gpusnap.device import host_buffer
 from gpusnap.errors import CheckpointError
 from gpusnap.restore.copier import Copier
 from gpusnap.restore.device_check import DeviceCheck
+from gpusnap.restore.direct import DirectCopies
 from gpusnap.restore.read_procs import ReaderDied, ReaderProcs
 from gpusnap.restore.warmup import WarmUp
 from gpusnap.restore.schedule import LoadSpan, Piece, Schedule, SpanState
@@ -91,6 +92,11 @@ class Loader:
 
     ``warmup``: the hash kernels loading on a side thread (``restore.warmup``); the copy
     thread waits for it before its first device check.
+
+    ``direct``: direct-copy helpers (``restore.direct``): reader thread ``k`` has helper
+    ``k``, once it is ready, copy each device-checked batch for the helpers' device from the
+    page cache straight into a landing slot on the device; the copy thread hashes it there.
+    Any failure falls back to the host path for that batch (and a broken helper for good).
     """
 
     def __init__(
@@ -111,6 +117,7 @@ class Loader:
         span_events: bool = True,
         procs: ReaderProcs | None = None,
         warmup: WarmUp | None = None,
+        direct: DirectCopies | None = None,
     ) -> None:
         if slots.slot_bytes < manifest.chunk_size:
             raise ValueError(f"staging slots of {slots.slot_bytes} bytes cannot hold {manifest.chunk_size}-byte chunks")
@@ -164,10 +171,16 @@ class Loader:
         if self.procs is not None:
             # no GIL shared with the copy thread: the cap above does not apply
             self.threads = max(1, min(len(self.procs), pieces or 1))
+        self.direct = direct if direct is not None and self.check is not None else None
+        if self.direct is not None:
+            # a thread per helper: it mostly sleeps in a pipe read while its helper copies
+            self.threads = max(self.threads, min(len(self.direct), pieces or 1))
         self._no_proc: set[int] = set()  # reader threads whose process is gone
+        self._no_direct: set[int] = set()  # reader threads whose direct-copy helper is gone
         self._local: dict[str, str | None] = {}  # pack path -> local path for the processes
         self._what: dict[int, str] = {}  # span index -> describe_span (for errors)
-        self.stats = LoadStats(reader_procs=self.threads if self.procs is not None else 0)
+        self.stats = LoadStats(reader_procs=min(self.threads, len(self.procs)) if self.procs is not None else 0,
+                               direct_helpers=len(self.direct) if self.direct is not None else 0)
         self.started = 0.0
         self.finished: float | None = None
         self.error: BaseException | None = None
@@ -187,6 +200,7 @@ class Loader:
             self._close,
             span_events=span_events,
             warmup=warmup,
+            direct=self.direct,
         )
 
     @property
@@ -257,6 +271,8 @@ class Loader:
         ls = piece.span
         self.stats.add(batches=1, batched_spans=len(batch) if len(batch) > 1 else 0)
         if ls.streamed:
+            if ls.device_check and self._copy_direct(batch, k):
+                return
             started = time.perf_counter()
             region = self.slots.acquire()
             self.stats.add(region_wait_s=time.perf_counter() - started)
@@ -295,13 +311,10 @@ class Loader:
         if self.schedule.piece_done(piece, 0):
             self.copier.put_whole(ls)
 
-    def _read_in_process(self, batch: list[tuple[Piece, int]], region: torch.Tensor, k: int) -> dict[int, _Read] | None:
-        """Have reader process ``k`` read the whole batch into ``region`` (one request): each
-        piece's read (by ``id(piece)``), to check and count with ``_check_read``; None when the
-        thread must read the batch itself."""
-        if self.procs is None or k in self._no_proc:
-            return None
-        base = self.slots.offset_of(region)
+    def _plan_runs(self, batch: list[tuple[Piece, int]], base: int) -> tuple[dict[int, _Read], list[tuple[str, int, int, int]]] | None:
+        """Each piece's read (by ``id(piece)``) and the runs ``(local path, pack offset, length,
+        base + offset in the batch)`` a worker process reads for the batch; None when a pack
+        has no local path (the thread reads it)."""
         reads: dict[int, _Read] = {}
         requests: list[tuple[str, int, int, int]] = []
         for p, offset in batch:
@@ -317,6 +330,18 @@ class Loader:
                 lo, hi = first * self.chunk_size, min(p.nbytes, (first + n) * self.chunk_size)
                 requests.append((local, pack_offset, hi - lo, base + offset + lo))
             reads[id(p)] = _Read(p, offset, digests, runs, what)
+        return reads, requests
+
+    def _read_in_process(self, batch: list[tuple[Piece, int]], region: torch.Tensor, k: int) -> dict[int, _Read] | None:
+        """Have reader process ``k`` read the whole batch into ``region`` (one request): each
+        piece's read (by ``id(piece)``), to check and count with ``_check_read``; None when the
+        thread must read the batch itself."""
+        if self.procs is None or k in self._no_proc:
+            return None
+        planned = self._plan_runs(batch, self.slots.offset_of(region))
+        if planned is None:
+            return None
+        reads, requests = planned
         started = time.perf_counter()
         try:
             got = self.procs.read(k, requests)
@@ -332,6 +357,52 @@ class Loader:
             return None
         self.stats.add(proc_batches=1, read_s=time.perf_counter() - started)
         return reads
+
+    def _copy_direct(self, batch: list[tuple[Piece, int]], k: int) -> bool:
+        """Have direct-copy helper ``k`` copy a device-checked batch into a landing slot and hand
+        it to the copy thread; False (nothing done) when the host path must stage it: no
+        helper here, or still starting, or broken, or the copy failed."""
+        direct = self.direct
+        if direct is None or k in self._no_direct or batch[0][0].span.devices != {direct.device}:
+            return False
+        try:
+            if not direct.ready(k):
+                return False  # still starting (a Checkpointer's first restores): stage on the host
+        except ReaderDied:
+            self._no_direct.add(k)
+            self.stats.add(direct_fallbacks=1)
+            return False
+        started = time.perf_counter()
+        landing = direct.acquire()
+        self.stats.add(region_wait_s=time.perf_counter() - started)
+        handed = False
+        try:
+            planned = self._plan_runs(batch, direct.offset_of(landing))
+            if planned is None:
+                return False
+            reads, requests = planned
+            started = time.perf_counter()
+            try:
+                got, after = direct.copy(k, requests)
+            except ReaderDied:
+                self._no_direct.add(k)  # this thread stages on the host from now on
+                self.stats.add(direct_fallbacks=1)
+                return False
+            except OSError:  # a pack gone or unreadable: the host path handles or explains it
+                self.stats.add(direct_fallbacks=1)
+                return False
+            if any(g != r[2] for g, r in zip(got, requests)):  # truncated: the host path names the chunk
+                self.stats.add(direct_fallbacks=1)
+                return False
+            self.stats.add(direct_batches=1, direct_s=time.perf_counter() - started)
+            for read in reads.values():
+                self._count(read.piece, reads=len(read.runs), read_s=0.0, verify_s=0.0, host_verify=False)
+            self.copier.put_pieces(batch, landing, landed=True, after=after)
+            handed = True
+            return True
+        finally:
+            if not handed:
+                direct.release(landing)
 
     def _fill(self, piece: Piece, offset: int, view: memoryview, read: dict[int, _Read] | None, *,
               host_verify: bool) -> None:

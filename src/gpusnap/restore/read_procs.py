@@ -35,7 +35,7 @@ from typing import Any, NoReturn
 
 from gpusnap.restore.staging import SlotPool
 
-__all__ = ["ReaderDied", "ReaderProcs"]
+__all__ = ["ReaderDied", "ReaderProcs", "WorkerProcs"]
 
 WORKER = str(Path(__file__).with_name("read_worker.py"))
 LEN = struct.Struct("<Q")
@@ -49,25 +49,33 @@ class ReaderDied(RuntimeError):
     reads fall back to the thread."""
 
 
-class ReaderProcs:
-    """``n`` reader processes mapping ``pool``'s shared memory; ``read(k, runs)`` uses process
-    ``k`` (reader thread ``k`` owns it, so no two threads ever share a pipe)."""
+class WorkerProcs:
+    """``n`` worker processes running ``argv``, each sent ``job`` first when given; request
+    ``k`` goes to process ``k`` (one thread owns each, so no two threads share a pipe). Each
+    says ready in its first message (``"ready"``, or a tuple starting with it; a tuple
+    starting with ``"failed"`` is a start that failed), read at its first request or polled
+    with :meth:`ready`."""
 
-    def __init__(self, n: int, pool: SlotPool) -> None:
-        if pool.shared is None:
-            raise ValueError("reader processes need a SlotPool made with shared=True")
-        self.pool = pool
-        self.start_failed = False  # a worker never said ready: the Restorer stops using processes
-        fd = pool.shared.fd
+    kind = "worker"
+
+    def __init__(self, n: int, argv: list[str], *, pass_fds: tuple[int, ...] = (), job: Any = None,
+                 start_timeout: float = START_TIMEOUT_S) -> None:
+        self.start_failed = False  # a worker never said ready: the Restorer stops using them
+        self.start_timeout = start_timeout
         self._procs: list[subprocess.Popen[bytes]] = []
         self._ready = [False] * n
+        self.hello: list[Any] = [None] * n  # each process's ready message
+        self._born = time.monotonic()
         self._lock = threading.Lock()
+        first = b"" if job is None else _frame(job)
         try:
-            for _ in range(n):  # started at once; each one's ready message is read at first use
-                self._procs.append(subprocess.Popen(
-                    [sys.executable, "-I", "-S", WORKER, str(fd), str(pool.nbytes)],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(fd,), close_fds=True, bufsize=0,
-                ))
+            for _ in range(n):  # started at once; each one's ready message is read later
+                proc = subprocess.Popen([sys.executable, "-I", "-S", *argv], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, pass_fds=pass_fds, close_fds=True, bufsize=0)
+                self._procs.append(proc)
+                if first:
+                    assert proc.stdin is not None
+                    _write_all(proc.stdin.fileno(), first)
         except BaseException:
             self.close()
             raise
@@ -75,40 +83,54 @@ class ReaderProcs:
     def __len__(self) -> int:
         return len(self._procs)
 
-    def read(self, k: int, runs: list[tuple[str, int, int, int]]) -> list[int]:
-        """Read ``runs`` in process ``k``; bytes got per run. Raises ``OSError`` (the run's
-        errno and path) or :class:`ReaderDied`."""
-        procs = self._procs
-        if k >= len(procs):
-            raise ReaderDied(f"no reader process {k} (closed)")
-        proc = procs[k]
-        if proc.returncode is not None:
-            raise ReaderDied(f"reader process {proc.pid} is gone (exit code {proc.returncode})")
+    def ready(self, k: int) -> bool:
+        """Whether process ``k`` has said ready, without waiting (False while it starts);
+        raises :class:`ReaderDied` when it failed to start or ``start_timeout`` passed."""
+        if k < len(self._ready) and self._ready[k]:
+            return True
+        proc = self._proc(k)
+        assert proc.stdout is not None
+        if select.select([proc.stdout.fileno()], [], [], 0)[0]:
+            self._take_ready(k, proc, self.start_timeout)
+            return True
+        if time.monotonic() - self._born > self.start_timeout:
+            self.start_failed = True
+            self._kill(proc, f"did not start within {self.start_timeout:.0f} s")
+        return False
+
+    def request(self, k: int, message: Any) -> Any:
+        """Send ``message`` to process ``k`` and return its reply (waiting for it to be ready
+        first); raises :class:`ReaderDied`."""
+        proc = self._proc(k)
         if not self._ready[k]:
-            try:
-                ready = self._recv(proc, START_TIMEOUT_S)
-            except ReaderDied:
-                self.start_failed = True
-                raise
-            if ready != "ready":
-                self.start_failed = True
-                self._kill(proc, "sent no ready message")
-            self._ready[k] = True
-        body = marshal.dumps(runs)
+            self._take_ready(k, proc, max(0.0, self.start_timeout - (time.monotonic() - self._born)))
         try:
             assert proc.stdin is not None
-            _write_all(proc.stdin.fileno(), LEN.pack(len(body)) + body)
+            _write_all(proc.stdin.fileno(), _frame(message))
         except (OSError, ValueError) as exc:
             self._kill(proc, f"is gone (exit code {proc.poll()})", exc)
-        reply = self._recv(proc, REPLY_TIMEOUT_S)
-        if (isinstance(reply, tuple) and len(reply) == 2 and reply[0] == "ok" and isinstance(reply[1], list)
-                and len(reply[1]) == len(runs)):
-            got: list[int] = reply[1]
-            return got
-        if isinstance(reply, tuple) and len(reply) == 4 and reply[0] == "error":
-            _, errno, strerror, path = reply
-            raise OSError(errno, strerror, path)
-        self._kill(proc, f"answered {reply!r:.80}")
+        return self._recv(proc, REPLY_TIMEOUT_S)
+
+    def _proc(self, k: int) -> subprocess.Popen[bytes]:
+        procs = self._procs
+        if k >= len(procs):
+            raise ReaderDied(f"no {self.kind} process {k} (closed)")
+        proc = procs[k]
+        if proc.returncode is not None:
+            raise ReaderDied(f"{self.kind} process {proc.pid} is gone (exit code {proc.returncode})")
+        return proc
+
+    def _take_ready(self, k: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
+        try:
+            ready = self._recv(proc, timeout)
+        except ReaderDied:
+            self.start_failed = True
+            raise
+        if ready != "ready" and not (isinstance(ready, tuple) and ready and ready[0] == "ready"):
+            self.start_failed = True
+            self._kill(proc, f"did not start: {ready!r:.200}" if isinstance(ready, tuple) else "sent no ready message")
+        self.hello[k] = ready
+        self._ready[k] = True
 
     def _recv(self, proc: subprocess.Popen[bytes], timeout: float) -> Any:
         """One message, within ``timeout`` seconds; else the process is killed (ReaderDied)."""
@@ -128,12 +150,11 @@ class ReaderProcs:
         except (OSError, ValueError, EOFError) as exc:
             self._kill(proc, f"is gone (exit code {proc.poll()})", exc)
 
-    @staticmethod
-    def _kill(proc: subprocess.Popen[bytes], why: str, cause: BaseException | None = None) -> NoReturn:
+    def _kill(self, proc: subprocess.Popen[bytes], why: str, cause: BaseException | None = None) -> NoReturn:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        raise ReaderDied(f"reader process {proc.pid} {why}") from cause
+        raise ReaderDied(f"{self.kind} process {proc.pid} {why}") from cause
 
     def alive(self) -> bool:
         return bool(self._procs) and not self.start_failed and all(p.poll() is None for p in self._procs)
@@ -158,6 +179,41 @@ class ReaderProcs:
                 p.wait()
             if p.stdout is not None:
                 p.stdout.close()
+
+
+class ReaderProcs(WorkerProcs):
+    """``n`` reader processes mapping ``pool``'s shared memory; ``read(k, runs)`` uses process ``k``."""
+
+    kind = "reader"
+
+    def __init__(self, n: int, pool: SlotPool) -> None:
+        if pool.shared is None:
+            raise ValueError("reader processes need a SlotPool made with shared=True")
+        self.pool = pool
+        fd = pool.shared.fd
+        super().__init__(n, [WORKER, str(fd), str(pool.nbytes)], pass_fds=(fd,))
+
+    def read(self, k: int, runs: list[tuple[str, int, int, int]]) -> list[int]:
+        """Read ``runs`` in process ``k``; bytes got per run. Raises ``OSError`` (the run's
+        errno and path) or :class:`ReaderDied`."""
+        return runs_reply(self, k, self.request(k, runs), len(runs))
+
+
+def runs_reply(procs: WorkerProcs, k: int, reply: Any, n: int) -> list[int]:
+    """The bytes got per run from a worker's reply to ``n`` runs; raises ``OSError`` for its
+    error reply, or kills it (:class:`ReaderDied`) for anything else."""
+    if isinstance(reply, tuple) and len(reply) == 2 and reply[0] == "ok" and isinstance(reply[1], list) and len(reply[1]) == n:
+        got: list[int] = reply[1]
+        return got
+    if isinstance(reply, tuple) and len(reply) == 4 and reply[0] == "error":
+        _, errno, strerror, path = reply
+        raise OSError(errno, strerror, path)
+    procs._kill(procs._procs[k], f"answered {reply!r:.80}")
+
+
+def _frame(obj: Any) -> bytes:
+    body = marshal.dumps(obj)
+    return LEN.pack(len(body)) + body
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -34,6 +34,7 @@ from gpusnap.restore.eager import load_spans
 from gpusnap.restore.gate import GateMode
 from gpusnap.restore.lazy import LazyRestore, pop_gate
 from gpusnap.restore import loader as loader_mod
+from gpusnap.restore.direct import DirectCopies, DirectUnavailable
 from gpusnap.restore.loader import Loader
 from gpusnap.restore.read_procs import ReaderProcs
 from gpusnap.restore.staging import SlotPool, can_share
@@ -48,6 +49,10 @@ Verify = Literal["auto", "upfront", "stream", "off"]
 VERIFY_MODES: tuple[str, ...] = ("auto", "upfront", "stream", "off")
 AUTO_UPFRONT_BYTES = 256 << 20  # verify="auto": checkpoints up to this size are verified before any write
 PIECE_BYTES = 32 << 20  # a piece: one read run, one host region, one device copy (whole chunks)
+# ...for restores with CUDA targets: fewer batches for the copy thread, whose per-batch work
+# bounds the rate, and fewer page-locking calls for direct copies (GPT-2 large training state
+# on the H200: 25-27 GB/s against 20-24 with 32 MiB pieces; BENCHMARKS.md, thirteenth session)
+CUDA_PIECE_BYTES = 64 << 20
 EXTRA_REGIONS = 4  # host regions beyond one per reader: pieces queued or in flight on the copy stream
 VERIFY_ON_DEVICE: bool | None = None  # Loader's verify_on_device: None = where device hashes allow
 # Reader processes at most: they share no GIL with the copy thread, so more than the threads'
@@ -56,6 +61,14 @@ VERIFY_ON_DEVICE: bool | None = None  # Loader's verify_on_device: None = where 
 PROC_READERS = 12
 WARMUP_JOIN_S = 60.0  # a warm-up left running by a failed restore: waited for this long at most
 READER_PROCESSES: str | None = None  # overrides Config.restore_reader_processes when set (tests)
+# Direct-copy helpers (restore.direct; off by default): 8 moved a 4 GB tmpfs file to the H200
+# at 42-48 GB/s, 6 at 45, 12 at 45 (more contexts to start, no faster; thirteenth session)
+DIRECT_HELPERS = 8
+DIRECT_COPIES: str | None = None  # overrides Config.restore_direct_copies when set (tests)
+# auto: only restores with at least this many device-checked bytes start helpers (each keeps
+# ~180 MiB of device memory for its CUDA context, the landing slots 2 pieces per helper, and
+# they take ~1 s to start): smaller ones gain little
+DIRECT_MIN_BYTES = 1 << 30
 
 
 def reader_threads(io_threads: int) -> int:
@@ -105,10 +118,13 @@ class Restorer:
         scratch_slots: int | None = None,
         device_check_min_bytes: int | None = None,
         reader_processes: str = "auto",
+        direct_copies: str = "auto",
     ) -> None:
         self.threads = reader_threads(io_threads)
         self.reader_processes = reader_processes  # Config.restore_reader_processes
+        self.direct_copies = direct_copies  # Config.restore_direct_copies
         self._procs: ReaderProcs | None = None
+        self._direct: DirectCopies | None = None
         self._warmup: WarmUp | None = None  # the latest kernel warm-up (joined before the next)
         self.staging_bytes = staging_bytes  # 0: automatic
         # None: the module defaults (read at each restore, so tests can patch them)
@@ -163,10 +179,12 @@ class Restorer:
             self._warmup = start_kernel_warmup(_checked_devices(manifest, plan, on_device), manifest.chunk_size,
                                                self._stream)
         use_procs = self._use_procs(repo, cuda)
+        direct_device = self._direct_device(repo, manifest, plan, on_device) if verify != "off" else None
         slots = self._slot_pool(manifest.chunk_size, pinned=cuda, nbytes=manifest.nbytes, shared=use_procs)
         setup.mark("regions_s")
         use_procs = use_procs and slots.shared is not None
         procs = self._reader_procs(slots) if use_procs else None
+        direct = self._direct_copies(direct_device, slots.slot_bytes) if direct_device is not None else None
         setup.mark("procs_s")
         loader = Loader(
             repo,
@@ -176,6 +194,7 @@ class Restorer:
             threads=self.threads,
             slots=slots,
             procs=procs,
+            direct=direct,
             streams={d: self._stream(d) for d in _cuda_devices(plan, len(spans))},
             verify=verify != "off",
             verify_on_device=on_device,
@@ -293,6 +312,7 @@ class Restorer:
             self._warmup.join(WARMUP_JOIN_S)
             self._warmup = None
         self._close_procs()
+        self._close_direct()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -333,20 +353,63 @@ class Restorer:
             self._procs.close()
             self._procs = None
 
+    def _direct_device(self, repo: Repository, manifest: Manifest, plan: RestorePlan,
+                       on_device: bool | None) -> torch.device | None:
+        """The device this restore's direct copies go to (``Config.restore_direct_copies``):
+        the one with the most device-checked bytes (CUDA only in ``auto``, and only for
+        :data:`DIRECT_MIN_BYTES` or more; ``on`` also takes a CPU device whose check is
+        forced, with the memfd backend the tests use). None: no direct copies."""
+        mode = DIRECT_COPIES or self.direct_copies
+        if mode == "off" or not can_share() or repo.local_path("") is None:
+            return None
+        device, nbytes = _direct_device(manifest, plan, on_device)
+        if device is None or (mode != "on" and (device.type != "cuda" or nbytes < DIRECT_MIN_BYTES)):
+            return None
+        return device
+
+    def _direct_copies(self, device: torch.device, slot_bytes: int) -> DirectCopies | None:
+        """The direct-copy helpers for ``device``, kept across restores; None when they cannot start."""
+        direct = self._direct
+        if direct is not None and direct.start_failed:
+            self._stop_direct("a direct-copy helper did not start")
+            return None
+        if direct is None or not direct.fits(device, slot_bytes) or not direct.alive():
+            self._close_direct()  # (settle() ran: no restore is loading through them)
+            try:
+                direct = self._direct = DirectCopies(DIRECT_HELPERS, device, slot_bytes)
+            except (DirectUnavailable, OSError, RuntimeError) as exc:
+                self._stop_direct(f"direct copies could not start ({exc})")
+                return None
+        return direct
+
+    def _stop_direct(self, why: str) -> None:
+        """Stage every batch on the host from now on (this Restorer), after warning once."""
+        warnings.warn(f"gpusnap: {why}; restores stage through host memory from now on", RuntimeWarning,
+                      stacklevel=4)
+        self.direct_copies = "off"
+        self._close_direct()
+
+    def _close_direct(self) -> None:
+        if self._direct is not None:
+            self._direct.close()
+            self._direct = None
+
     def _slot_pool(self, chunk_size: int, *, pinned: bool, nbytes: int, shared: bool = False) -> SlotPool:
-        """Host regions of about :data:`PIECE_BYTES` (whole chunks), one per reader plus
+        """Host regions of about :data:`PIECE_BYTES` (:data:`CUDA_PIECE_BYTES` when ``pinned``,
+        for CUDA targets; whole chunks), one per reader plus
         :data:`EXTRA_REGIONS`, but no more than a checkpoint of ``nbytes`` can fill, within
         ``staging_bytes`` when it is set; kept across restores, grown when a later one needs
         more. (One region per reader of 32 on a 32-core host is 1.2 GB of pinned memory,
         whose allocation a 0.2 GB model's first restore paid for nothing.)"""
-        wanted = PIECE_BYTES if self.piece_bytes is None else self.piece_bytes
+        wanted = self.piece_bytes or (CUDA_PIECE_BYTES if pinned else PIECE_BYTES)
         piece = max(chunk_size, wanted // chunk_size * chunk_size)
         regions = min(self.threads, max(1, -(-nbytes // piece))) + EXTRA_REGIONS
         if self.staging_bytes:
             piece = max(chunk_size, min(piece, self.staging_bytes // regions // chunk_size * chunk_size))
             regions = max(2, min(regions, self.staging_bytes // piece))
         pool = self._slots
-        if pool is None or not pool.fits(chunk_size, pinned=pinned, shared=shared) or pool.slots < regions:
+        if (pool is None or not pool.fits(chunk_size, pinned=pinned, shared=shared) or pool.slots < regions
+                or pool.slot_bytes < piece):
             # (a restore still loading keeps the pool it was given: its Loader holds it)
             self._close_procs()  # they map the old pool's memory: let it go
             try:
@@ -398,6 +461,20 @@ def _checked_devices(manifest: Manifest, plan: RestorePlan, on_device: bool | No
         if plan.streamable(i) and loader_mod._checkable(e.hashes, devices, on_device):
             out |= {d for d in devices if d.type == "cuda"}
     return out
+
+
+def _direct_device(manifest: Manifest, plan: RestorePlan, on_device: bool | None) -> tuple[torch.device | None, int]:
+    """The device most of the device-checked bytes go to (``loader._checkable``), if any, and those bytes."""
+    per: dict[torch.device, int] = {}
+    for i, e in enumerate(manifest.storages):
+        devices = frozenset(plan.devices(i))
+        if plan.streamable(i) and loader_mod._checkable(e.hashes, devices, on_device):
+            (device,) = devices
+            per[device] = per.get(device, 0) + e.nbytes
+    if not per:
+        return None, 0
+    device = max(per, key=lambda d: per[d])
+    return device, per[device]
 
 
 def _cuda_devices(plan: RestorePlan, n: int) -> set[torch.device]:

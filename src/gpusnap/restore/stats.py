@@ -37,6 +37,10 @@ class LoadStats:
     reader_procs: int = 0  # reader processes the readers used (0: the threads read)
     proc_batches: int = 0  # batches read by a reader process
     proc_fallbacks: int = 0  # batches a reader thread read itself after its process failed
+    direct_helpers: int = 0  # direct-copy helpers the load could use (restore.direct; 0: none)
+    direct_batches: int = 0  # batches a helper copied from the page cache straight to the device
+    direct_s: float = 0.0  # thread-seconds waiting for helpers' copies
+    direct_fallbacks: int = 0  # batches staged on the host after a helper failed
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **values: float) -> None:
