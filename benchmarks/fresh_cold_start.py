@@ -96,9 +96,10 @@ def main() -> None:
     if args.model not in names:
         ap.error(f"--model must be one of {', '.join(names)}, not {args.model!r}")
     kinds = {"lazy", "eager", "eager-off"}
-    bad = [k for k in args.kinds.split(",") if k.removesuffix("-nowarm") not in kinds]
+    bad = [k for k in args.kinds.split(",") if k.removesuffix("-p32").removesuffix("-nowarm") not in kinds]
     if bad:
-        ap.error(f"--kinds: unknown {', '.join(bad)} (lazy, eager, eager-off, each optionally -nowarm)")
+        ap.error(f"--kinds: unknown {', '.join(bad)} (lazy, eager, eager-off, each optionally -nowarm, "
+                 f"then optionally -p32: 32 MiB restore pieces, the default before the thirteenth session)")
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     spec = next(s for s in rb.FULL + rb.TINY if s.name == args.model)
@@ -120,10 +121,13 @@ def main() -> None:
         for r in range(args.rounds):
             for kind in args.kinds.split(","):
                 env = dict(os.environ)
+                if kind.endswith("-p32"):
+                    env["GPUSNAP_RESTORE_PIECE_BYTES"] = str(32 << 20)
                 if args.fresh_triton_cache:
                     env["TRITON_CACHE_DIR"] = os.path.join(root, f"triton-{r}-{kind}")
                 started = time.time()
-                proc = subprocess.run([sys.executable, "-c", CHILD, ck_dir, spec.name, kind, repr(started),
+                proc = subprocess.run([sys.executable, "-c", CHILD, ck_dir, spec.name, kind.removesuffix("-p32"),
+                                       repr(started),
                                        os.path.abspath(__file__)], capture_output=True, text=True, timeout=300,
                                       env=env)
                 lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -131,7 +135,7 @@ def main() -> None:
                     print(f"round {r} {kind}: failed ({proc.returncode})\n{proc.stderr[-2000:]}", flush=True)
                     continue
                 res = json.loads(lines[-1][7:])
-                res.update(round=r, wall_s=time.time() - started, match=abs(res["checksum"] - expected) < 1e-3 * max(1.0, abs(expected)))
+                res.update(kind=kind, round=r, wall_s=time.time() - started, match=abs(res["checksum"] - expected) < 1e-3 * max(1.0, abs(expected)))
                 runs.append(res)
                 m = res["marks"]
                 print(f"round {r} {kind:9s}: imports {m['imports']:.2f} s, CUDA {m['cuda_init'] - m['imports']:.2f} s, "

@@ -353,3 +353,58 @@ def test_cuda_auto_leaves_small_restores_to_the_host_path(tmp_path: Path) -> Non
         ck.restore(target, verify="stream")
         assert ck._restorer._direct is None
     assert _equal(target, source)
+
+
+def test_failures_never_hang_a_reader_waiting_for_a_landing_slot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One helper (two landing slots), three readers, a corrupt chunk, restored again and
+    again: when the check fails while the copy thread holds both landing slots and a reader
+    waits for one, the slots must go back before the copy thread waits for the readers' end,
+    or that reader never ends. (Found by review; the old code hung within 5-17 tries here.
+    A race: each try hits it or not, so the test makes many.)"""
+    import threading
+
+    monkeypatch.setattr(restorer_mod, "DIRECT_HELPERS", 1)
+    source = _state()
+    _save(tmp_path, source)
+    corrupt_chunk(tmp_path, source["big3"].numpy().tobytes()[:64], 9)
+    with gpusnap.Checkpointer(tmp_path, config=_config()) as ck:
+        with pytest.raises(IntegrityError):
+            ck.restore(_blank(source), verify="stream")
+        direct = _ready(ck)
+        for _ in range(60):
+            outcome: list[BaseException | None] = []
+
+            def go() -> None:
+                try:
+                    ck.restore(_blank(source), verify="stream")
+                    outcome.append(None)
+                except BaseException as exc:  # noqa: BLE001
+                    outcome.append(exc)
+
+            t = threading.Thread(target=go, daemon=True)
+            t.start()
+            t.join(30)
+            assert not t.is_alive(), "the restore hung"
+            assert isinstance(outcome[0], IntegrityError)
+            assert direct._free.qsize() == len(direct) * direct_mod.DEPTH
+
+
+def test_a_helper_cuda_error_turns_direct_copies_off_at_the_next_restore(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA error would recur on every restore (a driver without read-only page-locking,
+    say): after one, the next restore warns and stages on the host without starting helpers."""
+    source = _state()
+    _save(tmp_path, source)
+    with gpusnap.Checkpointer(tmp_path, config=_config()) as ck:
+        ck.restore(_blank(source), verify="stream")
+        direct = _ready(ck)
+        real = direct.procs.request
+        monkeypatch.setattr(direct.procs, "request", lambda k, msg: (real(k, msg), ("cuda", "cudaHostRegister failed"))[1])
+        ck.restore(_blank(source), verify="stream")
+        target = _blank(source)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            stats = ck.restore(target, verify="stream").stats
+        assert ck._restorer._direct is None and ck._restorer.direct_copies == "off"
+    assert any("direct-copy helper failed (cudaHostRegister failed)" in str(w.message) for w in caught)
+    assert stats["direct_helpers"] == 0 and _equal(target, source)

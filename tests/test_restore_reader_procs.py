@@ -395,3 +395,39 @@ def test_setup_times_say_where_a_first_restore_spends_before_reading(tmp_path: P
         lazy = handle.stats["setup"]
     assert set(first) == steps and set(second) == steps and set(lazy) == steps
     assert all(v >= 0 for v in [*first.values(), *second.values(), *lazy.values()])
+
+
+def test_shared_regions_are_one_per_process_not_per_core(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With reader processes the loader runs one thread per process (at most PROC_READERS):
+    regions for more readers would only be page-locked for nothing (a fresh process pays for
+    every one of them before its first read)."""
+    monkeypatch.setattr(restorer_mod, "reader_threads", lambda io_threads: 32)
+    monkeypatch.setattr(restorer_mod, "PROC_READERS", 3)
+    state = {f"t{i}": torch.randn(4096) for i in range(40)}  # 40 pieces: more than 32 readers could take
+    _save(tmp_path, state)
+    target = _blank(state)
+    with gpusnap.Checkpointer(tmp_path, config=_config()) as ck:
+        stats = ck.restore(target, verify="stream").stats
+        assert ck._restorer._slots.slots == 3 + restorer_mod.EXTRA_REGIONS
+    assert stats["reader_procs"] == 3 and _equal(target, state)
+
+
+def test_a_process_first_used_long_after_it_started_is_not_killed(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Processes are kept across restores: one may get its first request long after it
+    started. It still has START_TIMEOUT_S from then to say ready (found by review: it was
+    killed at once, and reader processes turned off for good)."""
+    import time
+
+    data = tmp_path / "data"
+    data.write_bytes(b"x" * 4096)
+    pool = SlotPool(2, 4096, pinned=False, shared=True)
+    procs = read_procs.ReaderProcs(2, pool)
+    procs.start_timeout = 1.0
+    try:
+        assert procs.read(0, [(str(data), 0, 10, 0)]) == [10]
+        time.sleep(1.5)
+        assert procs.read(1, [(str(data), 0, 10, 0)]) == [10]
+        assert not procs.start_failed
+    finally:
+        procs.close()

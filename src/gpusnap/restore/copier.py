@@ -334,19 +334,32 @@ class Copier:
         self.stats.add(copy_wait_s=time.perf_counter() - started)
 
     def _drain(self) -> None:
-        """After a failure: give back every region handed over until the readers have stopped."""
+        """After a failure: give back every region handed over until the readers have stopped.
+
+        Everything held is given back *first*, after the queued copies have run: a reader
+        may be blocked waiting for a free region or landing slot, and the readers' end
+        comes only once it has one."""
         for slot in self._checking:
             slot.pieces = []
-            if slot.landed:  # (_finish waits for the stream before it releases these)
+            if slot.landed:
                 self._in_flight.append((slot.source, None))
                 slot.source, slot.landed = slot.data, False
         self._checking.clear()
+        for stream in self.streams.values():
+            stream.synchronize()  # (nothing queued reads a region or landing slot any more)
+        while self._in_flight:
+            self._release(self._in_flight.popleft()[0])
+        if self._holding is not None:
+            self._release(self._holding)
+            self._holding = None
         while not self._ended:
             item = self._queue.get()
             if item is _END:
                 self._ended = True
                 return
             if isinstance(item, _PieceItem):
+                if item.after is not None:
+                    item.after.synchronize()  # (a helper's copy into the slot may still run)
                 self._release(item.region)
 
     def _finish(self) -> None:

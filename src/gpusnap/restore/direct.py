@@ -80,6 +80,7 @@ class DirectCopies:
         self._free: queue.Queue[torch.Tensor] = queue.Queue()
         self._offsets: dict[int, int] = {}
         self._events: dict[int, list[Any]] = {}  # helper -> its interprocess events, opened here
+        self.cuda_error: str | None = None  # a helper's copy failed in CUDA (a host that refuses read-only page-locking, say)
         for i in range(n * depth):
             slot = self._buffer[i * slot_bytes : (i + 1) * slot_bytes]
             self._offsets[id(slot)] = i * slot_bytes
@@ -125,6 +126,7 @@ class DirectCopies:
         Raises ``OSError`` (a pack unreadable) or :class:`ReaderDied` (the helper is gone or broken)."""
         reply = self.procs.request(k, runs)
         if isinstance(reply, tuple) and len(reply) == 2 and reply[0] == "cuda":
+            self.cuda_error = str(reply[1])  # (the Restorer stops starting helpers: it would recur)
             self.procs._kill(self.procs._procs[k], f"failed: {reply[1]}")
         event: Any = None
         if isinstance(reply, tuple) and len(reply) == 3 and reply[0] == "ok":

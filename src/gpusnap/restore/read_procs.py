@@ -59,9 +59,9 @@ class WorkerProcs:
     kind = "worker"
 
     def __init__(self, n: int, argv: list[str], *, pass_fds: tuple[int, ...] = (), job: Any = None,
-                 start_timeout: float = START_TIMEOUT_S) -> None:
+                 start_timeout: float | None = None) -> None:
         self.start_failed = False  # a worker never said ready: the Restorer stops using them
-        self.start_timeout = start_timeout
+        self.start_timeout = START_TIMEOUT_S if start_timeout is None else start_timeout
         self._procs: list[subprocess.Popen[bytes]] = []
         self._ready = [False] * n
         self.hello: list[Any] = [None] * n  # each process's ready message
@@ -103,7 +103,9 @@ class WorkerProcs:
         first); raises :class:`ReaderDied`."""
         proc = self._proc(k)
         if not self._ready[k]:
-            self._take_ready(k, proc, max(0.0, self.start_timeout - (time.monotonic() - self._born)))
+            # its whole start_timeout from its first request: processes are kept across
+            # restores, and one may get its first request long after it started
+            self._take_ready(k, proc, self.start_timeout)
         try:
             assert proc.stdin is not None
             _write_all(proc.stdin.fileno(), _frame(message))

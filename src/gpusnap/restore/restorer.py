@@ -49,10 +49,12 @@ Verify = Literal["auto", "upfront", "stream", "off"]
 VERIFY_MODES: tuple[str, ...] = ("auto", "upfront", "stream", "off")
 AUTO_UPFRONT_BYTES = 256 << 20  # verify="auto": checkpoints up to this size are verified before any write
 PIECE_BYTES = 32 << 20  # a piece: one read run, one host region, one device copy (whole chunks)
-# ...for restores with CUDA targets: fewer batches for the copy thread, whose per-batch work
-# bounds the rate, and fewer page-locking calls for direct copies (GPT-2 large training state
-# on the H200: 25-27 GB/s against 20-24 with 32 MiB pieces; BENCHMARKS.md, thirteenth session)
-CUDA_PIECE_BYTES = 64 << 20
+# ...with direct copies: a helper's page-locking costs milliseconds per call whatever its
+# size, and the copy thread's per-batch work bounds the rate (GPT-2 large training state on
+# the H200: 1.06-1.23x with 64 MiB pieces). Not for every CUDA restore: twice the pinned
+# bytes cost a fresh process's first restore ~0.25 s more (0.45-0.54 s against 0.22-0.28 s
+# of page-locking; BENCHMARKS.md, thirteenth session), and most restores are a first one.
+DIRECT_PIECE_BYTES = 64 << 20
 EXTRA_REGIONS = 4  # host regions beyond one per reader: pieces queued or in flight on the copy stream
 VERIFY_ON_DEVICE: bool | None = None  # Loader's verify_on_device: None = where device hashes allow
 # Reader processes at most: they share no GIL with the copy thread, so more than the threads'
@@ -180,7 +182,8 @@ class Restorer:
                                                self._stream)
         use_procs = self._use_procs(repo, cuda)
         direct_device = self._direct_device(repo, manifest, plan, on_device) if verify != "off" else None
-        slots = self._slot_pool(manifest.chunk_size, pinned=cuda, nbytes=manifest.nbytes, shared=use_procs)
+        slots = self._slot_pool(manifest.chunk_size, pinned=cuda, nbytes=manifest.nbytes, shared=use_procs,
+                                direct=direct_device is not None)
         setup.mark("regions_s")
         use_procs = use_procs and slots.shared is not None
         procs = self._reader_procs(slots) if use_procs else None
@@ -373,6 +376,9 @@ class Restorer:
         if direct is not None and direct.start_failed:
             self._stop_direct("a direct-copy helper did not start")
             return None
+        if direct is not None and direct.cuda_error is not None:
+            self._stop_direct(f"a direct-copy helper failed ({direct.cuda_error})")
+            return None
         if direct is None or not direct.fits(device, slot_bytes) or not direct.alive():
             self._close_direct()  # (settle() ran: no restore is loading through them)
             try:
@@ -394,16 +400,19 @@ class Restorer:
             self._direct.close()
             self._direct = None
 
-    def _slot_pool(self, chunk_size: int, *, pinned: bool, nbytes: int, shared: bool = False) -> SlotPool:
-        """Host regions of about :data:`PIECE_BYTES` (:data:`CUDA_PIECE_BYTES` when ``pinned``,
-        for CUDA targets; whole chunks), one per reader plus
+    def _slot_pool(self, chunk_size: int, *, pinned: bool, nbytes: int, shared: bool = False,
+                   direct: bool = False) -> SlotPool:
+        """Host regions of about :data:`PIECE_BYTES` (:data:`DIRECT_PIECE_BYTES` with direct
+        copies; whole chunks), one per reader plus
         :data:`EXTRA_REGIONS`, but no more than a checkpoint of ``nbytes`` can fill, within
         ``staging_bytes`` when it is set; kept across restores, grown when a later one needs
         more. (One region per reader of 32 on a 32-core host is 1.2 GB of pinned memory,
         whose allocation a 0.2 GB model's first restore paid for nothing.)"""
-        wanted = self.piece_bytes or (CUDA_PIECE_BYTES if pinned else PIECE_BYTES)
+        wanted = self.piece_bytes or (DIRECT_PIECE_BYTES if direct else PIECE_BYTES)
         piece = max(chunk_size, wanted // chunk_size * chunk_size)
-        regions = min(self.threads, max(1, -(-nbytes // piece))) + EXTRA_REGIONS
+        # one per reader: with reader processes, one per process (the loader runs no more threads)
+        readers = min(self.threads, PROC_READERS) if shared else self.threads
+        regions = min(readers, max(1, -(-nbytes // piece))) + EXTRA_REGIONS
         if self.staging_bytes:
             piece = max(chunk_size, min(piece, self.staging_bytes // regions // chunk_size * chunk_size))
             regions = max(2, min(regions, self.staging_bytes // piece))
