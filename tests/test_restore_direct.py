@@ -396,3 +396,59 @@ def test_failures_never_hang_a_reader_waiting_for_a_landing_slot(tmp_path: Path,
             assert not t.is_alive(), "the restore hung"
             assert isinstance(outcome[0], IntegrityError)
             assert direct._free.qsize() == len(direct) * direct_mod.DEPTH
+
+
+# -- the copy thread after a failure ------------------------------------------------------------
+class _StickyStream:
+    """A CUDA stream after a sticky error (an illegal address, say): every wait raises."""
+
+    def synchronize(self) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+@pytest.mark.parametrize("fail_in", ["handle", "none"])
+def test_a_broken_device_still_ends_the_load_and_gives_every_region_back(monkeypatch: pytest.MonkeyPatch,
+                                                                          fail_in: str) -> None:
+    """The copy thread's waits in ``_drain`` and ``_finish`` may raise once the device is
+    broken: the thread must still give every region back and report, or a reader waiting
+    for a region and every waiter on the load hang (found by review)."""
+    import threading
+
+    from gpusnap.restore.copier import Copier
+    from gpusnap.restore.staging import SlotPool
+
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)  # (a CPU stand-in for the stream)
+
+    class Schedule:
+        error = None
+
+        def fail(self, exc: BaseException) -> None:
+            self.error = exc
+
+    class Stats:
+        def add(self, **kw: float) -> None:
+            pass
+
+    pool = SlotPool(1, 4096, pinned=False)
+    closed: list[BaseException | None] = []
+    copier = Copier(None, None, Schedule(), pool, {torch.device("cuda", 0): _StickyStream()}, None,  # type: ignore[arg-type]
+                    Stats(), lambda i: "", closed.append)
+
+    def handle(item: Any) -> None:
+        copier._holding = item.region  # ("none": still held when the load ends, given back by _finish)
+        if fail_in == "handle":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(copier, "_handle", handle)
+    region = pool.acquire()
+    copier.start()
+    copier.put_pieces([], region)  # the only region: handed over, then the copy thread fails
+    got: list[torch.Tensor] = []
+    reader = threading.Thread(target=lambda: got.append(pool.acquire()), daemon=True)
+    reader.start()
+    copier.put_end()
+    reader.join(10)
+    assert copier.thread is not None
+    copier.thread.join(10)
+    assert not reader.is_alive() and got, "the region came back"
+    assert not copier.thread.is_alive() and len(closed) == 1 and isinstance(closed[0], RuntimeError)

@@ -103,6 +103,7 @@ class Copier:
         self._checking: deque[ScratchSlot] = deque()  # staged on the device, hashes not yet compared
         self._timing: dict[torch.device, Any] = {}  # timing event before each stream's first copy
         self._holding: torch.Tensor | None = None  # the region being handled, until it is held
+        self._holding_after: Any = None  # its helper's event, when it is a landing slot
         self._ended = False  # the readers' end was taken from the queue
         self._checked = False  # a batch was staged for a device check (stats.first_check_s)
         self._warmup = warmup  # restore.warmup.WarmUp: joined before the first device check
@@ -181,6 +182,7 @@ class Copier:
         assert isinstance(item, _PieceItem)
         pieces, region = item.pieces, item.region
         self._holding = region  # given back in _finish if this raises
+        self._holding_after = item.after  # (a helper's copy into it, for _drain to wait for)
         ls = pieces[0][0].span  # every piece of a batch has the same devices and check
         if ls.device_check:
             assert self.check is not None
@@ -235,7 +237,20 @@ class Copier:
         try:
             self._apply(pieces, slot.source)
         finally:  # the landing slot goes back once the copies out of it have run
-            self._unland(slot, self._event(slot.device) if self._evented(slot.device) else None)
+            self._unland_after_copies(slot)
+
+    def _unland_after_copies(self, slot: ScratchSlot) -> None:
+        if not self._evented(slot.device):
+            self._unland(slot, None)  # (CPU copies are done on return)
+            return
+        try:
+            event = self._event(slot.device)
+        except BaseException:
+            # no event (a broken device): _drain and _finish give it back after the streams
+            region, slot.source, slot.landed = slot.source, slot.data, False
+            self._in_flight.append((region, None))
+            raise
+        self._unland(slot, event)
 
     def _unland(self, slot: ScratchSlot, event: Any) -> None:
         """Give ``slot``'s landing slot back to the helpers after ``event`` (None: now)."""
@@ -345,11 +360,12 @@ class Copier:
                 self._in_flight.append((slot.source, None))
                 slot.source, slot.landed = slot.data, False
         self._checking.clear()
-        for stream in self.streams.values():
-            stream.synchronize()  # (nothing queued reads a region or landing slot any more)
-        while self._in_flight:
+        self._quiet(lambda: [stream.synchronize() for stream in self.streams.values()])
+        while self._in_flight:  # (nothing queued reads them any more)
             self._release(self._in_flight.popleft()[0])
         if self._holding is not None:
+            if self._holding_after is not None:
+                self._quiet(self._holding_after.synchronize)
             self._release(self._holding)
             self._holding = None
         while not self._ended:
@@ -358,19 +374,32 @@ class Copier:
                 self._ended = True
                 return
             if isinstance(item, _PieceItem):
-                if item.after is not None:
-                    item.after.synchronize()  # (a helper's copy into the slot may still run)
+                if item.after is not None:  # (a helper's copy into the slot may still run)
+                    self._quiet(item.after.synchronize)
                 self._release(item.region)
 
+    @staticmethod
+    def _quiet(wait: Callable[[], object]) -> None:
+        """A wait during ``_drain``: an error here (a device broken for good runs nothing
+        more) must not stop the drain, or the readers and every waiter would hang."""
+        try:
+            wait()
+        except Exception:  # noqa: BLE001 (the load's first error is the one reported)
+            pass
+
     def _finish(self) -> None:
-        """Wait for every queued copy, give back the regions, measure the streams."""
-        for stream in self.streams.values():
-            stream.synchronize()
-        while self._in_flight:
-            self._release(self._in_flight.popleft()[0])
-        if self._holding is not None:
-            self._release(self._holding)
-            self._holding = None
+        """Wait for every queued copy, give back the regions, measure the streams. The regions
+        go back even when the wait fails (a broken device runs nothing more): the pool is
+        kept for the next restore."""
+        try:
+            for stream in self.streams.values():
+                stream.synchronize()
+        finally:
+            while self._in_flight:
+                self._release(self._in_flight.popleft()[0])
+            if self._holding is not None:
+                self._release(self._holding)
+                self._holding = None
         spans = []
         for device, start in self._timing.items():
             end = torch.cuda.Event(enable_timing=True)

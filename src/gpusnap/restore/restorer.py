@@ -410,7 +410,8 @@ class Restorer:
         whose allocation a 0.2 GB model's first restore paid for nothing.)"""
         wanted = self.piece_bytes or (DIRECT_PIECE_BYTES if direct else PIECE_BYTES)
         piece = max(chunk_size, wanted // chunk_size * chunk_size)
-        # one per reader: with reader processes, one per process (the loader runs no more threads)
+        # one per reader: with reader processes, one per process (the loader runs no more threads;
+        # if they fail to start, its threads share these regions, slower but never stuck)
         readers = min(self.threads, PROC_READERS) if shared else self.threads
         regions = min(readers, max(1, -(-nbytes // piece))) + EXTRA_REGIONS
         if self.staging_bytes:
