@@ -23,7 +23,8 @@ from gpusnap.config import Config
 from gpusnap.storage.backend import LocalBackend
 from gpusnap.storage.repository import Repository
 
-__all__ = ["HOLD_LIMIT", "HeldBackend", "held_root", "raw", "release_after", "tiny_config"]
+__all__ = ["HOLD_LIMIT", "HeldBackend", "blank_like", "held_root", "loader_batches", "mixed_state", "raw",
+           "release_after", "states_equal", "tiny_config"]
 
 HOLD_LIMIT = 30.0
 
@@ -128,3 +129,40 @@ def add_device_hashes(root: Path, checkpoint_id: str) -> None:
         entries.append(dataclasses.replace(e, hashes=tuple(hashes_to_hex(chunk_hashes(t, manifest.chunk_size)))))
     new = dataclasses.replace(manifest, storages=tuple(entries))
     (root / "manifests" / f"{manifest.id}.json").write_bytes(new.to_json())
+
+
+def mixed_state(device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Large spans (several pieces each with small pieces), 30 small ones (batched), a
+    transposed tensor (not streamable: read whole) and a plain value."""
+    torch.manual_seed(1)
+    state: dict[str, Any] = {f"big{i}": torch.randn(3000 + 17 * i, device=device) for i in range(6)}
+    state.update({f"s{i}": torch.randn(7 + i, device=device) for i in range(30)})
+    state["t"] = torch.randn(40, 30, device=device).t()
+    state["step"] = 7
+    return state
+
+
+def blank_like(state: dict[str, Any]) -> dict[str, Any]:
+    """Zeros of the same shapes (and 0 for plain values): a restore target."""
+    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state.items()}
+
+
+def states_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+
+def loader_batches(monkeypatch: pytest.MonkeyPatch, keep: Any) -> list[int]:
+    """The reader threads of the batches the loader takes whose first span passes ``keep``
+    (a ``LoadSpan`` predicate), in the order taken."""
+    from gpusnap.restore.loader import Loader
+
+    seen: list[int] = []
+    real = Loader._read
+
+    def read(self: Loader, batch: list[Any], k: int = 0) -> None:
+        if keep(batch[0][0].span):
+            seen.append(k)
+        real(self, batch, k)
+
+    monkeypatch.setattr(Loader, "_read", read)
+    return seen

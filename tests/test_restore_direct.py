@@ -21,37 +21,22 @@ from typing import Any
 
 import pytest
 import torch
-from restore_support import add_device_hashes, corrupt_chunk, tiny_config
+from restore_support import add_device_hashes, corrupt_chunk, loader_batches, tiny_config
+from restore_support import blank_like as _blank
+from restore_support import mixed_state as _state
+from restore_support import states_equal as _equal
 
 import gpusnap
 from gpusnap import IntegrityError
 from gpusnap.restore import direct as direct_mod
 from gpusnap.restore import direct_worker
 from gpusnap.restore import restorer as restorer_mod
-from gpusnap.restore.loader import Loader
 from gpusnap.restore.staging import can_share
 
 pytestmark = pytest.mark.skipif(not can_share(), reason="direct copies need memfd (Linux)")
 
 CS = 512
 PIECE = 8 * CS
-
-
-def _state(device: torch.device | str = "cpu") -> dict[str, Any]:
-    torch.manual_seed(3)
-    state: dict[str, Any] = {f"big{i}": torch.randn(3000 + 17 * i, device=device) for i in range(6)}
-    state.update({f"s{i}": torch.randn(7 + i, device=device) for i in range(30)})  # small spans: batches
-    state["t"] = torch.randn(40, 30, device=device).t()  # not streamable: read whole
-    state["step"] = 7
-    return state
-
-
-def _blank(state: dict[str, Any]) -> dict[str, Any]:
-    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state.items()}
-
-
-def _equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
 
 
 def _config(**kw: Any) -> gpusnap.Config:
@@ -72,25 +57,8 @@ def _ready(ck: gpusnap.Checkpointer, timeout: float = 60.0) -> direct_mod.Direct
     """The Checkpointer's helpers, once every one has said ready (a first restore starts them)."""
     direct = ck._restorer._direct
     assert direct is not None, "no direct-copy helpers were started"
-    deadline = time.monotonic() + timeout
-    while not all(direct.ready(k) for k in range(len(direct))):
-        assert time.monotonic() < deadline, "the helpers did not start"
-        time.sleep(0.01)
+    assert direct.wait_ready(timeout), "the helpers did not start"
     return direct
-
-
-def _checked_batches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Reader threads of the device-checked batches the loader takes."""
-    seen: list[int] = []
-    real = Loader._read
-
-    def read(self: Loader, batch: list[Any], k: int = 0) -> None:
-        if batch[0][0].span.device_check:
-            seen.append(k)
-        real(self, batch, k)
-
-    monkeypatch.setattr(Loader, "_read", read)
-    return seen
 
 
 @pytest.mark.parametrize("lazy", [False, True])
@@ -102,7 +70,7 @@ def test_every_checked_batch_lands_directly_and_every_byte_arrives(tmp_path: Pat
         first = _blank(source)
         ck.restore(first, verify="stream", lazy=lazy).wait()  # starts the helpers; stages on the host meanwhile
         direct = _ready(ck)
-        seen = _checked_batches(monkeypatch)
+        seen = loader_batches(monkeypatch, lambda ls: ls.device_check)
         target = _blank(source)
         handle = ck.restore(target, verify="stream", lazy=lazy)
         if lazy:  # ops during the load see restored values
@@ -110,7 +78,7 @@ def test_every_checked_batch_lands_directly_and_every_byte_arrives(tmp_path: Pat
         handle.wait()
         stats = handle.stats
         assert direct.procs.alive() and ck._restorer._direct is direct, "kept across restores"
-        assert direct._free.qsize() == len(direct) * direct_mod.DEPTH, "every landing slot came back"
+        assert direct.landing.available() == len(direct) * direct_mod.DEPTH, "every landing slot came back"
         pids = [p.pid for p in direct.procs._procs]
     assert _equal(first, source) and _equal(target, source)
     assert stats["direct_helpers"] == len(pids)
@@ -164,7 +132,7 @@ def test_a_helper_killed_mid_restore_costs_nothing(tmp_path: Path, monkeypatch: 
         monkeypatch.setattr(direct_mod.DirectCopies, "copy", kill_first)
         target = _blank(source)
         stats = ck.restore(target, verify="stream").stats
-        assert direct._free.qsize() == len(direct) * direct_mod.DEPTH
+        assert direct.landing.available() == len(direct) * direct_mod.DEPTH
         target2 = _blank(source)
         ck.restore(target2, verify="stream")  # new helpers (one was dead)
         assert ck._restorer._direct is not direct
@@ -209,7 +177,7 @@ def test_a_corrupt_chunk_never_lands_and_is_named(tmp_path: Path) -> None:
         target = _blank(source)
         with pytest.raises(IntegrityError, match=r"big3.*does not match its device hash.*not written"):
             ck.restore(target, verify="stream")
-        assert direct._free.qsize() == len(direct) * direct_mod.DEPTH, "landing slots back after the failure"
+        assert direct.landing.available() == len(direct) * direct_mod.DEPTH, "landing slots back after the failure"
     assert torch.count_nonzero(target["big3"]) == 0 or not torch.equal(target["big3"], source["big3"])
 
 
@@ -345,7 +313,7 @@ def test_cuda_direct_copies_restore_every_byte(tmp_path: Path, lazy: bool, monke
             assert torch.equal(target["big2"] + 1, source["big2"] + 1)
         handle.wait()
         torch.cuda.synchronize()
-        assert direct._free.qsize() == len(direct) * direct_mod.DEPTH
+        assert direct.landing.available() == len(direct) * direct_mod.DEPTH
     assert _equal(target, source)
     assert handle.stats["direct_batches"] > 0 and handle.stats["direct_fallbacks"] == 0
 
@@ -395,7 +363,7 @@ def test_failures_never_hang_a_reader_waiting_for_a_landing_slot(tmp_path: Path,
             t.join(30)
             assert not t.is_alive(), "the restore hung"
             assert isinstance(outcome[0], IntegrityError)
-            assert direct._free.qsize() == len(direct) * direct_mod.DEPTH
+            assert direct.landing.available() == len(direct) * direct_mod.DEPTH
 
 
 # -- the copy thread after a failure ------------------------------------------------------------

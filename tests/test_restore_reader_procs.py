@@ -13,51 +13,21 @@ from typing import Any
 
 import pytest
 import torch
-from restore_support import corrupt_chunk, tiny_config
+from restore_support import blank_like as _blank
+from restore_support import corrupt_chunk, loader_batches, tiny_config
+from restore_support import mixed_state as _state
+from restore_support import states_equal as _equal
 
 import gpusnap
 from gpusnap import IntegrityError, StorageError
 from gpusnap.restore import read_procs
 from gpusnap.restore import restorer as restorer_mod
-from gpusnap.restore.loader import Loader
 from gpusnap.restore.staging import SlotPool, can_share
 
 pytestmark = pytest.mark.skipif(not can_share(), reason="reader processes need memfd (Linux)")
 
 CS = 512
 PIECE = 8 * CS  # _config's restore_piece_bytes
-
-
-def _state() -> dict[str, Any]:
-    torch.manual_seed(1)
-    state: dict[str, Any] = {f"big{i}": torch.randn(3000 + 17 * i) for i in range(6)}
-    state.update({f"s{i}": torch.randn(7 + i) for i in range(30)})  # small spans: batches
-    state["t"] = torch.randn(40, 30).t()  # not streamable: read whole
-    state["step"] = 7
-    return state
-
-
-def _blank(state: dict[str, Any]) -> dict[str, Any]:
-    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state.items()}
-
-
-def _equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
-
-
-def _count_streamed_batches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Batches of streamed spans the loader's threads take (spans read whole, such as the
-    transposed ``t``, stay with the threads)."""
-    seen: list[int] = []
-    real = Loader._read
-
-    def read(self: Loader, batch: list[Any], k: int = 0) -> None:
-        if batch[0][0].span.streamed:
-            seen.append(k)
-        real(self, batch, k)
-
-    monkeypatch.setattr(Loader, "_read", read)
-    return seen
 
 
 class _Calls:
@@ -104,7 +74,7 @@ def test_reader_processes_restore_every_byte(tmp_path: Path, verify: str, on_dev
     source = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in _state().items()}
     _save(tmp_path, source)
     target = _blank(source)
-    streamed = _count_streamed_batches(monkeypatch)
+    streamed = loader_batches(monkeypatch, lambda ls: ls.streamed)  # (spans read whole stay with the threads)
     with gpusnap.Checkpointer(tmp_path, config=_config(restore_verify_on_device=on_device)) as ck:
         handle = ck.restore(target, verify=verify, lazy=lazy)
         handle.wait()
@@ -271,7 +241,7 @@ def test_a_wedged_reader_process_is_killed_and_its_thread_reads(tmp_path: Path, 
     stopped: list[int] = []
 
     def stop_first(self: read_procs.ReaderProcs, k: int, runs: list[tuple[str, int, int, int]]) -> list[int]:
-        if not stopped and self._ready[k]:
+        if not stopped and self.hello[k] is not None:  # (ready: its next reply is the one it never sends)
             self._procs[k].send_signal(signal.SIGSTOP)
             stopped.append(self._procs[k].pid)
         return real(self, k, runs)

@@ -223,7 +223,8 @@ class Copier:
         self._checking.remove(slot)
         if bad is not None:
             slot.pieces = []
-            self._unland(slot, None)  # (its hash has run: nothing reads it any more)
+            if (landing := self._take_landing(slot)) is not None:
+                self._release(landing)  # (its hash has run: nothing reads it any more)
             piece, chunk = bad
             digest = self.manifest.storages[piece.span.index].chunks[chunk]
             raise IntegrityError(
@@ -231,35 +232,31 @@ class Copier:
                 f"({DEVICE_HASH}) after the copy to {slot.device} (corrupt); it was not written to the target"
             )
         slot.pieces = []  # the next stage() of this slot queues after these copies on the same stream
+        try:
+            self._apply(pieces, slot.source)
+        finally:
+            if (landing := self._take_landing(slot)) is not None:
+                self._release_after_copies(landing, slot.device)
+
+    @staticmethod
+    def _take_landing(slot: ScratchSlot) -> torch.Tensor | None:
+        """The direct-copy landing slot ``slot`` was checking, if any; ``slot`` is its own again."""
         if not slot.landed:
-            self._apply(pieces, slot.source)
-            return
-        try:
-            self._apply(pieces, slot.source)
-        finally:  # the landing slot goes back once the copies out of it have run
-            self._unland_after_copies(slot)
+            return None
+        landing, slot.source, slot.landed = slot.source, slot.data, False
+        return landing
 
-    def _unland_after_copies(self, slot: ScratchSlot) -> None:
-        if not self._evented(slot.device):
-            self._unland(slot, None)  # (CPU copies are done on return)
+    def _release_after_copies(self, region: torch.Tensor, device: torch.device) -> None:
+        """Give ``region`` back once the copies queued so far on ``device`` have run."""
+        if not self._evented(device):
+            self._release(region)  # (CPU copies are done on return)
             return
         try:
-            event = self._event(slot.device)
+            event = self._event(device)
         except BaseException:
-            # no event (a broken device): _drain and _finish give it back after the streams
-            region, slot.source, slot.landed = slot.source, slot.data, False
-            self._in_flight.append((region, None))
+            self._in_flight.append((region, None))  # (a broken device: _drain and _finish give it back)
             raise
-        self._unland(slot, event)
-
-    def _unland(self, slot: ScratchSlot, event: Any) -> None:
-        """Give ``slot``'s landing slot back to the helpers after ``event`` (None: now)."""
-        if slot.landed:
-            region, slot.source, slot.landed = slot.source, slot.data, False
-            if event is None:
-                self._release(region)
-            else:
-                self._in_flight.append((region, event))
+        self._in_flight.append((region, event))
 
     def _apply(self, pieces: list[tuple[Piece, int]], data: torch.Tensor) -> dict[torch.device, Any]:
         """Copy each piece of a batch from ``data`` (at its offset) into its targets; then the
@@ -316,8 +313,8 @@ class Copier:
 
     def _release(self, region: torch.Tensor) -> None:
         """Back to its pool: a direct-copy landing slot, or a host region."""
-        if self._direct is not None and self._direct.owns(region):
-            self._direct.release(region)
+        if self._direct is not None and self._direct.landing.owns(region):
+            self._direct.landing.release(region)
         else:
             self.slots.release(region)
 
@@ -356,9 +353,8 @@ class Copier:
         comes only once it has one."""
         for slot in self._checking:
             slot.pieces = []
-            if slot.landed:
-                self._in_flight.append((slot.source, None))
-                slot.source, slot.landed = slot.data, False
+            if (landing := self._take_landing(slot)) is not None:
+                self._in_flight.append((landing, None))  # (given back below, after the streams)
         self._checking.clear()
         self._quiet(lambda: [stream.synchronize() for stream in self.streams.values()])
         while self._in_flight:  # (nothing queued reads them any more)

@@ -22,21 +22,21 @@ is skipped: its reader thread stages the batch through host memory as before. A 
 fails, dies or answers nonsense is killed and its thread falls back the same way.
 
 >>> direct = DirectCopies(8, torch.device("cuda:0"), 32 << 20)      # doctest: +SKIP
->>> slot = direct.acquire(); direct.copy(0, [(pack, 0, 4096, direct.offset_of(slot))])  # doctest: +SKIP
+>>> slot = direct.landing.acquire(); direct.copy(0, [(pack, 0, 4096, direct.landing.offset_of(slot))])  # doctest: +SKIP
 [4096]
 """
 
 from __future__ import annotations
 
 import ctypes
-import queue
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from gpusnap.restore.read_procs import WorkerProcs, runs_reply
-from gpusnap.restore.staging import SharedMemory
+from gpusnap.restore.staging import SharedMemory, SlotPool
 
 __all__ = ["DirectCopies", "DirectUnavailable"]
 
@@ -56,8 +56,8 @@ class DirectCopies:
     ``device``. On a CPU device (tests) the landing buffer is shared memory and the helpers
     ``memmove``: the same protocol, slots and fallbacks, without CUDA.
 
-    Readers: :meth:`ready` (k), :meth:`acquire`, :meth:`copy` (k, runs); the copy thread:
-    :meth:`release` once no queued device work reads the slot.
+    Readers: :meth:`ready` (k), ``landing.acquire()``, :meth:`copy` (k, runs); the copy
+    thread: ``landing.release(slot)`` once no queued device work reads the slot.
     """
 
     def __init__(self, n: int, device: torch.device, slot_bytes: int, *, depth: int = DEPTH) -> None:
@@ -77,14 +77,9 @@ class DirectCopies:
             self._buffer = self._shm.tensor
             job = {"backend": "memfd", "fd": self._shm.fd, "nbytes": nbytes}
             pass_fds = (self._shm.fd,)
-        self._free: queue.Queue[torch.Tensor] = queue.Queue()
-        self._offsets: dict[int, int] = {}
+        self.landing = SlotPool(n * depth, slot_bytes, pinned=False, backing=self._buffer)
         self._events: dict[int, list[Any]] = {}  # helper -> its interprocess events, opened here
         self.cuda_error: str | None = None  # a helper's copy failed in CUDA (a host that refuses read-only page-locking, say)
-        for i in range(n * depth):
-            slot = self._buffer[i * slot_bytes : (i + 1) * slot_bytes]
-            self._offsets[id(slot)] = i * slot_bytes
-            self._free.put(slot)
         self.procs = _DirectProcs(n, [WORKER], pass_fds=pass_fds, job=job, start_timeout=START_TIMEOUT_S)
 
     def __len__(self) -> int:
@@ -106,19 +101,6 @@ class DirectCopies:
                 self._events[k] = []
         return True
 
-    def acquire(self) -> torch.Tensor:
-        """A free landing slot; blocks until the copy thread gives one back."""
-        return self._free.get()
-
-    def release(self, slot: torch.Tensor) -> None:
-        self._free.put(slot)
-
-    def owns(self, slot: torch.Tensor) -> bool:
-        return id(slot) in self._offsets
-
-    def offset_of(self, slot: torch.Tensor) -> int:
-        return self._offsets[id(slot)]
-
     def copy(self, k: int, runs: list[tuple[str, int, int, int]]) -> tuple[list[int], Any]:
         """Have helper ``k`` (ready) copy ``runs`` ``(path, offset, length, landing offset)``:
         the bytes each run can get (all copied only when none is short), and the CUDA event
@@ -139,8 +121,6 @@ class DirectCopies:
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> bool:
         """Wait until every helper is ready (benchmarks and tests; a restore never waits):
         whether they all are."""
-        import time
-
         deadline = time.monotonic() + timeout
         while not all(self.ready(k) for k in range(len(self))):
             if time.monotonic() > deadline:
@@ -162,9 +142,7 @@ class DirectCopies:
         """End the helpers (they close their IPC mappings), then free the landing buffer."""
         self.procs.close()
         self._events.clear()
-        self._free = queue.Queue()
-        self._offsets.clear()
-        del self._buffer
+        del self.landing, self._buffer
 
 
 class _DirectProcs(WorkerProcs):

@@ -252,15 +252,6 @@ class Batch:
             self.locked, self.maps, self.files = [], [], {}
 
 
-def copy_runs(backend, runs) -> list[int]:  # type: ignore[no-untyped-def]
-    """Copy every run and wait for the copies (or copy none when one is short)."""
-    batch = Batch(backend)
-    try:
-        return batch.issue(runs)
-    finally:
-        batch.finish()
-
-
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the program (read_worker.py)
     inp, out = sys.stdin.buffer, sys.stdout.buffer

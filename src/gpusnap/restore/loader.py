@@ -343,17 +343,8 @@ class Loader:
             return None
         reads, requests = planned
         started = time.perf_counter()
-        try:
-            got = self.procs.read(k, requests)
-        except ReaderDied:
-            self._no_proc.add(k)  # this thread reads for itself from now on
-            self.stats.add(proc_fallbacks=1)
-            return None
-        except OSError:  # a pack gone (gc) or unreadable: the thread path handles or explains it
-            self.stats.add(proc_fallbacks=1)
-            return None
-        if any(g != r[2] for g, r in zip(got, requests)):  # truncated: the thread path names the chunk
-            self.stats.add(proc_fallbacks=1)
+        if self._ask(lambda: (self.procs.read(k, requests), None), requests, k, self._no_proc,
+                     "proc_fallbacks") is None:
             return None
         self.stats.add(proc_batches=1, read_s=time.perf_counter() - started)
         return reads
@@ -373,36 +364,48 @@ class Loader:
             self.stats.add(direct_fallbacks=1)
             return False
         started = time.perf_counter()
-        landing = direct.acquire()
+        landing = direct.landing.acquire()
         self.stats.add(region_wait_s=time.perf_counter() - started)
         handed = False
         try:
-            planned = self._plan_runs(batch, direct.offset_of(landing))
+            planned = self._plan_runs(batch, direct.landing.offset_of(landing))
             if planned is None:
                 return False
             reads, requests = planned
             started = time.perf_counter()
-            try:
-                got, after = direct.copy(k, requests)
-            except ReaderDied:
-                self._no_direct.add(k)  # this thread stages on the host from now on
-                self.stats.add(direct_fallbacks=1)
-                return False
-            except OSError:  # a pack gone or unreadable: the host path handles or explains it
-                self.stats.add(direct_fallbacks=1)
-                return False
-            if any(g != r[2] for g, r in zip(got, requests)):  # truncated: the host path names the chunk
-                self.stats.add(direct_fallbacks=1)
+            answer = self._ask(lambda: direct.copy(k, requests), requests, k, self._no_direct, "direct_fallbacks")
+            if answer is None:
                 return False
             self.stats.add(direct_batches=1, direct_s=time.perf_counter() - started)
             for read in reads.values():
                 self._count(read.piece, reads=len(read.runs), read_s=0.0, verify_s=0.0, host_verify=False)
-            self.copier.put_pieces(batch, landing, landed=True, after=after)
+            self.copier.put_pieces(batch, landing, landed=True, after=answer[1])
             handed = True
             return True
         finally:
             if not handed:
-                direct.release(landing)
+                direct.landing.release(landing)
+
+    def _ask(self, request: Callable[[], tuple[list[int], Any]], runs: list[tuple[str, int, int, int]], k: int,
+             gone: set[int], fallbacks: str) -> tuple[list[int], Any] | None:
+        """A worker process's answer to reader thread ``k``'s ``request`` for ``runs`` (bytes
+        got per run, and what else it returns); None, counted under stats ``fallbacks``, when
+        the thread's host path must do the batch instead: the worker died (thread ``k`` goes
+        into ``gone``, for the rest of the load), a pack is gone (a gc) or unreadable, or a run
+        came back short (the host path explains either, naming the chunk)."""
+        try:
+            answer = request()
+        except ReaderDied:
+            gone.add(k)
+            self.stats.add(**{fallbacks: 1})
+            return None
+        except OSError:
+            self.stats.add(**{fallbacks: 1})
+            return None
+        if any(g != r[2] for g, r in zip(answer[0], runs)):
+            self.stats.add(**{fallbacks: 1})
+            return None
+        return answer
 
     def _fill(self, piece: Piece, offset: int, view: memoryview, read: dict[int, _Read] | None, *,
               host_verify: bool) -> None:

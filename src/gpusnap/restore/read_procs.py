@@ -63,8 +63,7 @@ class WorkerProcs:
         self.start_failed = False  # a worker never said ready: the Restorer stops using them
         self.start_timeout = START_TIMEOUT_S if start_timeout is None else start_timeout
         self._procs: list[subprocess.Popen[bytes]] = []
-        self._ready = [False] * n
-        self.hello: list[Any] = [None] * n  # each process's ready message
+        self.hello: list[Any] = [None] * n  # each process's ready message (None: not read yet)
         self._born = time.monotonic()
         self._lock = threading.Lock()
         first = b"" if job is None else _frame(job)
@@ -86,7 +85,7 @@ class WorkerProcs:
     def ready(self, k: int) -> bool:
         """Whether process ``k`` has said ready, without waiting (False while it starts);
         raises :class:`ReaderDied` when it failed to start or ``start_timeout`` passed."""
-        if k < len(self._ready) and self._ready[k]:
+        if k < len(self.hello) and self.hello[k] is not None:
             return True
         proc = self._proc(k)
         assert proc.stdout is not None
@@ -102,7 +101,7 @@ class WorkerProcs:
         """Send ``message`` to process ``k`` and return its reply (waiting for it to be ready
         first); raises :class:`ReaderDied`."""
         proc = self._proc(k)
-        if not self._ready[k]:
+        if self.hello[k] is None:
             # its whole start_timeout from its first request: processes are kept across
             # restores, and one may get its first request long after it started
             self._take_ready(k, proc, self.start_timeout)
@@ -132,7 +131,6 @@ class WorkerProcs:
             self.start_failed = True
             self._kill(proc, f"did not start: {ready!r:.200}" if isinstance(ready, tuple) else "sent no ready message")
         self.hello[k] = ready
-        self._ready[k] = True
 
     def _recv(self, proc: subprocess.Popen[bytes], timeout: float) -> Any:
         """One message, within ``timeout`` seconds; else the process is killed (ReaderDied)."""

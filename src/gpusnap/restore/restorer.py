@@ -177,11 +177,12 @@ class Restorer:
         handle.stats["order"] = source
         cuda = _any_cuda(plan, len(spans))
         on_device = VERIFY_ON_DEVICE if self.verify_on_device is None else self.verify_on_device
+        checked = _checked_bytes(manifest, plan, on_device) if verify != "off" else {}
         if verify != "off":  # the device check's kernels load meanwhile
-            self._warmup = start_kernel_warmup(_checked_devices(manifest, plan, on_device), manifest.chunk_size,
+            self._warmup = start_kernel_warmup({d for d in checked if d.type == "cuda"}, manifest.chunk_size,
                                                self._stream)
         use_procs = self._use_procs(repo, cuda)
-        direct_device = self._direct_device(repo, manifest, plan, on_device) if verify != "off" else None
+        direct_device = self._direct_device(repo, checked)
         slots = self._slot_pool(manifest.chunk_size, pinned=cuda, nbytes=manifest.nbytes, shared=use_procs,
                                 direct=direct_device is not None)
         setup.mark("regions_s")
@@ -324,9 +325,7 @@ class Restorer:
     def _use_procs(self, repo: Repository, cuda: bool) -> bool:
         """Whether this restore reads in reader processes (``Config.restore_reader_processes``)."""
         mode = READER_PROCESSES or self.reader_processes
-        if mode == "off" or not can_share() or repo.local_path("") is None:
-            return False
-        return mode == "on" or cuda
+        return mode != "off" and _workers_can_read(repo) and (mode == "on" or cuda)
 
     def _reader_procs(self, pool: SlotPool) -> ReaderProcs | None:
         """The reader processes over ``pool``'s memory, kept across restores (starting them
@@ -356,17 +355,17 @@ class Restorer:
             self._procs.close()
             self._procs = None
 
-    def _direct_device(self, repo: Repository, manifest: Manifest, plan: RestorePlan,
-                       on_device: bool | None) -> torch.device | None:
+    def _direct_device(self, repo: Repository, checked: dict[torch.device, int]) -> torch.device | None:
         """The device this restore's direct copies go to (``Config.restore_direct_copies``):
-        the one with the most device-checked bytes (CUDA only in ``auto``, and only for
-        :data:`DIRECT_MIN_BYTES` or more; ``on`` also takes a CPU device whose check is
-        forced, with the memfd backend the tests use). None: no direct copies."""
+        of the device-checked bytes (``checked``, per device), the device with the most (CUDA
+        only in ``auto``, and only for :data:`DIRECT_MIN_BYTES` or more; ``on`` also takes a
+        CPU device whose check is forced, with the memfd backend the tests use). None: no
+        direct copies."""
         mode = DIRECT_COPIES or self.direct_copies
-        if mode == "off" or not can_share() or repo.local_path("") is None:
+        if mode == "off" or not checked or not _workers_can_read(repo):
             return None
-        device, nbytes = _direct_device(manifest, plan, on_device)
-        if device is None or (mode != "on" and (device.type != "cuda" or nbytes < DIRECT_MIN_BYTES)):
+        device = max(checked, key=lambda d: checked[d])
+        if mode != "on" and (device.type != "cuda" or checked[device] < DIRECT_MIN_BYTES):
             return None
         return device
 
@@ -462,29 +461,22 @@ class _Setup:
         self.last = now
 
 
-def _checked_devices(manifest: Manifest, plan: RestorePlan, on_device: bool | None) -> set[torch.device]:
-    """The CUDA devices of the streamed spans the loader may check on the device (by the
-    loader's own rule, ``loader._checkable``)."""
-    out: set[torch.device] = set()
-    for i, e in enumerate(manifest.storages):
-        devices = frozenset(plan.devices(i))
-        if plan.streamable(i) and loader_mod._checkable(e.hashes, devices, on_device):
-            out |= {d for d in devices if d.type == "cuda"}
-    return out
-
-
-def _direct_device(manifest: Manifest, plan: RestorePlan, on_device: bool | None) -> tuple[torch.device | None, int]:
-    """The device most of the device-checked bytes go to (``loader._checkable``), if any, and those bytes."""
+def _checked_bytes(manifest: Manifest, plan: RestorePlan, on_device: bool | None) -> dict[torch.device, int]:
+    """Per device, the bytes of the streamed spans the loader may check there (by the
+    loader's own rule, ``loader._checkable``: one device per span)."""
     per: dict[torch.device, int] = {}
     for i, e in enumerate(manifest.storages):
         devices = frozenset(plan.devices(i))
         if plan.streamable(i) and loader_mod._checkable(e.hashes, devices, on_device):
             (device,) = devices
             per[device] = per.get(device, 0) + e.nbytes
-    if not per:
-        return None, 0
-    device = max(per, key=lambda d: per[d])
-    return device, per[device]
+    return per
+
+
+def _workers_can_read(repo: Repository) -> bool:
+    """Whether worker processes (reader processes, direct-copy helpers) can read this
+    repository's packs: shared memory here (Linux), and packs in a local directory."""
+    return can_share() and repo.local_path("") is not None
 
 
 def _cuda_devices(plan: RestorePlan, n: int) -> set[torch.device]:

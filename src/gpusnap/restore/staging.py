@@ -84,14 +84,16 @@ def can_share() -> bool:
 class SlotPool:
     """``slots`` host regions of ``slot_bytes`` each, page-locked when ``pinned``; in memory
     reader processes can map when ``shared`` (``self.shared.fd``; region ``r`` starts at
-    ``offset_of(r)``).
+    ``offset_of(r)``). ``backing``: slots over that memory instead, allocated by the caller
+    (the direct-copy landing slots on a device: ``restore.direct``; no ``bytes_of`` there).
 
     >>> pool = SlotPool(2, 512, pinned=False)
     >>> slot = pool.acquire(); pool.release(slot); pool.available()
     2
     """
 
-    def __init__(self, slots: int, slot_bytes: int, *, pinned: bool, shared: bool = False) -> None:
+    def __init__(self, slots: int, slot_bytes: int, *, pinned: bool, shared: bool = False,
+                 backing: torch.Tensor | None = None) -> None:
         if slots < 1 or slot_bytes < 1:
             raise ValueError("a slot pool needs at least one slot of at least one byte")
         self.slots = slots
@@ -99,7 +101,9 @@ class SlotPool:
         self.pinned = pinned and torch.cuda.is_available()
         self.nbytes = slots * slot_bytes
         self.shared: SharedMemory | None = None
-        if shared:
+        if backing is not None:
+            self._backing = backing
+        elif shared:
             self.shared = SharedMemory(self.nbytes, pinned=self.pinned)
             self._backing = self.shared.tensor
         else:
@@ -109,7 +113,8 @@ class SlotPool:
         self._offsets: dict[int, int] = {}
         for i in range(slots):
             region = self._backing[i * slot_bytes : (i + 1) * slot_bytes]
-            self._views[id(region)] = memoryview(region.numpy())
+            if region.device.type == "cpu":
+                self._views[id(region)] = memoryview(region.numpy())
             self._offsets[id(region)] = i * slot_bytes
             self._free.put(region)
 
@@ -122,6 +127,9 @@ class SlotPool:
     def offset_of(self, slot: torch.Tensor) -> int:
         """Where ``slot`` starts in the pool's memory (in ``shared``, for reader processes)."""
         return self._offsets[id(slot)]
+
+    def owns(self, slot: torch.Tensor) -> bool:
+        return id(slot) in self._offsets
 
     def acquire(self) -> torch.Tensor:
         """A free region; blocks until the copy thread gives one back."""
