@@ -19,17 +19,20 @@ from typing import Any
 from gpusnap.config import Config
 from gpusnap.kernels.hashing import chunk_digest
 from gpusnap.storage.backend import Backend, BackendLock, WriteHandle
+from gpusnap.storage.lease import WriterLease
 from gpusnap.storage.manifest import Manifest, StorageEntry
 from gpusnap.storage.repository import Repository
 
 __all__ = [
     "CHUNK",
+    "HANG_S",
     "FaultyBackend",
     "any_root",
     "chunks_of",
     "commit_checkpoint",
     "small_config",
     "tmp_files",
+    "wait_until",
 ]
 
 CHUNK = 512  # the smallest chunk size Config accepts: keeps every test fast
@@ -126,6 +129,9 @@ class FaultyBackend:
     def lock(self, *, exclusive: bool, timeout: float) -> BackendLock:
         return self.inner.lock(exclusive=exclusive, timeout=timeout)
 
+    def writer_lease(self, owner: dict[str, Any], timeout: float) -> WriterLease:
+        return self.inner.writer_lease(owner, timeout)
+
     def _maybe_fail_read(self, path: str) -> None:
         if self.read_errno is not None:
             raise _oserror(self.read_errno, self.describe(path))
@@ -199,3 +205,16 @@ def any_root(kind: str, tmp_path: Path) -> Iterator[str]:
         fs = fsspec.filesystem("memory")
         if fs.exists(f"/{name}"):
             fs.rm(f"/{name}", recursive=True)
+
+
+HANG_S = 120.0  # a wait that ends only on a hang: the test then fails instead of blocking the suite
+
+
+def wait_until(ready: Callable[[], object], what: str, timeout: float = HANG_S) -> None:
+    """Poll ``ready`` until it is true; AssertionError naming ``what`` after ``timeout`` (a hang
+    guard: the condition must come true however slowly the machine runs, never by a deadline)."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not after {timeout:.0f} s")
+        time.sleep(0.005)

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 from faults import small_config
@@ -38,15 +37,19 @@ def test_sigkill_during_saves_and_gc(tmp_path: Path) -> None:
     src = str(Path(gpusnap.storage.__file__).parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, str(Path(__file__).parent)])}
     child = subprocess.Popen([sys.executable, "-c", _CHILD, str(root)], stdout=subprocess.PIPE, env=env)
+    seen: list[bytes] = []
     try:
         assert child.stdout is not None
-        first = child.stdout.readline().strip()
-        assert first, "the child never committed"
-        time.sleep(0.4)  # dozens of commits and gcs: the kill lands somewhere inside one
+        # a count of commits, not a time: three gcs ran, however slowly the machine goes; the
+        # kill lands in the gc after the 12th commit or in a commit after it
+        while len(seen) < 12:
+            line = child.stdout.readline().strip()
+            assert line, f"the child stopped after {len(seen)} commits"
+            seen.append(line)
     finally:
         child.send_signal(signal.SIGKILL)
         out, _ = child.communicate()
-    committed = [first.decode(), *out.decode().split()]
+    committed = [line.decode() for line in seen] + out.decode().split()
     assert len(committed) >= 8, committed
 
     repo = Repository.open(root, config=small_config())

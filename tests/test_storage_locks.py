@@ -31,7 +31,8 @@ def test_gc_is_skipped_while_a_txn_holds_the_shared_lock(root: str) -> None:
         with pytest.raises(StorageError, match="gc or save in progress"):
             other.gc(keep_last=0, timeout=0.05)
         assert len(other.list()) == 1
-        other.begin_write().abort()  # shared with shared is fine
+        with pytest.raises(StorageError, match="another writer holds"):
+            other.begin_write(timeout=0.05)  # one writer per root: the writer lease refuses a second
     finally:
         txn.abort()
     assert other.gc(keep_last=0, blocking=False).deleted_checkpoints

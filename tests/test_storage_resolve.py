@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from faults import chunks_of, commit_checkpoint, small_config
 
-from gpusnap.errors import CheckpointNotFoundError
+from gpusnap.errors import CheckpointError, CheckpointNotFoundError
 from gpusnap.storage import Repository
 
 
@@ -27,11 +27,13 @@ def test_list_is_oldest_first_by_created_not_commit_order(repo: Repository) -> N
 
 def test_resolve_none_id_and_tag(repo: Repository) -> None:
     a = commit_checkpoint(repo, [chunks_of(1, 1)], created=1.0, tag="best")
-    b = commit_checkpoint(repo, [chunks_of(2, 1)], created=2.0, tag="best")
+    with pytest.raises(CheckpointError, match="tag 'best' already names"):
+        commit_checkpoint(repo, [chunks_of(2, 1)], created=2.0, tag="best")  # a tag names one checkpoint
+    b = commit_checkpoint(repo, [chunks_of(2, 1)], created=2.0, tag="second")
     c = commit_checkpoint(repo, [chunks_of(3, 1)], created=3.0)
     assert repo.resolve(None) == c
     assert repo.resolve(a.id) == a
-    assert repo.resolve("best") == b  # newest with that tag
+    assert repo.resolve("best") == a and repo.resolve("second") == b
 
 
 def test_unknown_ref_lists_known_ids(repo: Repository) -> None:

@@ -9,6 +9,7 @@ from gpusnap.storage.fsspec_backend import FsspecBackend
 from gpusnap.storage.manifest import Manifest, StorageEntry
 from gpusnap.storage.pack import PackEntry, PackIndex, PackWriter, read_pack_index
 from gpusnap.storage.repository import GcReport, Repository, VerifyReport, WriteTxn
+from gpusnap.storage.unreadable import UnreadableManifest
 
 __all__ = [
     "Backend",
@@ -22,6 +23,7 @@ __all__ = [
     "PackWriter",
     "Repository",
     "StorageEntry",
+    "UnreadableManifest",
     "VerifyReport",
     "WriteHandle",
     "WriteTxn",

@@ -15,6 +15,8 @@ Call order the repository follows (and a backend may rely on):
   (another process's gc may have been first).
 * locking: ``lock(exclusive=False)`` for the life of a write transaction,
   ``lock(exclusive=True)`` for gc; ``release()`` on the returned handle.
+* the writer lease (``storage.lease``): ``writer_lease(owner, timeout)`` before any write
+  transaction or gc, ``confirm()`` before each commit, ``release()`` when done writing.
 
 Every method raises :class:`OSError` (with ``errno`` set) on failure; translating that into
 :class:`gpusnap.StorageError` with a useful message is the repository's job.
@@ -25,9 +27,13 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import stat
 import time
 from collections.abc import Callable
+import weakref
 from typing import Any, Protocol, runtime_checkable
+
+from gpusnap.storage.lease import LEASE_NAME, LeaseBusy, WriterLease, describe_owner, encode_owner, parse_owner
 
 __all__ = [
     "Backend",
@@ -124,6 +130,15 @@ class Backend(Protocol):
         """
         ...
 
+    def writer_lease(self, owner: dict[str, Any], timeout: float) -> WriterLease:
+        """Take the root's writer lease for ``owner`` (``lease.owner_info()``), waiting up to
+        ``timeout`` seconds; raises :class:`~gpusnap.storage.lease.LeaseBusy` naming the holder.
+
+        Exclusive between objects, not only processes: two leases taken through two backend
+        objects on one root exclude each other.
+        """
+        ...
+
 
 class _LocalWriteHandle:
     """An ``os.open`` file descriptor; ``os.write`` takes memoryviews without copying."""
@@ -165,6 +180,30 @@ class _FlockLock:
                 os.close(fd)
 
 
+class _FlockLease:
+    """The writer lease on a local root: an exclusive ``flock`` on ``ROOT/writer``, which
+    holds the owner's JSON. The kernel drops it when the process dies; dropping the object
+    without ``release()`` closes the descriptor too."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd: int | None = fd
+        self._closer = weakref.finalize(self, os.close, fd)
+
+    def confirm(self) -> None:
+        return None  # a flock cannot be taken away while its descriptor is open
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            os.ftruncate(fd, 0)  # the next refused writer must not name a writer long gone
+        except OSError:
+            pass
+        finally:
+            self._closer()  # closing the descriptor releases the flock
+
+
 def _poll_until(acquire: Callable[[], bool], timeout: float) -> bool:
     """Call ``acquire()`` until it returns True or ``timeout`` passes (short, growing sleeps)."""
     deadline = time.monotonic() + max(0.0, timeout)
@@ -202,10 +241,18 @@ class LocalBackend:
         return self._abs(path)
 
     def exists(self, path: str) -> bool:
-        return os.path.exists(self._abs(path))
+        # only "not there" is False: os.path.exists would hide a permission error as absence
+        try:
+            os.stat(self._abs(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        return True
 
     def isdir(self, path: str) -> bool:
-        return os.path.isdir(self._abs(path))
+        try:
+            return stat.S_ISDIR(os.stat(self._abs(path)).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
 
     def makedirs(self, path: str) -> None:
         os.makedirs(self._abs(path), exist_ok=True)
@@ -298,6 +345,26 @@ class LocalBackend:
             os.close(fd)
             raise TimeoutError(errno.EWOULDBLOCK, "lock busy", lock_path)
         return _FlockLock(fd)
+
+    def writer_lease(self, owner: dict[str, Any], timeout: float) -> WriterLease:
+        fd = os.open(self._abs(LEASE_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+        def attempt() -> bool:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                return False
+
+        try:
+            if not _poll_until(attempt, timeout):
+                raise LeaseBusy(describe_owner(parse_owner(os.pread(fd, 4096, 0))))
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, encode_owner(owner), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        return _FlockLease(fd)
 
 
 def open_backend(root: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Backend:

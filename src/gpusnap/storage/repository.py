@@ -3,8 +3,14 @@
 Visibility rule (docs/architecture.md): a checkpoint exists once ``manifests/<id>.json`` exists
 with a valid checksum; every pack it names was fsynced and renamed into ``packs/`` before the
 manifest was renamed into place. Everything else (``tmp/``, packs no manifest references) is
-garbage that only ``gc`` removes, under the exclusive root lock that no live write
-transaction lets it take.
+garbage that only ``gc`` removes.
+
+One writer per root (``storage.lease``): write transactions and gc hold the root's writer
+lease, a Checkpointer from its first save to ``close()``. gc then deletes nothing a write
+transaction of the same Repository relies on: every chunk it stored or reused is *pinned*
+until it commits or aborts, and its ``tmp/`` files are kept. The root lock (shared for write
+transactions and verify, exclusive for gc) still keeps a gc away from readers and from
+writers that predate the lease, except that a gc does not wait for its own transactions.
 
 Write transaction states: ``open -> committing -> committed``, or ``-> aborted``. A backend
 failure while ``open`` marks it *failed* (further puts and the commit raise a
@@ -17,6 +23,7 @@ from __future__ import annotations
 import builtins
 import errno
 import json
+import logging
 import os
 import re
 import secrets
@@ -31,15 +38,19 @@ from typing import Any
 from gpusnap.config import Config
 from gpusnap.errors import CheckpointError, CheckpointNotFoundError, IntegrityError, StorageError
 from gpusnap.kernels.hashing import chunk_digest
-from gpusnap.storage.backend import Backend, BackendLock, open_backend
+from gpusnap.storage.backend import Backend, BackendLock, _poll_until, open_backend
+from gpusnap.storage.lease import LEASE_NAME, LeaseBusy, LeaseHolds
 from gpusnap.storage.manifest import FORMAT, VERSION, Manifest, canonical_json
 from gpusnap.storage.pack import PACK_MAGIC, PackIndex, PackWriter, pack_path, read_pack_index
+from gpusnap.storage.unreadable import UnreadableManifest, id_time, may_be_newer
 
-__all__ = ["ChunkReads", "GcReport", "Repository", "VerifyReport", "WriteTxn"]
+__all__ = ["ChunkReads", "GcReport", "Repository", "UnreadableManifest", "VerifyReport", "WriteTxn"]
+
+log = logging.getLogger("gpusnap")
 
 ROOT_FILE = "gpusnap.json"
 PACKS, MANIFESTS, TMP = "packs", "manifests", "tmp"
-_LAYOUT = frozenset({PACKS, MANIFESTS, TMP, "lock"})
+_LAYOUT = frozenset({PACKS, MANIFESTS, TMP, "lock", LEASE_NAME})
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _INTACT = "this checkpoint was not committed; earlier checkpoints are intact"
 
@@ -62,6 +73,7 @@ class GcReport:
     freed_bytes: int = 0
     skipped: bool = False
     notes: tuple[str, ...] = ()
+    unreadable: tuple[UnreadableManifest, ...] = ()  # why no pack was deleted, when not empty
 
 
 @dataclass(frozen=True)
@@ -106,7 +118,8 @@ def _byte_view(data: bytes | bytearray | memoryview) -> memoryview:
 
 
 class Repository:
-    """A checkpoint root. Thread-safe; open one per process (or several: locks are per object)."""
+    """A checkpoint root. Thread-safe; open one per process (or several: locks and the writer
+    lease are per object, so two objects on one root cannot both write)."""
 
     def __init__(self, backend: Backend, config: Config) -> None:
         """Use :meth:`open`; this constructor assumes the root layout already exists."""
@@ -114,11 +127,15 @@ class Repository:
         self.config = config
         self.root: str = backend.root
         self._mutex = threading.RLock()
-        self._refresh_mutex = threading.Lock()
+        self._refresh_mutex = threading.RLock()  # also held by gc: no pack it dooms comes back
         self._packs: dict[str, PackIndex] = {}
         self._chunks: dict[str, tuple[str, int, int]] = {}
         self._manifest_cache: dict[str, Manifest] = {}
         self._issued_ids: set[str] = set()
+        self._lease = LeaseHolds(backend.writer_lease)
+        self._txns: set[WriteTxn] = set()  # open write transactions (their pins), under _mutex
+        self._cache_complete = False  # _manifest_cache lists every readable manifest (writer only)
+        self._warned: set[str] = set()  # unreadable manifests already reported (warn_unreadable)
 
     # ------------------------------------------------------------------ opening
 
@@ -139,7 +156,7 @@ class Repository:
         try:
             if not backend.exists(""):
                 if not create:
-                    raise CheckpointNotFoundError(f"no checkpoint root at {where} (pass create=True to make one)")
+                    raise CheckpointNotFoundError(f"no checkpoint root at {where} (nothing has been saved there yet: a Checkpointer creates it at its first save; check the path)")
                 cls._initialise(backend)
             elif not backend.isdir(""):
                 raise CheckpointError(f"{where} is a file, not a checkpoint root directory")
@@ -180,6 +197,8 @@ class Repository:
             backend.lock(exclusive=False, timeout=0.0).release()
         except TimeoutError:
             pass  # someone holds it, so it exists
+        if root_file and not backend.exists(LEASE_NAME):  # (empty: no writer)
+            backend.open_write(LEASE_NAME).close(sync=False)
 
     @staticmethod
     def _check_root_file(backend: Backend) -> None:
@@ -225,6 +244,58 @@ class Repository:
         except OSError as exc:
             raise _storage_error(exc, "locking", self.backend.describe("lock"), writing=False) from exc
 
+    # ------------------------------------------------------------------ the writer lease
+
+    def _hold_lease(self, timeout: float) -> None:
+        """Add a hold on the writer lease (see ``storage.lease``), or raise a StorageError
+        naming the writer that has it."""
+        try:
+            self._lease.hold(timeout)
+        except LeaseBusy as exc:
+            waited = f"; gave up waiting after {timeout:g}s" if timeout > 0 else ""
+            raise StorageError(
+                f"another writer holds {self.root} (gc or save in progress): {exc.holder}. A root takes "
+                "one writer at a time (restore, ls, show and verify work meanwhile): close that "
+                f"Checkpointer, or let its process or gc finish, then write again{waited}"
+            ) from None
+        except OSError as exc:
+            raise _storage_error(exc, "taking the writer lease", self.backend.describe(LEASE_NAME), writing=False) from exc
+
+    def _confirm_lease(self, doing: str) -> None:
+        try:
+            self._lease.confirm()
+        except OSError as exc:
+            raise _storage_error(exc, doing, self.backend.describe(LEASE_NAME), writing=True) from exc
+
+    def claim_writer(self) -> None:
+        """Become this root's writer until :meth:`release_writer` (a Checkpointer: from its first
+        save to ``close()``). Idempotent. Raises :class:`StorageError` naming the other writer
+        (its pid and host where known) when one holds the root; readers are not affected."""
+        with self._mutex:
+            if self._lease.persistent:
+                return
+            self._hold_lease(0.0)
+            self._lease.persistent = True
+            self._cache_complete = False  # scanned afresh as the writer (tag_owner)
+
+    def release_writer(self) -> None:
+        """Stop being the writer (the lease goes once no transaction or gc of this object runs)."""
+        with self._mutex:
+            if not self._lease.persistent:
+                return
+            self._lease.persistent = False
+            self._cache_complete = False
+        self._lease.drop()
+
+    @property
+    def is_writer(self) -> bool:
+        """Whether this object holds the root's writer lease now."""
+        return self._lease.held
+
+    def close(self) -> None:
+        """Release what this object holds on the root (the writer lease); reading still works."""
+        self.release_writer()
+
     # ------------------------------------------------------------------ ids and manifests
 
     def new_id(self, created: float) -> str:
@@ -257,14 +328,17 @@ class Repository:
             raise IntegrityError(f"manifest {where} holds id {manifest.id!r}, which does not match its file name")
         return manifest
 
-    def _scan(self, *, fresh: bool = False) -> tuple[builtins.list[Manifest], builtins.list[tuple[str, str]]]:
-        """All manifests, split into readable (oldest first) and problems.
+    def _scan(self, *, fresh: bool = False) -> tuple[builtins.list[Manifest], builtins.list[UnreadableManifest]]:
+        """All manifests, split into readable (oldest first) and unreadable (by name).
 
         Committed manifests never change, so readable ones are cached by file name; ``fresh``
         re-reads every file (verify).
         """
         good: builtins.list[Manifest] = []
-        bad: builtins.list[tuple[str, str]] = []
+        bad: builtins.list[UnreadableManifest] = []
+        complete = self._lease.persistent  # a writer's scan: nobody else adds manifests
+        with self._mutex:
+            known = set(self._manifest_cache)  # a commit cached after the listing stays cached
         names = [n for n in self._listdir(MANIFESTS) if n.endswith(".json")]
         for name in names:
             cached = None if fresh else self._manifest_cache.get(name)
@@ -276,14 +350,18 @@ class Repository:
             except FileNotFoundError:
                 continue
             except CheckpointError as exc:  # IntegrityError, unknown version, StorageError
-                bad.append((self.backend.describe(f"{MANIFESTS}/{name}"), str(exc)))
+                cid = name[: -len(".json")]
+                where = self.backend.describe(f"{MANIFESTS}/{name}")
+                bad.append(UnreadableManifest(cid, where, " ".join(str(exc).split()), id_time(cid)))
                 continue
             with self._mutex:
                 self._manifest_cache[name] = manifest
             good.append(manifest)
         with self._mutex:
-            for stale in set(self._manifest_cache) - set(names):
-                del self._manifest_cache[stale]
+            for stale in known - set(names):
+                self._manifest_cache.pop(stale, None)
+            if complete and self._lease.persistent:
+                self._cache_complete = True
         good.sort(key=lambda m: (m.created, m.id))
         return good, bad
 
@@ -291,9 +369,51 @@ class Repository:
         """Committed, readable checkpoints, oldest first (by ``created``, then id)."""
         return self._scan()[0]
 
+    def scan(self) -> tuple[builtins.list[Manifest], builtins.list[UnreadableManifest]]:
+        """:meth:`list` and :meth:`unreadable` from one listing of ``manifests/``."""
+        return self._scan()
+
     def problems(self) -> builtins.list[tuple[str, str]]:
         """``(manifest file, error)`` for every manifest that cannot be read or fails its checksum."""
+        return [(u.path, u.reason) for u in self._scan()[1]]
+
+    def unreadable(self) -> builtins.list[UnreadableManifest]:
+        """Every manifest that exists but cannot be read, parsed or checked, by id: the
+        checkpoints ``list()`` leaves out (``gpusnap ls`` marks them)."""
         return self._scan()[1]
+
+    def skipped_newer(self, chosen: Manifest, ref: str | None = None) -> builtins.list[UnreadableManifest]:
+        """Unreadable manifests that :meth:`resolve` passed over to pick ``chosen`` for ``ref``:
+        those that may be newer (``unreadable.may_be_newer``). None for an exact id."""
+        if ref is not None and ref == chosen.id:
+            return []
+        return [u for u in self._scan()[1] if u.id != chosen.id and may_be_newer(u, chosen.id)]
+
+    def warn_unreadable(self, entries: Sequence[UnreadableManifest], consequence: str) -> None:
+        """A WARNING on the ``gpusnap`` logger for each of ``entries`` not yet reported by this
+        object (a Checkpointer warns once per file, not at every save or list)."""
+        for u in entries:
+            with self._mutex:
+                if u.path in self._warned:
+                    continue
+                self._warned.add(u.path)
+            log.warning(
+                "gpusnap: checkpoint %s is unreadable (%s): %s; %s. Run `gpusnap verify %s`, then "
+                "repair or delete that file", u.id, u.path, u.reason, consequence, self.root,
+            )
+
+    def tag_owner(self, tag: str, *, other_than: str | None = None) -> str | None:
+        """The id of the committed checkpoint tagged ``tag`` (other than ``other_than``), or None.
+
+        The writer answers from the manifests it has seen since it claimed the root (nobody
+        else adds any meanwhile): no I/O, so ``save()`` can check a tag without a listing."""
+        with self._mutex:
+            cached = builtins.list(self._manifest_cache.values()) if self._cache_complete else None
+        manifests = cached if cached is not None else self._scan()[0]
+        for m in manifests:
+            if m.tag == tag and m.id != other_than:
+                return m.id
+        return None
 
     def load_manifest(self, checkpoint_id: str) -> Manifest:
         """Read one manifest by id, checksum verified (no cache)."""
@@ -307,7 +427,9 @@ class Repository:
     def resolve(self, ref: str | None) -> Manifest:
         """``None``: the newest readable checkpoint; else an id; else the newest with that tag."""
         manifests, bad = self._scan()
-        note = f" ({len(bad)} unreadable manifest(s); run verify)" if bad else ""
+        note = f" ({len(bad)} unreadable manifest(s), e.g. {bad[-1].path}: {bad[-1].reason}; run verify)" if bad else ""
+        if ref is not None and any(u.id == ref for u in bad):
+            return self.load_manifest(ref)  # raises why it is unreadable (unless repaired meanwhile)
         if ref is None:
             if not manifests:
                 raise CheckpointNotFoundError(f"no committed checkpoint in {self.root}{note}")
@@ -323,19 +445,24 @@ class Repository:
             f"no checkpoint with id or tag {ref!r} in {self.root}; newest known: {known}{note}"
         )
 
-    def delete(self, checkpoint_id: str) -> None:
-        """Remove one manifest (the checkpoint disappears); its packs wait for :meth:`gc`."""
+    def delete(self, checkpoint_id: str, *, timeout: float = 30.0) -> None:
+        """Remove one manifest (the checkpoint disappears); its packs wait for :meth:`gc`.
+        A write: it holds the writer lease (waiting up to ``timeout`` for another writer)."""
         if not _ID_RE.match(checkpoint_id):
             raise CheckpointNotFoundError(f"no checkpoint {checkpoint_id!r} in {self.root}")
         path = f"{MANIFESTS}/{checkpoint_id}.json"
-        with self._io("deleting checkpoint", path):
-            if not self.backend.exists(path):
-                raise CheckpointNotFoundError(f"no checkpoint {checkpoint_id!r} in {self.root}")
-            self.backend.remove(path)
-            if self.config.fsync:
-                self.backend.sync_dir(MANIFESTS)
-        with self._mutex:
-            self._manifest_cache.pop(f"{checkpoint_id}.json", None)
+        self._hold_lease(timeout)
+        try:
+            with self._io("deleting checkpoint", path):
+                if not self.backend.exists(path):
+                    raise CheckpointNotFoundError(f"no checkpoint {checkpoint_id!r} in {self.root}")
+                self.backend.remove(path)
+                if self.config.fsync:
+                    self.backend.sync_dir(MANIFESTS)
+            with self._mutex:
+                self._manifest_cache.pop(f"{checkpoint_id}.json", None)
+        finally:
+            self._lease.drop()
 
     # ------------------------------------------------------------------ chunk index
 
@@ -566,14 +693,35 @@ class Repository:
     # ------------------------------------------------------------------ writing
 
     def begin_write(self, *, timeout: float = 60.0) -> WriteTxn:
-        """Start a write transaction: shared root lock, then a fresh view of existing packs."""
-        lock = self._lock(exclusive=False, timeout=timeout)
+        """Start a write transaction: the writer lease, the shared root lock, then a fresh view
+        of existing packs. Waits up to ``timeout`` for each; a :class:`StorageError` names the
+        writer or gc that holds the root."""
+        self._hold_lease(timeout)
+        try:
+            lock = self._lock(exclusive=False, timeout=timeout)
+        except BaseException:
+            self._lease.drop()
+            raise
         try:
             self._refresh_packs()
             return WriteTxn(self, lock)
         except BaseException:
             lock.release()
+            self._lease.drop()
             raise
+
+    def _pin_known(self, txn: WriteTxn, digest: str) -> bool:
+        """Whether ``digest`` is stored; if so, pinned for ``txn`` (gc keeps its pack), in one
+        step with gc's choice of packs to delete."""
+        with self._mutex:
+            if digest in self._chunks:
+                txn._pinned.add(digest)
+                return True
+            return False
+
+    def _pin(self, txn: WriteTxn, digest: str) -> None:
+        with self._mutex:
+            txn._pinned.add(digest)
 
     # ------------------------------------------------------------------ gc
 
@@ -582,13 +730,19 @@ class Repository:
     ) -> GcReport:
         """Delete old checkpoints, then packs nothing references, then stale ``tmp/`` files.
 
-        Runs under the exclusive root lock, so no write transaction is live. Crash-safe in
-        every order: manifests go first, so an interrupted gc leaves only garbage.
+        Holds the writer lease (a gc from another process waits, up to ``timeout``, for the
+        writer to close; with ``blocking=False`` it is skipped), then the exclusive root lock
+        (it waits for readers such as verify), except while write transactions of this
+        object are open: it does not wait for them but keeps what they rely on (pins, their
+        ``tmp/`` files). So a Checkpointer's retention runs after every commit even while the
+        next save writes. Crash-safe in every order: manifests go first, so an interrupted
+        gc leaves only garbage.
 
-        A pack is deleted only when *none* of its chunks is referenced; a partly live pack is
-        kept whole (rewriting the live part into a new pack, i.e. compaction, is future work:
-        manifests name chunks by digest, so it would not touch them). If any manifest is
-        unreadable, no pack is deleted at all: its references are unknown.
+        A pack is deleted only when *none* of its chunks is referenced or pinned; a partly
+        live pack is kept whole (rewriting the live part into a new pack, i.e. compaction, is
+        future work: manifests name chunks by digest, so it would not touch them). If any
+        manifest is unreadable, no pack is deleted at all: its references are unknown
+        (``GcReport.unreadable``).
 
         ``fresh=False`` takes the manifests this object has already read or committed from
         its cache (the list of manifest files is always read afresh): a Checkpointer's
@@ -601,16 +755,54 @@ class Repository:
         """
         if keep_last is not None and keep_last < 0:
             raise ValueError(f"keep_last must be >= 0 or None, got {keep_last}")
+        wait = timeout if blocking else 0.0
         try:
-            lock = self._lock(exclusive=True, timeout=timeout if blocking else 0.0)
+            self._hold_lease(wait)
         except StorageError as exc:
             if blocking:
                 raise
             return GcReport(skipped=True, notes=(str(exc),))
+        lock: BackendLock | None = None
         try:
+            try:
+                lock = self._gc_lock(wait)
+            except StorageError as exc:
+                if blocking:
+                    raise
+                return GcReport(skipped=True, notes=(str(exc),))
+            self._confirm_lease("gc: confirming the writer lease")
             return self._gc_locked(keep_last, fresh)
         finally:
-            lock.release()
+            if lock is not None:
+                lock.release()
+            self._lease.drop()
+
+    def _has_txns(self) -> bool:
+        with self._mutex:
+            return bool(self._txns)
+
+    def _gc_lock(self, timeout: float) -> BackendLock | None:
+        """The exclusive root lock, or None while this object's own transactions are open
+        (their shared locks exclude it; pins protect them instead)."""
+        got: builtins.list[BackendLock] = []
+
+        def attempt() -> bool:
+            if self._has_txns():
+                return True
+            try:
+                got.append(self.backend.lock(exclusive=True, timeout=0.0))
+                return True
+            except TimeoutError:
+                return self._has_txns()  # one began meanwhile
+            except OSError as exc:
+                raise _storage_error(exc, "locking", self.backend.describe("lock"), writing=False) from exc
+
+        if not _poll_until(attempt, timeout):
+            raise StorageError(
+                f"another process holds {self.root} (gc or save in progress, or a verify); "
+                f"gave up waiting for the exclusive lock after {timeout:g}s"
+            )
+        return got[0] if got else None
 
     def _gc_locked(self, keep_last: int | None, fresh: bool = True) -> GcReport:
         notes: builtins.list[str] = []
@@ -631,7 +823,6 @@ class Repository:
             if self.config.fsync:
                 with self._io("gc: syncing", MANIFESTS):
                     self.backend.sync_dir(MANIFESTS)
-            manifests = manifests[len(doomed) :]
             with self._mutex:
                 for cid in deleted_ids:
                     self._manifest_cache.pop(f"{cid}.json", None)
@@ -640,33 +831,30 @@ class Repository:
         if bad:
             notes.append(
                 f"deleted no packs: {len(bad)} manifest(s) are unreadable, so which packs they need "
-                f"is unknown ({bad[0][0]}: {bad[0][1]}); fix or delete them, then run gc again"
+                f"is unknown ({bad[0].path}: {bad[0].reason}); fix or delete them, then run gc again"
             )
         else:
-            errors: builtins.list[tuple[str, str]] = []
-            self._refresh_packs(errors)
-            for path, err in errors:
-                notes.append(f"kept pack with unreadable index {self.backend.describe(path)}: {err}")
-            live = {d for m in manifests for s in m.storages for d in s.chunks}
-            with self._mutex:
-                packs = list(self._packs.values())
-            partly, dead_bytes = 0, 0
-            for index in packs:
-                live_entries = [e for e in index.entries if e[0] in live]
-                if live_entries:
-                    if len(live_entries) < len(index.entries):
-                        partly += 1
-                        dead_bytes += sum(n for d, _, n in index.entries if d not in live)
-                    continue
-                with self._io("gc: deleting pack", index.path):
-                    self.backend.remove(index.path)
-                self._forget_pack(index.path)
-                deleted_packs.append(index.path)
-                freed += index.size
+            with self._refresh_mutex:  # no refresh brings a doomed pack back before it is gone
+                errors: builtins.list[tuple[str, str]] = []
+                self._refresh_packs(errors)
+                for path, err in errors:
+                    notes.append(f"kept pack with unreadable index {self.backend.describe(path)}: {err}")
+                retained = [m for m in manifests if m.id not in deleted_ids]
+                doomed_packs, partly, dead_bytes = self._doom_packs(retained, set(deleted_ids))
+                for index in doomed_packs:
+                    with self._io("gc: deleting pack", index.path):
+                        self.backend.remove(index.path)
+                    deleted_packs.append(index.path)
+                    freed += index.size
             if partly:
                 notes.append(f"{partly} pack(s) are partly live: {dead_bytes} dead bytes kept (no compaction yet)")
 
-        for name in self._listdir(TMP):
+        names = self._listdir(TMP)
+        with self._mutex:
+            live_tmp = tuple(f"{txn._token}-" for txn in self._txns)
+        for name in names:
+            if name.startswith(live_tmp):
+                continue  # an open transaction of this object writes it
             path = f"{TMP}/{name}"
             try:
                 size = self.backend.size(path)
@@ -676,7 +864,36 @@ class Repository:
                 pass
             except OSError as exc:
                 notes.append(f"could not delete temporary {self.backend.describe(path)}: {_os_reason(exc)}")
-        return GcReport(tuple(deleted_ids), tuple(deleted_packs), freed, False, tuple(notes))
+        return GcReport(tuple(deleted_ids), tuple(deleted_packs), freed, False, tuple(notes), tuple(bad))
+
+    def _doom_packs(
+        self, retained: builtins.list[Manifest], deleted: set[str]
+    ) -> tuple[builtins.list[PackIndex], int, int]:
+        """Packs no manifest needs and no open transaction pinned, forgotten at once (so no
+        transaction reuses their chunks from now on), with the partly live count and bytes.
+
+        Live: every manifest listed or committed (``retained``, and the cache less what this
+        gc deleted: a commit that finished after the listing is in it) and every pin, in one
+        step under the mutex that pinning takes."""
+        with self._mutex:
+            live = {d for txn in self._txns for d in txn._pinned}
+            live.update(d for m in retained for st in m.storages for d in st.chunks)
+            for m in self._manifest_cache.values():
+                if m.id not in deleted:
+                    live.update(d for st in m.storages for d in st.chunks)
+            doomed, partly, dead_bytes = [], 0, 0
+            for index in self._packs.values():
+                live_entries = sum(1 for e in index.entries if e[0] in live)
+                if not live_entries:
+                    doomed.append(index)
+                elif live_entries < len(index.entries):
+                    partly += 1
+                    dead_bytes += sum(n for d, _, n in index.entries if d not in live)
+            for index in doomed:
+                del self._packs[index.path]
+            if doomed:
+                self._rebuild_chunk_map()
+        return doomed, partly, dead_bytes
 
     # ------------------------------------------------------------------ verify
 
@@ -702,7 +919,7 @@ class Repository:
         problems: builtins.list[str] = []
         if checkpoint_id is None:
             manifests, bad = self._scan(fresh=True)
-            problems.extend(f"manifest {where}: {err}" for where, err in bad)
+            problems.extend(f"manifest {u.path}: {u.reason}" for u in bad)
         else:
             try:
                 manifests = [self.load_manifest(checkpoint_id)]
@@ -734,6 +951,7 @@ class Repository:
         used_packs: set[str] = set()
         checked_chunks = checked_bytes = 0
         for m in manifests:
+            found = len(problems)
             for si, storage in enumerate(m.storages):
                 for ci, digest in enumerate(storage.chunks):
                     if digest not in results:
@@ -757,10 +975,20 @@ class Repository:
                             f"checkpoint {m.id}: storage {si} chunks hold {total} bytes, "
                             f"the manifest says {storage.nbytes}"
                         )
+            if len(problems) > found and self._deleted_meanwhile(m.id):
+                del problems[found:]  # the writer's retention retired it while this ran
 
         for path in sorted(packs if checkpoint_id is None else used_packs):
             problems.extend(self._verify_pack_header(packs[path]))
         return VerifyReport(not problems, tuple(problems), len(manifests), checked_chunks, checked_bytes)
+
+    def _deleted_meanwhile(self, checkpoint_id: str) -> bool:
+        """Whether a checkpoint's manifest is gone: a writer's retention does not wait for
+        readers (see ``gc``), so packs of a checkpoint it retires can vanish under a verify."""
+        try:
+            return not self.backend.exists(f"{MANIFESTS}/{checkpoint_id}.json")
+        except OSError:
+            return False
 
     def _verify_chunk(self, digest: str, path: str, offset: int, length: int) -> str | None:
         """The problem with one chunk, or None."""
@@ -790,8 +1018,11 @@ class Repository:
 class WriteTxn:
     """One checkpoint being written: chunks go into temporary packs, :meth:`commit` publishes.
 
-    Holds the shared root lock from :meth:`Repository.begin_write` until commit or abort, so
-    gc cannot delete a pack this transaction deduplicated against.
+    Holds the writer lease and the shared root lock from :meth:`Repository.begin_write` until
+    commit or abort. Every chunk it stores, or reuses because it is already stored
+    (:meth:`has_chunk`, :meth:`put_chunk`, :meth:`reuse`), is pinned until then: a gc of the
+    same Repository (a Checkpointer's retention after the previous commit) keeps its pack,
+    and keeps this transaction's ``tmp/`` files.
 
     States: ``open -> committing -> committed``, or ``-> aborted`` from any but committed.
     Up to ``config.io_threads`` pack writers are open at once, each used by one thread at a
@@ -815,6 +1046,9 @@ class WriteTxn:
         self._live = 0  # unfinished writers (free or in use), at most config.io_threads
         self._busy = 0  # put_chunk calls holding a writer
         self._seq = 0
+        self._pinned: set[str] = set()  # digests gc must keep (stored or reused); under repo._mutex
+        with repo._mutex:
+            repo._txns.add(self)
 
     def __enter__(self) -> WriteTxn:
         return self
@@ -843,11 +1077,21 @@ class WriteTxn:
         return self._free.pop()
 
     def has_chunk(self, digest: str) -> bool:
-        """Whether ``digest`` is already stored (committed packs) or was put in this txn."""
+        """Whether ``digest`` is already stored (committed packs) or was put in this txn; a
+        stored one is pinned: the caller may now name it in the manifest without storing it."""
         with self._cond:
             if digest in self._put:
                 return True
-        return self._repo._known(digest)
+        return self._repo._pin_known(self, digest)
+
+    def reuse(self, chunks: dict[int, str]) -> dict[int, str]:
+        """The entries of ``chunks`` (index -> digest, e.g. chunks unchanged since the previous
+        checkpoint) whose digest is stored, each pinned until commit or abort. The caller stores
+        the others itself: a retention run may have deleted them since it learned of them."""
+        with self._cond:
+            self._check_usable()
+            put = set(self._put)
+        return {k: d for k, d in chunks.items() if d in put or self._repo._pin_known(self, d)}
 
     def put_chunk(self, digest: str, data: bytes | bytearray | memoryview) -> bool:
         """Store one chunk unless known; returns False when deduplicated. Thread-safe.
@@ -860,12 +1104,13 @@ class WriteTxn:
         with self._cond:
             while True:
                 self._check_usable()
-                if digest in self._put or self._repo._known(digest):
+                if digest in self._put or self._repo._pin_known(self, digest):
                     return False
                 if self._free or self._live < self._config.io_threads:
                     break
                 self._cond.wait()
             self._put.add(digest)
+            self._repo._pin(self, digest)  # kept by gc from its temporary pack to the commit
             self._busy += 1
             writer = self._take_free_writer()
             if writer is None:
@@ -952,6 +1197,14 @@ class WriteTxn:
                 f"manifest {manifest.id} names {len(missing)} chunk(s) never stored, e.g. {missing[0]}; "
                 "nothing was committed"
             )
+        repo._confirm_lease("confirming the writer lease")  # an object store's can be lost
+        if manifest.tag is not None:
+            owner = repo.tag_owner(manifest.tag, other_than=manifest.id)
+            if owner is not None:
+                raise CheckpointError(
+                    f"tag {manifest.tag!r} already names checkpoint {owner} in {repo.root}; a tag names "
+                    f"one checkpoint: {manifest.id} was not committed"
+                )
         final = f"{MANIFESTS}/{manifest.id}.json"
         with repo._io("checking", final, writing=True):
             if backend.exists(final):
@@ -989,8 +1242,16 @@ class WriteTxn:
                 handle.close(sync=fsync)
         with repo._io("publishing manifest", final, writing=True):
             backend.rename(tmp, final)
-            if fsync:
+        if fsync:
+            try:
                 backend.sync_dir(MANIFESTS)
+            except OSError as exc:
+                # not durable, so not committed: take it back, so that the error and list() agree
+                try:
+                    backend.remove(final)
+                except OSError:
+                    pass
+                raise _storage_error(exc, "syncing", backend.describe(MANIFESTS), writing=True) from exc
         with repo._mutex:
             repo._manifest_cache[f"{manifest.id}.json"] = manifest
 
@@ -1018,6 +1279,14 @@ class WriteTxn:
         self._release()
 
     def _release(self) -> None:
+        """Unpin (after a commit, its manifest is cached: gc sees it) and let the locks go."""
+        repo = self._repo
+        with repo._mutex:
+            registered = self in repo._txns
+            repo._txns.discard(self)
+            self._pinned = set()
         lock, self._lock = self._lock, None
         if lock is not None:
             lock.release()
+        if registered:
+            repo._lease.drop()
