@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  (imported lazily by the tracker's first op otherwise)
+from faults import HANG_S, wait_until
 
 import gpusnap
 from gpusnap.capture import concurrent as _concurrent
@@ -32,7 +33,7 @@ def test_arena_reuses_space_released_out_of_order() -> None:
     t.join(0.2)
     assert t.is_alive(), "allocate must block while the only free bytes sit behind a live region"
     arena.release(a)  # now [0, 2048) is free
-    t.join(5)
+    t.join(HANG_S)
     assert got and got[0].start == 0 and got[0].data.numel() == 1024
     arena.release(c)
     arena.release(got[0])
@@ -50,7 +51,7 @@ def test_arena_grows_by_slabs_up_to_capacity() -> None:
     t.start()
     assert not done.wait(0.2), "at capacity: allocate must wait for a release"
     arena.release(regions[1])
-    assert done.wait(5)
+    assert done.wait(HANG_S)
     assert arena.nbytes == 3000  # reused, not grown
 
 
@@ -90,7 +91,7 @@ def held(monkeypatch: pytest.MonkeyPatch):
     wait_captured = CaptureWindow._wait_captured
 
     def gated_store(self: Any, *args: Any, **kwargs: Any) -> Any:
-        gate.wait(30)
+        gate.wait(HANG_S)
         return store(self, *args, **kwargs)
 
     def opening_wait(self: Any, ws: Any) -> Any:
@@ -105,11 +106,7 @@ def held(monkeypatch: pytest.MonkeyPatch):
 
 def _wait_issued(pending_window: CaptureWindow, name: str, nbytes: int) -> None:
     ws = next(w for w in pending_window.spans if name in w.span.paths)
-    for _ in range(1000):
-        if ws.issued >= nbytes:
-            return
-        threading.Event().wait(0.005)
-    raise AssertionError(f"{name}: {ws.issued} bytes issued, expected {nbytes}")
+    wait_until(lambda: ws.issued >= nbytes, f"{name}: {nbytes} bytes issued")
 
 
 def test_write_to_a_span_in_flight_shadows_only_the_rest(tmp_path: Any, held: threading.Event) -> None:
@@ -146,7 +143,7 @@ def test_staged_comes_before_durable(tmp_path: Any, held: threading.Event) -> No
     before = {k: v.clone() for k, v in state.items()}
     with gpusnap.Checkpointer(tmp_path / "ck", config=_config(staging_bytes=1 << 20)) as ck:
         pending = ck.save(state)
-        pending.wait_staged(10)  # every byte copied into staging; stores are still held
+        pending.wait_staged(HANG_S)  # every byte copied into staging; stores are still held
         assert not pending.done()
         for t in state.values():
             t.zero_()  # free to mutate: no tracker interference needed any more
@@ -354,7 +351,7 @@ def test_copier_drains_its_own_pieces_when_the_arena_is_full() -> None:
     result: list[Any] = []
     worker = threading.Thread(target=lambda: (result.append(copier._allocate(1024)), done.set()), daemon=True)
     worker.start()
-    assert done.wait(10), "the copier waited for a region that only it could release"
+    assert done.wait(HANG_S), "the copier waited for a region that only it could release"
     assert stored == [0, 1024], "the oldest piece, then every one already done, in order"
     assert not copier._inflight and copier._inflight_bytes == 0
     assert result[0].end - result[0].start == 1024

@@ -98,11 +98,13 @@ def test_cpu_snapshot_of_tiny_and_big_spans_is_exact() -> None:
 
 
 def test_a_shadow_of_a_storage_shrunk_unseen_reads_no_freed_memory(tmp_path) -> None:
-    """The program frees a tracked CPU tensor's memory behind the tracker's back
-    (``resize_(0)`` on its storage, as FSDP does) and then writes it: the copy-on-write shadow
-    must not memmove from the freed memory (that crashed the process). The save is retried
-    or fails; it is never committed wrong. In a subprocess: a crash is a failure, not the end
-    of the test run."""
+    """The program frees a tracked CPU tensor's memory behind every hook's back (its
+    storage resized from C++, as ``torch._C.StorageBase.resize_`` does), then runs an op that
+    protects every span (a higher-order op): the copy-on-write shadow must not memmove from
+    the freed memory (that crashed the process). The save fails; it is never committed
+    wrong, and the program's op runs. In a subprocess: a crash is a failure, not the end of
+    the test run. (The program cannot write the freed tensor itself: that crashes without
+    gpusnap too.)"""
     import subprocess
     import sys
 
@@ -114,9 +116,9 @@ def test_a_shadow_of_a_storage_shrunk_unseen_reads_no_freed_memory(tmp_path) -> 
         with gpusnap.Checkpointer({str(tmp_path / "ck")!r}, config=cfg) as ck:
             big, t = torch.randn(1 << 20), torch.randn(20000)
             pending = ck.save({{"big": big, "t": t}})
-            t.untyped_storage().resize_(0)
+            torch._C.StorageBase.resize_(t.untyped_storage(), 0)
             try:
-                t.add_(1)
+                torch.cond(big[0] > 0, lambda x: x + 1, lambda x: x - 1, (big[:4],))
             except Exception as exc:
                 print("op raised", type(exc).__name__)
             try:

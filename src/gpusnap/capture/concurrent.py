@@ -23,13 +23,14 @@ import numpy as np
 import torch
 
 from gpusnap import launch_hooks
+from gpusnap.capture import resize_guard
 from gpusnap.capture.copier import Copier, Piece
 from gpusnap.capture.staging import StagingArena
 from gpusnap.capture.trace import Trace
 from gpusnap.capture.tracker import TrackerMode
 from gpusnap.capture.validation import HashTable, unchanged_chunks
 from gpusnap.capture.window import CaptureWindow, SnapshotBuffer, WindowSpan
-from gpusnap.errors import ValidationError
+from gpusnap.errors import CheckpointError, ValidationError
 from gpusnap.kernels.hashing import chunk_digest
 from gpusnap.state.flatten import FlatState
 from gpusnap.storage.manifest import StorageEntry
@@ -69,6 +70,7 @@ class ConcurrentSave:
         self.flat = flat
         self._open_txn = open_txn
         self._txn: WriteTxn | None = None
+        self._txn_refused: BaseException | None = None  # set once the save is over (abort_txn)
         self._txn_lock = threading.Lock()
         self.staging = staging
         self.io_pool = io_pool
@@ -158,6 +160,10 @@ class ConcurrentSave:
         self.phases["copier_init"] = time.perf_counter() - t2
 
     def start(self) -> None:
+        if not self.window.all_snapshotted:  # live spans: a resize must not free them unseen
+            window = self.window
+            resize_guard.watch(window)
+            window.on_close(lambda: resize_guard.unwatch(window))
         if self.tracked:
             # torch wraps every mode's handler in _disable_dynamo, which imports torch._dynamo
             # on its first call (~0.4 s): pay that here, inside save()'s measured stall, not in
@@ -186,14 +192,33 @@ class ConcurrentSave:
         """
         with self._txn_lock:
             if self._txn is None:
+                if self._txn_refused is not None:
+                    # the save is over: a store task still queued must not open a transaction
+                    # nobody would commit or abort (its lease, lock and pins would leak)
+                    raise self._txn_refused
                 self._txn = self._open_txn()
             return self._txn
 
-    def abort_txn(self) -> None:
-        """Abort the transaction if one was opened (a save that failed to start)."""
+    def abort_txn(self, error: BaseException | None = None) -> None:
+        """Abort the transaction if one was opened, and refuse to open one from now on."""
         with self._txn_lock:
+            if self._txn_refused is None:
+                self._txn_refused = error if error is not None else CheckpointError("this save was abandoned")
             if self._txn is not None:
                 self._txn.abort()
+
+    def close_out(self, error: BaseException) -> None:
+        """A failed save, on the thread that owns it: close the window, wait until the copier
+        and every store task have stopped (their own errors are ``error``'s consequences), then
+        abort the transaction. Nothing of the save keeps running, or holding the root, after."""
+        self.window.close(error)
+        self.copier.join()
+        launch_hooks.remove_listener(self.window.before_opaque_launch)
+        with self._lock:
+            futures = list(self._futures)
+        wait(futures)
+        self._kept = None
+        self.abort_txn(error)
 
     def _drop_kept(self) -> None:
         if self.window.error is not None:
@@ -251,6 +276,8 @@ class ConcurrentSave:
         stored digests are reused)."""
         span = ws.span
         same = unchanged_chunks(self.before_hex()[ws.index], self.previous)
+        if same:  # pinned by the transaction until it commits (a retention meanwhile keeps
+            same = self.txn.reuse(same)  # their packs); those already deleted are copied
         for k, digest in same.items():
             self.digests[self._first[ws.index] + k] = digest
             size = min(self.chunk_size, span.nbytes - k * self.chunk_size)
@@ -374,9 +401,22 @@ class ConcurrentSave:
                 nbytes=s.nbytes,
                 device=str(s.device),
                 chunks=tuple(d for d in self.digests[first : first + count] if d is not None),
-                hashes=None if h is None else tuple(h),
+                hashes=None if h is None or not self._describes_stored(i) else tuple(h),
             )
-            for s, first, count, h in zip(self.flat.spans, self._first, self._counts, hashes)
+            for i, (s, first, count, h) in enumerate(zip(self.flat.spans, self._first, self._counts, hashes))
+        )
+
+    def _describes_stored(self, index: int) -> bool:
+        """Whether span ``index``'s consistent-point hashes are known to be those of the bytes
+        stored for it: it was copied at save() (a snapshot), its copies were validated, or
+        every chunk was skipped as stored already. Otherwise (``validate=False``, copied from
+        live memory) an unseen write may have changed the stored bytes: the manifest records
+        no device hash for it, so no later incremental save trusts the pair (it copies the
+        span again) and a restore checks it on the host, by its digests."""
+        return (
+            self.after is not None
+            or index in self.window.snapshotted
+            or len(self.skipped.get(index, ())) == self._counts[index]
         )
 
     def _unchanged_bytes(self, hashes: list[list[str]]) -> int:

@@ -268,7 +268,11 @@ class Copier:
         """Copy one piece; atomic with ``protect`` (see ``CaptureWindow.source``)."""
         issued_at = time.perf_counter()
         with self.window.cond:
-            src, from_shadow = self.window.source(ws, start, n)
+            # (checked under the lock: once a program thread has failed the save, e.g. before
+            # a resize it could not protect, no copy reads the live storage again)
+            if self.window.error is not None:
+                raise self.window.error
+            src, from_shadow = self.window.source(ws, start, n)  # CheckpointError: a storage shrunk unseen
             if stream is None:
                 region.data.copy_(src)  # CPU: done before the lock is released
                 ws.issued = start + n

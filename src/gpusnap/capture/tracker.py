@@ -11,6 +11,10 @@ compiled function it sees back into eager code for good: docs/notes/dispatcher-r
 section 4); compiled regions are therefore opaque to it (see docs/capture.md). Device ops
 recorded into a CUDA graph capture are let through untouched: they run at the replay, which
 the launch hooks report. Writes to host tensors during a capture run at once and are tracked.
+Higher-order ops (``torch.cond``, ``while_loop``, ``map``, eager ``flex_attention``) run code
+below the mode that it does not see: each is treated as an opaque launch (every buffer
+protected). A written tensor without a storage of its own (sparse layouts) protects its
+indices' and values' storages, or everything when they cannot be named.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpusnap.capture.schema import tensor_args, writes_nothing, written_tensors
-from gpusnap.capture.window import CaptureWindow
+from gpusnap.capture.window import CaptureWindow, bookkeeping_error
 from gpusnap.device import waitable_event
 from gpusnap.launch_hooks import capturing
 
@@ -46,7 +51,14 @@ def _crosses_host(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out:
 
 
 class TrackerMode(TorchDispatchMode):
-    """Pass-through mode that keeps the window's captured state consistent."""
+    """Pass-through mode that keeps the window's captured state consistent.
+
+    gpusnap's work for an op never makes the op fail: an exception in it fails the save
+    instead (``CaptureWindow.guarded``), and the op runs as the program asked."""
+
+    # Higher-order ops (torch.cond, while_loop, map, eager flex_attention) come here too,
+    # instead of failing with "no rule registered" under the mode
+    supports_higher_order_operators = True
 
     def __init__(self, window: CaptureWindow) -> None:
         super().__init__()
@@ -61,25 +73,53 @@ class TrackerMode(TorchDispatchMode):
         window = self.window
         if window.closed:
             return func(*args, **kwargs)
-        # Hot path (most ops): nothing written and no read log wanted: one dict lookup.
-        if window.log_reads or not writes_nothing(func):
-            if capturing():
-                # Recorded into a CUDA graph, not run (its replay is an opaque launch), except
-                # writes to host tensors, which run now like any other
-                host = [t for t in written_tensors(func, args, kwargs) if t.device.type == "cpu"]
-                if host:
-                    window.touch((), host, func.__name__)
-                return func(*args, **kwargs)
-            written = written_tensors(func, args, kwargs)
-            reads = tensor_args(args, kwargs) if window.log_reads else ()
-            window.touch(reads, written, func.__name__)
-        else:
-            window.stats.ops_seen += 1
+        try:
+            # Hot path (most ops): nothing written and no read log wanted: one dict lookup.
+            if not isinstance(func, OpOverload):  # a higher-order op: opaque work
+                if not capturing():
+                    _opaque(window, func)
+            elif window.log_reads or not writes_nothing(func):
+                _track(window, func, args, kwargs)
+            else:
+                window.stats.ops_seen += 1
+        except Exception as exc:
+            window.fail(bookkeeping_error(_name(func), exc))
+        except BaseException as exc:  # an interrupt: it reaches the program; the save fails
+            window.fail(bookkeeping_error(_name(func), exc))
+            raise
         out = func(*args, **kwargs)
         if func in _COPIES and not capturing():
-            device = _crosses_host(func, args, kwargs, out)
-            if device is not None:
-                event = waitable_event()
-                event.record(torch.cuda.current_stream(device))
-                window.program_copy(event)
+            window.guarded(lambda: _note_program_copy(window, func, args, kwargs, out), func.__name__)
         return out
+
+
+def _track(window: CaptureWindow, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    if capturing():
+        # Recorded into a CUDA graph, not run (its replay is an opaque launch), except
+        # writes to host tensors, which run now like any other
+        host = [t for t in written_tensors(func, args, kwargs) if t.device.type == "cpu"]
+        if host:
+            window.touch((), host, func.__name__)
+        return
+    written = written_tensors(func, args, kwargs)
+    reads = tensor_args(args, kwargs) if window.log_reads else ()
+    window.touch(reads, written, func.__name__)
+
+
+def _opaque(window: CaptureWindow, func: Any) -> None:
+    """A higher-order op runs code the tracker does not see (its branches and bodies run
+    below this mode), and may close over any tensor: it may write every buffer."""
+    window.stats.ops_seen += 1
+    window.protect_all()
+
+
+def _note_program_copy(window: CaptureWindow, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    device = _crosses_host(func, args, kwargs, out)
+    if device is not None:
+        event = waitable_event()
+        event.record(torch.cuda.current_stream(device))
+        window.program_copy(event)
+
+
+def _name(func: Any) -> str:
+    return str(getattr(func, "__name__", None) or func)

@@ -34,7 +34,9 @@ import numpy as np
 import torch
 
 from gpusnap.capture.trace import Trace
+from gpusnap.errors import CheckpointError
 from gpusnap.kernels.gather_copy import gather_copy, gather_copy_available, gather_copy_host, gather_copy_tensors
+from gpusnap.state.flat import shrunk_storage_error
 from gpusnap.state.flatten import FlatState, StorageSpan
 
 __all__ = ["SNAPSHOT_ALIGN", "CaptureWindow", "SnapshotBuffer", "SpanState", "WindowSpan", "WindowStats"]
@@ -81,6 +83,7 @@ class WindowStats:
     ops_seen: int = 0
     opaque_launches: int = 0
     program_copies: int = 0
+    cow_failures: int = 0  # shadows that found no memory: waited for instead
 
 
 class CaptureWindow:
@@ -175,34 +178,96 @@ class CaptureWindow:
     def touch(self, tensors: Iterable[torch.Tensor], written: Sequence[torch.Tensor], op: str) -> None:
         """Log the op (first touch per span of ``tensors``) and protect the spans it writes."""
         now = time.perf_counter()
+        by_key = self.by_key
         hit: list[int] = []
         for t in tensors:
-            ws = self.by_key.get(t.untyped_storage()._cdata)
-            if ws is not None:
-                hit.append(ws.index)
-                if ws.first_touch is None:
-                    ws.first_touch = now
+            try:
+                found: Iterable[WindowSpan | None] = (by_key.get(t.untyped_storage()._cdata),)
+            except Exception:  # no storage of its own (a sparse layout): its parts', if known
+                found = self._spans_of(t) or ()
+            for ws in found:
+                if ws is not None:
+                    hit.append(ws.index)
+                    if ws.first_touch is None:
+                        ws.first_touch = now
         self.stats.ops_seen += 1
         if hit:
             self.op_log.append((now - self.opened, op, tuple(hit)))
         if self.trace is not None:
             self.trace.instant("program", op, now)
-        targets = []
+        targets: list[WindowSpan] = []
+        opaque = False
         for t in written:
-            ws = self.by_key.get(t.untyped_storage()._cdata)
-            if ws is not None:
-                if ws.first_write is None:
-                    ws.first_write = now
-                    if ws.first_touch is None:
-                        ws.first_touch = now
-                targets.append(ws)
-        if targets:
+            try:
+                found = (by_key.get(t.untyped_storage()._cdata),)
+            except Exception:
+                spans = self._spans_of(t)
+                if spans is None:  # it may write storages gpusnap cannot name: protect them all
+                    opaque = True
+                    continue
+                found = spans
+            for ws in found:
+                if ws is not None:
+                    if ws.first_write is None:
+                        ws.first_write = now
+                        if ws.first_touch is None:
+                            ws.first_touch = now
+                    targets.append(ws)
+        if opaque:
+            self.protect_all()
+        elif targets:
             self.protect_many(targets)
+
+    def _spans_of(self, tensor: torch.Tensor) -> list[WindowSpan] | None:
+        """The window's spans among the storages of a tensor without one of its own (a
+        sparse layout: its indices and values); None when they cannot be named."""
+        try:
+            parts = _storage_parts(tensor)
+            if parts is None:
+                return None
+            keys = [p.untyped_storage()._cdata for p in parts]
+        except Exception:
+            return None
+        return [ws for ws in map(self.by_key.get, keys) if ws is not None]
 
     def before_opaque_launch(self) -> None:
         """A ``launch_hooks`` listener: a launch the tracker cannot see is about to run."""
         if not self.closed:
-            self.protect_all()
+            self.guarded(self.protect_all, "an opaque launch")
+
+    def before_resize(self, storage: torch.UntypedStorage) -> None:
+        """``storage.resize_`` is about to run, on any thread (``resize_guard``): a shrink
+        frees bytes a pending span still has to copy, a growth moves them. Protect its span as
+        for a write (under the lock, which the copier holds while it reads a piece), so the
+        copier never reads the live storage again."""
+        if not self.closed:
+            self.guarded(lambda: self._protect_storage(storage), "UntypedStorage.resize_")
+
+    def _protect_storage(self, storage: torch.UntypedStorage) -> None:
+        ws = self.by_key.get(storage._cdata)
+        if ws is not None:
+            self.protect_many((ws,))
+
+    def guarded(self, work: Callable[[], None], what: str) -> None:
+        """Run gpusnap's bookkeeping for the program's ``what``: an exception in it fails the
+        save, never the program (an interrupt still reaches the program, and fails the save)."""
+        try:
+            work()
+        except Exception as exc:
+            self.fail(bookkeeping_error(what, exc))
+        except BaseException as exc:  # KeyboardInterrupt: the protection may be half done
+            self.fail(bookkeeping_error(what, exc))
+            raise
+
+    def fail(self, error: BaseException) -> None:
+        """gpusnap cannot keep its promise for some op of the program: the save fails with
+        ``error`` (the copier stops at its next piece and closes the window), and nothing is
+        protected any more; the program goes on. After the window has closed every byte is
+        captured already: nothing can fail then."""
+        with self.cond:
+            if self.error is None and self.closed_at is None:
+                self.error = error
+            self.cond.notify_all()
 
     def protect_all(self) -> None:
         """An opaque launch (CUDA graph replay, hand-launched kernel) may write anything."""
@@ -216,6 +281,8 @@ class CaptureWindow:
     def protect_many(self, targets: Sequence[WindowSpan]) -> None:
         """Make the program's coming writes to ``targets`` safe (one batched shadow copy)."""
         with self.cond:
+            if self.error is not None or self.closed_at is not None:
+                return  # the save failed (nothing to keep), or every copy has completed
             to_shadow: list[WindowSpan] = []
             to_wait: list[WindowSpan] = []
             seen: set[int] = set()
@@ -223,6 +290,13 @@ class CaptureWindow:
                 if ws.state is SpanState.CAPTURED or ws.shadow is not None or ws.index in seen:
                     continue
                 seen.add(ws.index)
+                have = ws.span.storage.nbytes()
+                if have < ws.span.end:  # shrunk or freed unseen: its bytes are gone
+                    for counted in to_shadow:
+                        self.cow_used -= counted.cow
+                        counted.cow = 0
+                    self.fail(shrunk_storage_error(ws.span.paths, ws.span.end, have))
+                    return
                 rest = ws.nbytes - ws.issued
                 if self.cow_used + rest <= self.cow_budget:
                     to_shadow.append(ws)
@@ -231,7 +305,7 @@ class CaptureWindow:
                 else:
                     to_wait.append(ws)
             if to_shadow:  # first, while no lock release can let the copier move on
-                self._shadow_many(to_shadow)
+                to_wait += self._shadow_or_wait(to_shadow)
             for ws in to_wait:
                 self._wait_captured(ws)
             events = [(ws, ws.live_event) for ws in targets if ws.live_event is not None]
@@ -245,8 +319,9 @@ class CaptureWindow:
     def _snapshot(self, spans: list[WindowSpan]) -> None:
         """Whole-span shadows taken now, on the current streams (not counted as COW)."""
         self._snapshot_buffers: list[SnapshotBuffer] = []
-        # (flatten has just checked every storage's size: the snapshot may copy by address)
-        for _device, group, buffer, offsets, event in _batched_copies(spans, sized=True):
+        # (flatten has just checked every storage's size, and no code of the program ran on
+        # this thread since: the snapshot may copy by address)
+        for _device, group, buffer, offsets, event in _batched_copies(spans):
             for ws, offset in zip(group, offsets):
                 ws.shadow, ws.shadow_offset, ws.shadow_from, ws.shadow_event = buffer, offset, 0, event
             self._snapshot_buffers.append(SnapshotBuffer(group, buffer, offsets))
@@ -255,15 +330,32 @@ class CaptureWindow:
         """Per device, the buffer that holds the snapshots (it keeps them alive)."""
         return list(self._snapshot_buffers)
 
+    def _shadow_or_wait(self, spans: list[WindowSpan]) -> list[WindowSpan]:
+        """Shadow ``spans``; those whose shadow found no memory give their budget back and
+        are returned, to be waited for instead (the program's op must not fail for it)."""
+        try:
+            self._shadow_many(spans)
+        except torch.OutOfMemoryError:
+            self.stats.cow_failures += 1
+        unshadowed = [ws for ws in spans if ws.shadow is None]
+        for ws in unshadowed:
+            self.cow_used -= ws.cow
+            ws.cow = 0
+        return unshadowed
+
     def _shadow_many(self, spans: list[WindowSpan]) -> None:
         """Copy the bytes not yet issued of each span, on the writer's stream (so before its
-        write); spans on one device share one buffer and one multi-tensor copy kernel."""
+        write); spans on one device share one buffer and one multi-tensor copy kernel. No
+        dispatch mode sees these copies (the tracker's, when an opaque launch or a resize
+        protects from outside an op, or the program's own): they are gpusnap's.
+        The caller has checked, under the lock, that each storage still holds its span."""
         started = time.perf_counter()
-        for _device, group, buffer, offsets, event in _batched_copies(spans):
-            for ws, offset in zip(group, offsets):
-                ws.shadow, ws.shadow_offset, ws.shadow_from, ws.shadow_event = buffer, offset, ws.issued, event
-                self.stats.bytes_cow += ws.cow
-                self.stats.cow_events += 1
+        with torch._C._DisableTorchDispatch():
+            for _device, group, buffer, offsets, event in _batched_copies(spans):
+                for ws, offset in zip(group, offsets):
+                    ws.shadow, ws.shadow_offset, ws.shadow_from, ws.shadow_event = buffer, offset, ws.issued, event
+                    self.stats.bytes_cow += ws.cow
+                    self.stats.cow_events += 1
         self.stats.cow_peak = max(self.stats.cow_peak, self.cow_used)
         if self.trace is not None:
             nbytes = sum(ws.cow for ws in spans)
@@ -277,7 +369,7 @@ class CaptureWindow:
             self.cond.notify_all()
         self._waiting += 1
         try:
-            while ws.state is not SpanState.CAPTURED:
+            while ws.state is not SpanState.CAPTURED and self.error is None:  # (a failed save: no wait)
                 self.cond.wait()
         finally:
             self._waiting -= 1
@@ -354,6 +446,8 @@ class CaptureWindow:
                 if ws.state is not SpanState.CAPTURED:
                     ws.state = SpanState.CAPTURED
                     ws.shadow = None
+                    ws.cow = 0
+            self.cow_used = 0  # every shadow is gone
             # the snapshots' memory goes back now (a save that hashes them after the window
             # holds its own references until then)
             self._snapshot_buffers = []
@@ -396,7 +490,7 @@ SNAPSHOT_ALIGN = 16  # each shadow starts 16-byte aligned in its buffer: the has
 
 
 def _batched_copies(
-    spans: list[WindowSpan], *, sized: bool = False
+    spans: list[WindowSpan],
 ) -> Iterator[tuple[torch.device, list[WindowSpan], torch.Tensor, list[int], Any]]:
     """Per device: the spans, one buffer holding copies of their bytes not yet issued (each
     at its offset, aligned to ``SNAPSHOT_ALIGN``), those offsets, and a CUDA event after the
@@ -408,31 +502,21 @@ def _batched_copies(
     span (an optimizer's scalar ``step`` tensors), one ``_foreach_copy_`` of the others, from a
     uint8 alias of each; the same on CUDA without Triton.
 
-    A copy by address trusts that each storage still holds ``span.end`` bytes. ``sized``: the
-    caller knows it (``save()``, right after ``flatten``); otherwise (a copy-on-write
-    shadow, later in the window) a storage the program shrank unseen (``resize_(0)``, as
-    FSDP does with its parameters' storages) goes through the torch path, which cannot
-    read freed memory (and leaves the mismatch to validation)."""
+    A copy by address trusts that each storage still holds ``span.end`` bytes: the caller has
+    checked it (``save()``: ``flatten``, right before; a copy-on-write shadow: ``protect_many``,
+    under the lock), else a storage the program shrank (``resize_(0)``, as FSDP does with its
+    parameters' storages) would be read past its end: freed memory."""
     by_device: dict[torch.device, list[WindowSpan]] = {}
     for ws in spans:
         by_device.setdefault(ws.device, []).append(ws)
-    groups: list[tuple[torch.device, list[WindowSpan], bool]] = []
     for device, group in by_device.items():
-        whole = [True] * len(group) if sized else [ws.span.storage.nbytes() >= ws.span.end for ws in group]
-        if all(whole):
-            groups.append((device, group, True))
-        else:  # the spans still whole by address, the shrunk ones through torch
-            shrunk = [not w for w in whole]
-            groups += [(device, list(compress(group, whole)), True)] if any(whole) else []
-            groups.append((device, list(compress(group, shrunk)), False))
-    for device, group, by_address in groups:
         sizes = np.fromiter((ws.nbytes - ws.issued for ws in group), dtype=np.int64, count=len(group))
         padded = sizes + (-sizes % SNAPSHOT_ALIGN)
         offsets = np.cumsum(padded) - padded
-        buffer = torch.empty(int(padded.sum()), dtype=torch.uint8, device=device)
-        if by_address and gather_copy_available(device):
+        buffer = _new_buffer(int(padded.sum()), device)
+        if gather_copy_available(device):
             gather_copy(buffer, offsets, _addresses(group), sizes)
-        elif by_address and device.type == "cpu":  # tiny spans by address; big ones by torch
+        elif device.type == "cpu":  # tiny spans by address; big ones by torch
             small = sizes <= _HOST_MOVE_MAX
             if small.any():
                 picked = list(compress(group, small))
@@ -450,6 +534,35 @@ def _batched_copies(
 
 
 _HOST_MOVE_MAX = 256 << 10  # CPU spans up to this are snapshotted by memmove (see gather_copy_host)
+
+
+def _new_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """The buffer of one device's snapshots or shadows (``torch.OutOfMemoryError`` when the
+    device has no room: a snapshot then falls back to tracking, a shadow to a wait)."""
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def _storage_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """The tensors holding the bytes of a tensor without a storage of its own (sparse
+    layouts); None for any other kind."""
+    layout = tensor.layout
+    if layout is torch.sparse_coo:
+        return tensor._indices(), tensor._values()
+    if layout in (torch.sparse_csr, torch.sparse_bsr):
+        return tensor.crow_indices(), tensor.col_indices(), tensor.values()
+    if layout in (torch.sparse_csc, torch.sparse_bsc):
+        return tensor.ccol_indices(), tensor.row_indices(), tensor.values()
+    return None
+
+
+def bookkeeping_error(what: str, exc: BaseException) -> CheckpointError:
+    """The save's error when gpusnap's own work for the program's ``what`` failed."""
+    error = CheckpointError(
+        f"gpusnap could not protect the checkpoint from the program's {what} ({exc!r}); "
+        "the program went on, this checkpoint was not committed"
+    )
+    error.__cause__ = exc
+    return error
 
 
 def _addresses(group: list[WindowSpan]) -> np.ndarray:

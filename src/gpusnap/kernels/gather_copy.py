@@ -154,7 +154,8 @@ def _checked_spans(
     sizes: Sequence[int] | np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The three arrays of a gather into ``dst``, checked: one length each, no negative size,
-    every destination within ``dst`` (sources are raw addresses: they cannot be checked)."""
+    every destination within ``dst``, no source in the null page region (otherwise sources
+    are raw addresses: they cannot be checked)."""
     offs = np.asarray(dst_offsets, dtype=np.int64)
     src = np.asarray(src_addrs, dtype=np.int64)
     n = np.asarray(sizes, dtype=np.int64)
@@ -164,7 +165,14 @@ def _checked_spans(
         raise ValueError("sizes must not be negative")
     if len(offs) and (offs.min() < 0 or (offs + n).max() > dst.numel()):
         raise ValueError("every destination must lie within dst")
+    if len(src) and ((src < _LOWEST_ADDRESS) & (n > 0)).any():
+        # (no mapping lives there: a storage freed under its tensor, whose data pointer is 0,
+        # plus the span's offset; the copy would crash, or on CUDA fault the whole context)
+        raise ValueError("a source address lies in the first 64 KiB: a freed storage (data pointer 0)")
     return offs, src, n
+
+
+_LOWEST_ADDRESS = 1 << 16  # Linux's default vm.mmap_min_addr: nothing, host or device, is mapped below
 
 
 def gather_copy_tensors(dst: torch.Tensor, dst_offsets: Sequence[int], sources: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from ..errors import CheckpointError
 from .plain import type_name
 
 if TYPE_CHECKING:
@@ -22,6 +23,7 @@ __all__ = [
     "Stateful",
     "StorageSpan",
     "is_stateful",
+    "shrunk_storage_error",
     "tensor_extent",
     "tensor_problem",
 ]
@@ -73,7 +75,14 @@ class StorageSpan:
         self.tensors = []
 
     def as_bytes(self) -> torch.Tensor:
-        """A uint8 tensor on the storage's device aliasing exactly the span (no copy)."""
+        """A uint8 tensor on the storage's device aliasing exactly the span (no copy).
+
+        CheckpointError when the storage no longer holds the span (the program shrank or
+        freed it: ``untyped_storage().resize_(0)``, as FSDP does): ``set_`` would silently
+        grow the program's storage back, with uninitialized bytes."""
+        have = self.storage.nbytes()
+        if have < self.end:
+            raise shrunk_storage_error(self.paths, self.end, have)
         # new_empty on a per-device template: ~1.5 us less than torch.empty(device=...) per
         # span, paid for every span of every save
         template = _uint8_templates.get(self.device)
@@ -145,6 +154,18 @@ def tensor_extent(tensor: torch.Tensor) -> tuple[int, int] | None:
         return first * item, (first + numel) * item
     last = first + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
     return first * item, (last + 1) * item
+
+
+def shrunk_storage_error(paths: list[str], needed: int, have: int) -> CheckpointError:
+    """The error for a storage that holds fewer bytes than the tensors on it need."""
+    shown = ", ".join(paths[:3]) + (f" (+{len(paths) - 3} more)" if len(paths) > 3 else "") if paths else "a tensor"
+    freed = "was freed" if have == 0 else f"was shrunk to {have} bytes"
+    return CheckpointError(
+        f"{shown}: the tensor's storage {freed}, but the tensor reaches byte {needed} of it "
+        "(untyped_storage().resize_(), as FSDP does to unsharded parameters): its bytes are gone, "
+        "so they cannot be checkpointed. Save the state while its storages are allocated (FSDP: "
+        "the sharded parameters of model.state_dict()), or leave this tensor out of app_state"
+    )
 
 
 _uint8_templates: dict[torch.device, torch.Tensor] = {}

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from .flat import FlatPlan, StorageSpan, _Replay, is_stateful, tensor_extent, tensor_problem
+from .flat import FlatPlan, StorageSpan, _Replay, is_stateful, shrunk_storage_error, tensor_extent, tensor_problem
 from .plain import dtype_name, encode_plain, join_path, type_name
 
 
@@ -57,6 +57,12 @@ class _SpanTable:
         for index, pending in enumerate(self._pending):
             start = pending.start or 0
             end = pending.end if pending.end is not None else start
+            # A storage the program shrank or freed (resize_, as FSDP does) under tensors that
+            # still reach past its end: refused here, before any copy reads it by address
+            # (planned walks compare every storage's size with this walk's, see same_layouts)
+            have = pending.storage.nbytes()
+            if have < end:
+                raise shrunk_storage_error(pending.paths, end, have)
             for node, first in pending.nodes:
                 node["byte_offset"] = 0 if first is None else first - start  # empty: no bytes
             spans.append(
