@@ -14,24 +14,33 @@ not optimizer state, whose ``load_state_dict`` keeps the tensor objects).
 If the load fails after ``begin`` returned, the gate stays: an op touching a span that was
 never loaded raises the error (on every thread the gate sees), and so does the handle. The
 next restore on the same Checkpointer retires the failed session.
+
+Every session is registered process-wide (``restore.active``) from ``begin`` until it is over:
+saves of any Checkpointer wait for it, and the doors (``restore.doors``) gate the reads no ATen
+op shows, on any thread, while its gate is live.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
 from typing import Any
 
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils._python_dispatch import _get_current_dispatch_mode, _get_current_dispatch_mode_stack
 
 from gpusnap import launch_hooks
 from gpusnap.handles import RestoreHandle
-from gpusnap.restore.gate import Gate, GateMode, needs_dynamo
+from gpusnap.restore import active
+from gpusnap.restore.gate import Gate, GateMode, needs_dynamo, python_key_included, rearm_dispatch_keys
 from gpusnap.restore.loader import Loader
+from gpusnap.restore.schedule import SpanState
 from gpusnap.state.apply import RestorePlan
 
 __all__ = ["LazyRestore", "pop_gate"]
+
+log = logging.getLogger("gpusnap")
 
 
 def _warm_dynamo() -> None:
@@ -65,6 +74,7 @@ class LazyRestore:
         self.handle = handle
         self.started = started
         self.gate = Gate(loader.schedule, plan, started)
+        loader.schedule.check = self.gate.unseen_write  # a write the gate never saw fails the load
         self.mode = GateMode(self.gate)
         self.owner = threading.get_ident()
         self.popped = False
@@ -73,6 +83,8 @@ class LazyRestore:
         self._returned = False  # begin() is over: the handle may complete
         self._outcome: list[BaseException | None] = []  # the loader's result, once known
         self._settled = False  # the handle is complete
+        self._over = threading.Event()  # settled (or begin() raised): what a save waits for
+        self.dropped = 0  # times the gate was found without its dispatch key on its thread
         loader.on_done = self._on_done
 
     # -- owner thread --------------------------------------------------------------------------
@@ -82,6 +94,7 @@ class LazyRestore:
         self.mode.__enter__()
         # A graph capture cannot wait for copies on the capturing thread: load everything first
         launch_hooks.add_listener(self.gate.before_opaque_launch, on_capture=self.gate.need_all)
+        active.begin(self)
         try:
             self.loader.start()
             spans = self.loader.schedule.spans
@@ -92,6 +105,7 @@ class LazyRestore:
             self.loader.schedule.fail(exc)
             self.loader.join()
             self.retire()
+            self._over.set()  # restore() raises: the program knows its targets are not restored
             raise
         self.handle.stats["return_s"] = time.perf_counter() - self.started
         with self._lock:
@@ -100,15 +114,42 @@ class LazyRestore:
 
     def reap(self) -> bool:
         """Pop the gate if loading is over and it is this thread's top mode; True once popped."""
+        if not self.popped and threading.get_ident() == self.owner and self._lost_key():
+            self._report_lost_key()
         if not self.popped and (self.gate.complete or self.retired):
             self.popped = pop_gate(self.mode, self.owner)
         return self.popped
+
+    def rearm(self) -> None:
+        """On a thread whose mode stack holds this gate, still gating: give the stack back the
+        dispatch keys a guard's exit dropped (``restore.doors``, the inference-mode door)."""
+        if not self.gate.complete and self.mode in _get_current_dispatch_mode_stack():
+            rearm_dispatch_keys()
+
+    def _lost_key(self) -> bool:
+        return self.mode in _get_current_dispatch_mode_stack() and not python_key_included()
+
+    def _report_lost_key(self) -> None:
+        """A guard that puts back the dispatch keys it found (``torch._C._InferenceMode`` used
+        directly, a C++ guard) exited on this thread after restore(): ops since then passed
+        the gate unseen. Nothing can tell which; say so, and gate again from now on."""
+        self.dropped += 1
+        self.handle.stats["gate_dropped"] = self.dropped
+        log.warning(
+            "gpusnap: the lazy restore of %s found its gate without its dispatch key on the thread that "
+            "called restore(lazy=True): a guard entered before the restore (such as torch._C._InferenceMode) "
+            "exited since, and ops run meanwhile may have read tensors not yet loaded. Call "
+            "restore(lazy=True) outside such guards, or handle.wait() before leaving them",
+            self.handle.checkpoint_id,
+        )
+        rearm_dispatch_keys()
 
     def retire(self) -> None:
         """Stop gating (a later restore takes over, or begin() failed) and pop where possible."""
         self.retired = True
         self.gate.complete = True
         launch_hooks.remove_listener(self.gate.before_opaque_launch)
+        active.end(self)
         self.reap()
 
     # -- any thread ----------------------------------------------------------------------------
@@ -119,11 +160,20 @@ class LazyRestore:
         """Until the load is over; raises its error."""
         self.loader.wait(timeout)
 
+    def over(self) -> bool:
+        """Whether the load is over and what the targets hold is known (``restore.active``)."""
+        return self._over.is_set()
+
+    def wait_over(self) -> None:
+        self.loader.join()
+        self._over.wait()
+
     def _on_done(self, error: BaseException | None) -> None:
         """On the copy thread, after every copy has run."""
         if error is None:
             self.gate.complete = True
             launch_hooks.remove_listener(self.gate.before_opaque_launch)
+            active.gate_done(self)
         with self._lock:
             self._outcome.append(error)
         self._settle()
@@ -142,10 +192,27 @@ class LazyRestore:
             self._settled = True
             error = self._outcome[0]
             self.handle.stats.update(self.stats())
+        try:
+            self._record(error)
             if error is None:
                 self.handle._finish()
             else:
                 self.handle._fail(error)
+        finally:
+            self._over.set()  # saves may go on
+
+    def _record(self, error: BaseException | None) -> None:
+        """Tell ``restore.active`` what the targets hold now: the restored bytes, or (after a
+        failure) stale ones where a span was never loaded."""
+        spans = self.loader.schedule.spans
+        plan = self.plan
+        if error is None:
+            active.settled(self, restored_targets=[t for ls in spans for t in plan.targets(ls.index)],
+                           stale_targets=(), error=None)
+            return
+        stale = [(t, ", ".join(plan.span_paths.get(ls.index, ())) or f"storage #{ls.index}")
+                 for ls in spans if ls.state is not SpanState.LOADED for t in plan.targets(ls.index)]
+        active.settled(self, restored_targets=(), stale_targets=stale, error=error)
 
     def stats(self) -> dict[str, Any]:
         loader, gate = self.loader, self.gate
@@ -156,5 +223,6 @@ class LazyRestore:
             "waits": gate.waits,
             "wait_s": gate.wait_s,
             "opaque_waits": gate.opaque_waits,
+            "gate_dropped": self.dropped,
             "first_needed": gate.first_needed(self.plan),
         }

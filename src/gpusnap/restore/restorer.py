@@ -12,11 +12,17 @@ byte written) -> one of
 - lazy: the same loader in the background behind the gate (:class:`LazyRestore`).
 
 It keeps, across restores, the host staging slots (pinned when a target is on CUDA) and one
-copy stream per device, and the lazy restore in progress, so that ``save()`` can wait for it.
+copy stream per device, and the lazy restore in progress (also registered process-wide in
+``restore.active``, where every save waits for it).
+
+``lazy=True`` where a gate could not hold (inside ``torch.inference_mode()``, or with dispatch
+modes disabled: ``gate.lazy_refusal``) restores eagerly instead, with a WARNING and the reason
+in ``handle.stats["lazy_refused"]``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -28,10 +34,10 @@ from typing import Any, Literal
 import torch
 
 from gpusnap.device import synchronize
-from gpusnap.errors import CheckpointError
 from gpusnap.handles import RestoreHandle
+from gpusnap.restore import active
 from gpusnap.restore.eager import load_spans
-from gpusnap.restore.gate import GateMode
+from gpusnap.restore.gate import GateMode, lazy_refusal
 from gpusnap.restore.lazy import LazyRestore, pop_gate
 from gpusnap.restore import loader as loader_mod
 from gpusnap.restore.direct import DirectCopies, DirectUnavailable
@@ -44,6 +50,8 @@ from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.repository import Repository
 
 __all__ = ["AUTO_UPFRONT_BYTES", "Restorer", "Verify", "load_order", "reader_threads"]
+
+log = logging.getLogger("gpusnap")
 
 Verify = Literal["auto", "upfront", "stream", "off"]
 VERIFY_MODES: tuple[str, ...] = ("auto", "upfront", "stream", "off")
@@ -140,6 +148,7 @@ class Restorer:
         self._active: LazyRestore | None = None  # the latest lazy restore, until it is forgotten
         self._unpopped: list[tuple[GateMode, int]] = []  # gates of finished restores still pushed
         self._lock = threading.Lock()
+        active.track(self)  # every save pops this Restorer's finished gates on its thread
 
     # -- the restore ---------------------------------------------------------------------------
     def restore(
@@ -157,7 +166,12 @@ class Restorer:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         if lazy and verify == "upfront":
             raise ValueError("verify='upfront' reads everything before writing anything; it cannot be lazy")
+        refused = lazy_refusal() if lazy else None
+        if refused is not None:
+            log.warning("gpusnap: restore(lazy=True) of %s restores eagerly: %s", manifest.id, refused)
+            lazy = False
         self.settle()
+        active.wait_for_loads()  # another Checkpointer's lazy restore may be writing the same tensors
         if self._warmup is not None:  # (a restore that raised during set-up left it running)
             self._warmup.join(WARMUP_JOIN_S)
             self._warmup = None
@@ -170,8 +184,11 @@ class Restorer:
         handle = RestoreHandle(manifest.id)
         handle._on_wait = self.reap
         handle.stats.update(mode="lazy" if lazy else "eager", verify=verify, threads=self.threads)
+        if refused is not None:
+            handle.stats["lazy_refused"] = refused
         if verify == "upfront":
             self._upfront(repo, manifest, plan, handle, started)
+            active.restored(_all_targets(plan, len(spans)))
             return handle
         order, source = load_order(manifest, plan)
         handle.stats["order"] = source
@@ -227,6 +244,7 @@ class Restorer:
         loader.start()
         loader.wait()
         plan.finish()
+        active.restored(_all_targets(plan, len(spans)))
         elapsed = time.perf_counter() - started
         handle.stats.update(loader.stats.as_dict())
         handle.stats.update(
@@ -265,36 +283,20 @@ class Restorer:
         with self._lock:
             session = self._active
         if session is not None:
-            session.loader.join()
+            session.wait_over()  # (its outcome recorded in restore.active before a new restore writes)
             session.retire()
             self._forget(session)
-        self.reap()
-
-    def before_save(self) -> None:
-        """Wait until a lazy restore in progress has loaded everything; raise if it failed.
-
-        A failed lazy restore leaves stale bytes in the targets it never loaded: a checkpoint
-        of them would be wrong, so ``save()`` refuses until a new restore succeeds.
-        """
-        with self._lock:
-            session = self._active
-        if session is None:
-            return
-        session.loader.join()
-        error = session.loader.error
-        if error is not None:
-            raise CheckpointError(
-                f"the lazy restore of {session.handle.checkpoint_id} failed, so some tensors hold stale "
-                f"bytes; restore again before saving. The failure: {error}"
-            ) from error
         self.reap()
 
     def reap(self) -> None:
         """Forget a lazy restore that loaded everything; pop finished gates on their own thread."""
         with self._lock:
             session = self._active
-        if session is not None and session.done() and session.loader.error is None:
-            self._forget(session)
+        if session is not None:
+            if session.done() and session.loader.error is None:
+                self._forget(session)
+            else:
+                session.reap()  # on its own thread: checks that the gate still holds (LazyRestore.reap)
         with self._lock:
             unpopped = list(self._unpopped)
         for mode, owner in unpopped:
@@ -477,6 +479,10 @@ def _workers_can_read(repo: Repository) -> bool:
     """Whether worker processes (reader processes, direct-copy helpers) can read this
     repository's packs: shared memory here (Linux), and packs in a local directory."""
     return can_share() and repo.local_path("") is not None
+
+
+def _all_targets(plan: RestorePlan, n: int) -> list[torch.Tensor]:
+    return [t for i in range(n) for t in plan.targets(i)]
 
 
 def _cuda_devices(plan: RestorePlan, n: int) -> set[torch.device]:

@@ -17,7 +17,7 @@ import enum
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
@@ -101,6 +101,9 @@ class Schedule:
         self.error: BaseException | None = None  # first failure: no new piece is handed out
         self.closed = False  # loader stopped (all loaded, or failed)
         self.final_error: BaseException | None = None
+        # run on each span just before it counts as loaded: an error keeps it unloaded and
+        # fails the load (a lazy restore's gate: a write it never saw, Gate.unseen_write)
+        self.check: Callable[[LoadSpan], BaseException | None] | None = None
         self._queue = deque(self.spans[i] for i in order)
         self._urgent: deque[LoadSpan] = deque()
         self._loaded = 0
@@ -207,13 +210,22 @@ class Schedule:
         self.mark_loaded_many([(ls, ready)])
 
     def mark_loaded_many(self, spans: Sequence[tuple[LoadSpan, Sequence[tuple[torch.device, Any]]]]) -> None:
-        """Each span is loaded; ``ready``: (device, event) its users' streams must wait for."""
+        """Each span is loaded; ``ready``: (device, event) its users' streams must wait for.
+
+        A span that fails :attr:`check` stays unloaded and fails the load (its error first).
+        """
+        check = self.check
         with self.cond:
             for ls, ready in spans:
+                problem = check(ls) if check is not None else None
+                if problem is not None:
+                    if self.error is None:
+                        self.error = problem
+                    continue
                 ls.ready = tuple(ready)
                 ls.state = SpanState.LOADED
                 ls.buffer = None
-            self._loaded += len(spans)
+                self._loaded += 1
             self.cond.notify_all()
 
     def fail(self, error: BaseException) -> None:
