@@ -10,13 +10,12 @@ Restore: resolve -> plan (all checks, nothing written) -> read, verify and apply
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import queue
+import sys
 import threading
 import time
-import weakref
 from collections.abc import MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from gpusnap import exit_hooks
 from gpusnap.capture import CaptureCounters, snapshot_to_host, write_host_spans
 from gpusnap.capture.concurrent import ConcurrentSave
 from gpusnap.capture.staging import StagingArena
@@ -34,10 +34,12 @@ from gpusnap.config import Config
 from gpusnap.device import outside_graph_captures
 from gpusnap.errors import CheckpointError, CheckpointNotFoundError, ValidationError
 from gpusnap.handles import CheckpointInfo, PendingSave, RestoreHandle
+from gpusnap.restore import active as lazy_restores
 from gpusnap.restore.restorer import Restorer, Verify
 from gpusnap.state.flatten import FlatPlan, FlatState, flatten
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.repository import Repository
+from gpusnap.unobserved import Unobserved
 
 __all__ = ["Checkpointer", "info_from_manifest"]
 
@@ -45,6 +47,7 @@ log = logging.getLogger("gpusnap")
 
 # Incremental saves compare with the latest checkpoint only where it pays (_should_compare):
 SKIP_WORTH = 0.05  # when the last save found at least this share of the bytes unchanged
+_RETRY_POLL_S = 0.05  # how often a waiting thread looks for a retry it must start
 
 
 def info_from_manifest(manifest: Manifest) -> CheckpointInfo:
@@ -71,7 +74,7 @@ class _SaveJob:
     stall_s: float = 0.0  # a blocking save's stall is the whole save
     phases: dict[str, float] = field(default_factory=dict)  # where save() spent its time
     app_state: Any = None  # kept for one retry after a validation failure
-    owner: int = 0  # thread that called save(): a retry starts on that thread only
+    owner: threading.Thread | None = None  # called save(): a retry starts on this thread only
     retry_note: str | None = None  # why this save is a retry
 
 
@@ -152,12 +155,22 @@ class Checkpointer:
             reader_processes=self.config.restore_reader_processes,
             direct_copies=self.config.restore_direct_copies,
         )
-        self._closed = False
-        self._atexit = weakref.WeakMethod(self.close)
-        atexit.register(_close_at_exit, self._atexit)
+        self._closed = False  # refuses saves (set by close(), under _enqueue_lock)
+        self._stopped = False  # close() has finished: threads released
+        self._stop_sent = False  # the writer was told to stop
+        self._close_lock = threading.Lock()  # a second close() waits for the first
+        # a save's last look at _closed and its enqueue, against close(): a job is queued
+        # before the writer's stop, or refused (never left behind it)
+        self._enqueue_lock = threading.Lock()
+        self._unobserved = Unobserved()  # failed saves whose error nothing has seen yet
+        # threads inside a gpusnap wait, which runs their due retries (see _wait_for)
+        self._waiting: dict[threading.Thread, int] = {}
+        exit_hooks.track(self)
 
     # -- repository ---------------------------------------------------------------------------
     def _repository(self, *, create: bool) -> Repository:
+        """The root; ``create`` (saving) also makes this Checkpointer its one writer until
+        ``close()``: a StorageError names the writer that already holds it."""
         with self._repo_lock:
             if self._repo is None:
                 self._repo = Repository.open(
@@ -166,6 +179,8 @@ class Checkpointer:
                     storage_options=self._storage_options,
                     config=self.config,
                 )
+            if create:
+                self._repo.claim_writer()  # idempotent
             return self._repo
 
     # -- save ---------------------------------------------------------------------------------
@@ -177,11 +192,33 @@ class Checkpointer:
         The checkpoint equals the state at this call (work already enqueued on the current
         CUDA stream counts as before it). ``pending.wait()`` returns the committed
         :class:`CheckpointInfo` or raises the error that stopped the save.
+
+        An earlier save's failure is not raised here (this save may well succeed): the next
+        :meth:`wait`, :meth:`close` or ``with``-block exit raises it (see :class:`PendingSave`).
         """
         self._check_open()
         if tag is not None and (not isinstance(tag, str) or not tag or "/" in tag):
             raise ValueError(f"tag must be a non-empty string without '/', got {tag!r}")
+        if tag is not None:
+            self._check_tag_free(tag)
         return self._save(app_state, tag, blocking)
+
+    def _check_tag_free(self, tag: str) -> None:
+        """A tag names one checkpoint: refuse one that a committed checkpoint or a save still
+        pending here carries (the commit checks again, under the writer lease)."""
+        with self._pending_lock:
+            pending = next((p.id for p in self._pending if p.tag == tag and not p.done()), None)
+        if pending is not None:
+            raise CheckpointError(
+                f"tag {tag!r} is taken by checkpoint {pending}, still being saved; a tag names one "
+                "checkpoint: pick another tag"
+            )
+        owner = self._repository(create=True).tag_owner(tag)
+        if owner is not None:
+            raise CheckpointError(
+                f"tag {tag!r} already names checkpoint {owner} in {self.root}; a tag names one "
+                "checkpoint: pick another tag, or delete that checkpoint first"
+            )
 
     def _save(
         self,
@@ -193,7 +230,7 @@ class Checkpointer:
         with collector_paused():  # not in this call's stall: see collector.py
             pending, run_now = self._save_now(app_state, tag, blocking, retry_of)
         if run_now is not None:
-            self._run_job(*run_now)
+            self._run_job(*run_now)  # (an interrupt there propagates: see _run_job)
         if blocking:
             pending.wait()
         return pending
@@ -208,7 +245,7 @@ class Checkpointer:
         """save()'s work on the caller's thread; a blocking save of host state returns its
         job to run right there (after the collector is back on)."""
         started = time.perf_counter()
-        self._restorer.before_save()  # a lazy restore still loading: its bytes first
+        lazy_restores.before_save(app_state)  # any lazy restore in the process still loading: its bytes first
         self._reap()
         self._wait_for_open_window()  # one window at a time: counted in this save's stall
         waited = time.perf_counter()
@@ -219,9 +256,9 @@ class Checkpointer:
         repo = self._repository(create=True)
         created = time.time()
         pending = PendingSave(repo.new_id(created), tag) if retry_of is None else retry_of.pending
-        pending._on_wait = self._reap
+        pending._on_wait, pending._waits, pending._on_fail = self._reap, self._wait_for, self._unobserved.add
         job = _SaveJob(pending, flat, created, started, blocking, CaptureCounters())
-        job.app_state, job.owner = app_state, threading.get_ident()
+        job.app_state, job.owner = app_state, threading.current_thread()
         if retry_of is not None:
             job.retry_note = retry_of.retry_note
             # its stats describe the save the caller made: a blocking caller has waited since
@@ -239,15 +276,46 @@ class Checkpointer:
             job.concurrent = self._start_window(repo, flat, pending, job.phases)
         else:
             pending._set_staged()
-        with self._pending_lock:
-            if pending not in self._pending:
-                self._pending.append(pending)
-        self._ensure_writer()
         queued = time.perf_counter()
-        self._queue.put(job)  # blocks while max_pending_saves durable writes are queued
+        try:
+            self._enqueue(job)
+        except BaseException as exc:  # Ctrl-C while waiting for a slot, a close() meanwhile
+            self._abandon(job, exc, raised=True)
+            raise
         job.stall_s = time.perf_counter() - started
         job.phases["queue"] = time.perf_counter() - queued
         return pending, None
+
+    def _enqueue(self, job: _SaveJob) -> None:
+        with self._pending_lock:
+            if job.pending not in self._pending:
+                self._pending.append(job.pending)
+        with self._enqueue_lock:
+            if self._closed:  # by close() on another thread since this save's first check
+                raise CheckpointError(f"Checkpointer({self.root!r}) was closed during this save()")
+            self._ensure_writer()
+            self._queue.put(job)  # blocks while max_pending_saves durable writes are queued
+
+    def _abandon(self, job: _SaveJob, error: BaseException, *, raised: bool) -> None:
+        """Fail a save that started but will never reach (or left) the writer, and undo what
+        it holds: its window closes (the copier stops, the program's ops stop waiting), its
+        transaction is aborted once the copier and the writers are done (the root's shared
+        lock, temporary files), and this thread's tracker is popped. ``raised``: the error
+        propagates from save() itself, which counts as observing it."""
+        capture = job.concurrent
+        if capture is not None:
+            capture.close_out(error)  # (a second interrupt while it waits stops the undoing)
+        self._forget(job.pending)
+        _release_state(job)
+        if raised:
+            job.pending._mark_observed()  # (first: no other thread's wait() raises it too)
+        job.pending._fail(error)
+        self._reap(retry=False)
+
+    def _forget(self, pending: PendingSave) -> None:
+        with self._pending_lock:
+            if pending in self._pending:
+                self._pending.remove(pending)
 
     @staticmethod
     def _blocking_via_window(flat: FlatState) -> bool:
@@ -434,28 +502,86 @@ class Checkpointer:
         return stream
 
     def _wait_for_open_window(self) -> None:
-        for capture in list(self._windows):
+        with self._pending_lock:
+            windows = list(self._windows)
+        for capture in windows:
             capture.wait_captured()
         self._reap()
 
     def _reap(self, *, retry: bool = True) -> None:
         """Pop closed windows' trackers on this thread; forget windows fully closed; start the
-        retries of saves that failed validation on this thread."""
-        for capture in list(self._windows):
+        retries of saves that failed validation on this thread. Any thread may call it."""
+        with self._pending_lock:
+            windows = list(self._windows)
+        for capture in windows:
             capture.reap()
-            if capture.window.closed and not _tracker_on_stack(capture):
-                self._windows.remove(capture)
+            if capture.window.closed and _tracker_gone(capture):
+                with self._pending_lock:
+                    if capture in self._windows:  # (another thread may have forgotten it first)
+                        self._windows.remove(capture)
         if not retry:
             return
-        me = threading.get_ident()
+        me = threading.current_thread()
         with self._pending_lock:
-            mine = [job for job in self._retries if job.owner == me]
-            self._retries = [job for job in self._retries if job.owner != me]
+            mine = [job for job in self._retries if job.owner is me]
+            self._retries = [job for job in self._retries if job.owner is not me]
         for job in mine:
             try:
                 self._save(job.app_state, job.pending.tag, False, retry_of=job)
             except BaseException as exc:
+                self._forget(job.pending)
+                _release_state(job)
                 job.pending._fail(exc)
+                if not isinstance(exc, Exception):
+                    raise  # Ctrl-C during the retry's save(): this call is interrupted too
+
+    def _wait_for(self, pending: PendingSave, deadline: float | None) -> None:
+        """Block until ``pending`` is done or ``deadline`` (time.monotonic) passes.
+
+        A retry starts only on the thread that called save() (its tracker sees only that
+        thread's ops; another thread cannot choose a consistent point for it): so each wait
+        runs this thread's due retries, and marks the thread as waiting. A retry due on
+        another thread that is not waiting in gpusnap, or has ended, is not waited for: the
+        save fails at once (_give_up_retry), never hangs."""
+        me = threading.current_thread()
+        with self._pending_lock:
+            self._waiting[me] = self._waiting.get(me, 0) + 1
+        try:
+            while True:
+                self._reap()
+                self._give_up_retry(pending, me)
+                if pending.done():
+                    return
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return
+                pending._wait_done(_RETRY_POLL_S if left is None else min(_RETRY_POLL_S, left))
+        finally:
+            with self._pending_lock:
+                self._waiting[me] -= 1
+                if not self._waiting[me]:
+                    del self._waiting[me]
+            self._reap(retry=False)
+
+    def _give_up_retry(self, pending: PendingSave, me: threading.Thread) -> None:
+        with self._pending_lock:
+            job = next((j for j in self._retries if j.pending is pending), None)
+            if job is None or job.owner is me:
+                return
+            owner = job.owner
+            assert owner is not None
+            if owner.is_alive() and self._waiting.get(owner):
+                return  # its wait starts the retry within _RETRY_POLL_S
+            self._retries.remove(job)
+            if pending in self._pending:
+                self._pending.remove(pending)
+        state = "was not waiting in gpusnap" if owner.is_alive() else "had ended"
+        _release_state(job)
+        pending._fail(ValidationError(
+            f"{job.retry_note} (not retried: a retry starts only on the thread that called save(), "
+            f"{owner.name!r}, at its next gpusnap call, and that thread {state} when {me.name!r} "
+            "waited for it; wait for a save on the thread that made it to let a retry run)"
+        ))
 
     def _ensure_writer(self) -> None:
         if self._writer is None or not self._writer.is_alive():
@@ -471,6 +597,8 @@ class Checkpointer:
                 return
             try:
                 self._run_job(self._repository(create=True), job)
+            except BaseException as exc:  # (_run_job reports its own): the save must not hang
+                self._abandon(job, exc, raised=False)
             finally:
                 with self._pending_lock:
                     if job.pending in self._pending and job not in self._retries:
@@ -552,24 +680,43 @@ class Checkpointer:
             if job.blocking:  # the caller waited through the commit too
                 info.stats["stall_s"] = info.stats["duration_s"]
             if self.keep_last is not None:
-                report = repo.gc(self.keep_last, blocking=False, fresh=False)  # see Repository.gc
-                if report.skipped:
-                    log.info("gpusnap: retention skipped, the root is busy: %s", report.notes)
+                self._retain(repo)
             _release_state(job)  # before wait() returns: nothing of the state is held after it
             pending._finish(info)
         except BaseException as exc:  # the save failed: report it on the handle, commit nothing
             if capture is not None:
-                capture.window.close(exc)
+                capture.close_out(exc)  # its copier and store tasks stopped, its txn aborted
                 self._eager_paths.update(capture.mismatched)
                 if isinstance(exc, ValidationError) and self._retry(job, exc):
                     return
             log.warning("gpusnap: checkpoint %s failed: %s", pending.id, exc)
             _release_state(job)
+            interrupted = not isinstance(exc, Exception) and threading.current_thread() is not self._writer
+            if interrupted:  # Ctrl-C in a blocking save, on the caller's thread: save() raises it
+                pending._mark_observed()
             pending._fail(exc)
+            if interrupted:
+                raise
+
+    def _retain(self, repo: Repository) -> None:
+        """``keep_last`` after a commit, even while the next save writes (Repository.gc pins
+        what its transaction relies on). It never fails the save that just committed: an
+        error is a WARNING, and the next commit tries again."""
+        assert self.keep_last is not None
+        try:
+            report = repo.gc(self.keep_last, blocking=False, fresh=False)
+        except CheckpointError as exc:
+            log.warning("gpusnap: retention (keep_last=%d) failed; the next commit tries again: %s",
+                        self.keep_last, exc)
+            return
+        if report.skipped:  # only a reader (verify) or an older gpusnap holds the root lock
+            log.info("gpusnap: retention skipped; the next commit tries again: %s", report.notes)
+        repo.warn_unreadable(report.unreadable, "retention deletes no packs while it is unreadable, so the root grows")
 
     def _retry(self, job: _SaveJob, error: ValidationError) -> bool:
         """Queue one retry of a save that failed validation (its offenders are now captured
-        at save()); it starts at the next gpusnap call on the thread that saved."""
+        at save()); it starts at the next gpusnap call on the thread that saved (a wait on
+        another thread may give it up first: _wait_for)."""
         if not self.config.retry_validation or job.retry_note is not None or job.app_state is None:
             return False
         job.retry_note = str(error)
@@ -581,16 +728,24 @@ class Checkpointer:
 
     # -- waiting, listing ---------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> list[CheckpointInfo]:
-        """Wait for every pending save; returns their infos (raises the first failure)."""
+        """Wait for every pending save; returns the infos of those that committed.
+
+        Then raises the error of any save (pending or earlier) that failed and whose error
+        nothing has observed yet (once; see :class:`PendingSave`), else ``TimeoutError`` if
+        ``timeout`` seconds passed first. A save whose retry is due on another thread that is
+        not waiting in gpusnap fails at once (docs/capture.md) rather than being waited for.
+        """
         self._reap()
         with self._pending_lock:
             pending = list(self._pending)
         deadline = None if timeout is None else time.monotonic() + timeout
-        infos = []
         for p in pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            infos.append(p.wait(left))
-        return infos
+            self._wait_for(p, deadline)
+        self._unobserved.raise_if_any("Checkpointer.wait()")
+        late = [p.id for p in pending if not p.done()]
+        if late:
+            raise TimeoutError(f"{len(late)} save(s) did not finish within {timeout} s: {', '.join(late)}")
+        return [info for p in pending if (info := p._info()) is not None]
 
     def list(self) -> list[CheckpointInfo]:
         """Committed checkpoints, oldest first (empty when the root does not exist yet)."""
@@ -598,10 +753,13 @@ class Checkpointer:
             repo = self._repository(create=False)
         except CheckpointNotFoundError:
             return []
-        return [info_from_manifest(m) for m in repo.list()]
+        manifests, unreadable = repo.scan()
+        repo.warn_unreadable(unreadable, "list() and latest() leave it out")  # once per file
+        return [info_from_manifest(m) for m in manifests]
 
     def latest(self) -> CheckpointInfo | None:
-        """The newest committed checkpoint, or None."""
+        """The newest committed checkpoint, or None (a WARNING names any newer manifest that
+        cannot be read)."""
         infos = self.list()
         return infos[-1] if infos else None
 
@@ -637,43 +795,92 @@ class Checkpointer:
         """
         self._check_open()
         self._restorer.settle()  # one restore at a time: a lazy one still loading finishes first
-        self.wait()  # a restore of "latest" must see this process's own pending saves
+        self.wait()  # a restore of "latest" must see this process's own pending saves (and
+        # raises one that failed unobserved: resuming must not skip it without a word)
         self._reap()
         started = time.perf_counter()
         repo = self._repository(create=False)
         manifest = repo.resolve(checkpoint)
-        return self._restorer.restore(
+        skipped = repo.skipped_newer(manifest, checkpoint)  # "latest" must not fall back silently
+        repo.warn_unreadable(skipped, f"restore() used the older checkpoint {manifest.id} instead")
+        handle = self._restorer.restore(
             repo, manifest, app_state, allow_pickle=self.allow_pickle, lazy=lazy, verify=verify, started=started
         )
+        handle.stats["skipped_newer"] = [{"id": u.id, "reason": u.reason} for u in skipped]
+        return handle
 
     # -- life cycle ---------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
+            self._reap(retry=False)  # a close() on another thread left this thread's tracker
             raise CheckpointError(f"Checkpointer({self.root!r}) is closed")
 
     def close(self) -> None:
-        """Wait for pending saves (their errors are logged, not raised), then release threads."""
-        if self._closed:
-            return
-        self._closed = True
-        self._reap()  # a retry due on this thread starts before the writer stops
-        if self._writer is not None and self._writer.is_alive():
-            self._queue.put(None)
-            self._writer.join()
-        self._reap(retry=False)
-        with self._pending_lock:
-            late, self._retries = self._retries, []
-        for job in late:  # failed validation after the last chance to retry: report it
-            job.pending._fail(ValidationError(f"{job.retry_note} (not retried: the Checkpointer closed)"))
-        self._restorer.close()
-        self._copier_runner.shutdown(wait=True)
-        self._pool.shutdown(wait=True)
+        """Wait for pending saves, release threads; then raise the error of any save that
+        failed and whose error nothing has observed yet (once; see :class:`PendingSave`).
+        A second call (from any thread) waits until the first has finished."""
+        self._shut_down()
+        self._unobserved.raise_if_any("Checkpointer.close()")
+
+    def _shut_down(self) -> None:
+        """close() without raising; each step may be repeated (a close() interrupted by
+        Ctrl-C is finished by the next one, or at exit)."""
+        with self._close_lock:
+            if self._stopped:  # (by another thread, maybe: this one's tracker may be left)
+                self._reap(retry=False)
+                return
+            self._reap()  # a retry due on this thread starts before the writer stops
+            with self._enqueue_lock:
+                self._closed = True
+            if self._writer is not None:
+                if not self._stop_sent:
+                    self._ensure_writer()  # (what is queued is written even if it had ended)
+                    self._queue.put(None)
+                    self._stop_sent = True
+                self._writer.join()
+            self._reap(retry=False)
+            with self._pending_lock:
+                late, self._retries = self._retries, []
+            for job in late:  # failed validation after the last chance to retry: report it
+                self._forget(job.pending)
+                _release_state(job)
+                job.pending._fail(ValidationError(f"{job.retry_note} (not retried: the Checkpointer closed)"))
+            self._restorer.close()
+            self._copier_runner.shutdown(wait=True)
+            self._pool.shutdown(wait=True)
+            if self._repo is not None:
+                self._repo.close()  # the writer lease: another Checkpointer may write now
+            self._stopped = True
 
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        """close(); when the block itself raised, its exception is never replaced: the
+        failed saves nothing observed are named in notes on it (and count as observed)."""
+        if exc is None:
+            self.close()
+            return
+        self._shut_down()
+        self._unobserved.note_on(exc, "while this exception left the Checkpointer's with block")
+
+    def _at_exit(self, final: bool) -> None:
+        """Interpreter exit (exit_hooks.py): finish the pending saves (``final``: close), then
+        report on stderr each failure nothing observed, and any save that could not finish."""
+        try:
+            if final:
+                self._shut_down()
+            elif not self._closed:
+                with self._pending_lock:
+                    pending = list(self._pending)
+                for p in pending:
+                    self._wait_for(p, None)
+        except BaseException as exc:  # an exit hook must not raise; say what is lost
+            with self._pending_lock:
+                lost = [p.id for p in self._pending if not p.done()]
+            print(f"gpusnap: at exit, the saves pending under {self.root} could not finish "
+                  f"({type(exc).__name__}: {exc}); lost: {', '.join(lost) or 'none'}", file=sys.stderr, flush=True)
+        self._unobserved.report(self.root)
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.root!r}, keep_last={self.keep_last})"
@@ -685,6 +892,17 @@ def _tracker_on_stack(capture: ConcurrentSave) -> bool:
     return capture.owner == threading.get_ident() and capture.tracker in _get_current_dispatch_mode_stack()
 
 
+def _tracker_gone(capture: ConcurrentSave) -> bool:
+    """Whether a closed window's tracker is off its thread's mode stack. Only that thread can
+    pop it (modes are thread-local), at its next gpusnap call: until then another thread must
+    keep the window listed, or the tracker would stay pushed for good."""
+    if not capture.tracked:
+        return True
+    if capture.owner == threading.get_ident():
+        return not _tracker_on_stack(capture)
+    return all(t.ident != capture.owner for t in threading.enumerate())  # its thread has ended
+
+
 def _window_stats(capture: ConcurrentSave) -> dict[str, Any]:
     w = capture.window
     closed = w.closed_at if w.closed_at is not None else w.opened
@@ -692,6 +910,7 @@ def _window_stats(capture: ConcurrentSave) -> dict[str, Any]:
         "copies": capture.copier.copies,
         "bytes_cow": w.stats.bytes_cow,
         "cow_events": w.stats.cow_events,
+        "cow_failures": w.stats.cow_failures,  # shadows that found no memory: waited instead
         "waits": w.stats.waits,
         "wait_s": w.stats.wait_s,
         "window_s": closed - w.opened,
@@ -709,9 +928,3 @@ def _window_stats(capture: ConcurrentSave) -> dict[str, Any]:
         "copier_s": {k: round(t - w.opened, 6) for k, t in capture.copier.marks.items()}
         | {"waiting": round(capture.copier.wait_s, 6)},
     }
-
-
-def _close_at_exit(ref: weakref.WeakMethod) -> None:  # type: ignore[type-arg]
-    close = ref()
-    if close is not None:
-        close()

@@ -12,8 +12,6 @@ from gpusnap.errors import CheckpointError
 
 __all__ = ["CheckpointInfo", "PendingSave", "RestoreHandle"]
 
-_RETRY_POLL_S = 0.05  # how often a waiting thread checks for a retry it must start
-
 
 @dataclass(frozen=True)
 class CheckpointInfo:
@@ -31,26 +29,41 @@ class CheckpointInfo:
 
 
 class _Completion:
-    """A one-shot result or error, settable from a background thread."""
+    """A one-shot result or error, settable from a background thread (the first one wins)."""
 
     def __init__(self) -> None:
         self._event = threading.Event()
+        self._lock = threading.Lock()
         self._value: Any = None
         self._error: BaseException | None = None
 
-    def set(self, value: Any) -> None:
-        self._value = value
-        self._event.set()
+    def set(self, value: Any) -> bool:
+        with self._lock:
+            if self._event.is_set():
+                return False
+            self._value = value
+            self._event.set()
+            return True
 
-    def fail(self, error: BaseException) -> None:
-        self._error = error
-        self._event.set()
+    def fail(self, error: BaseException) -> bool:
+        with self._lock:
+            if self._event.is_set():
+                return False
+            self._error = error
+            self._event.set()
+            return True
 
     def done(self) -> bool:
         return self._event.is_set()
 
     def wait_for(self, seconds: float | None) -> bool:
         return self._event.wait(seconds)
+
+    def error(self) -> BaseException | None:
+        return self._error if self._event.is_set() else None
+
+    def value(self) -> Any:
+        return self._value if self._event.is_set() else None
 
     def result(self, timeout: float | None, what: str) -> Any:
         if not self._event.wait(timeout):
@@ -64,6 +77,12 @@ class PendingSave:
     """A save in progress. Two moments: *staged* (state captured; the program may mutate
     freely) and *durable* (committed; :meth:`wait` returns its :class:`CheckpointInfo`).
 
+    A failed save's error is *observed* once this handle has raised it (:meth:`wait`,
+    :meth:`wait_staged`) or returned it (:meth:`exception`); :meth:`done` alone does not
+    observe it. An error nothing observed is raised, once, by the Checkpointer's next
+    ``wait()``, ``close()`` or ``with``-block exit, else reported on stderr at
+    interpreter exit (docs/guarantees.md).
+
     >>> pending = ckpt.save(app_state)      # doctest: +SKIP
     >>> info = pending.wait()               # doctest: +SKIP
     """
@@ -74,7 +93,13 @@ class PendingSave:
         self.stats: dict[str, Any] = {}
         self._staged = _Completion()
         self._durable = _Completion()
+        self._observed = False
+        self._observed_lock = threading.Lock()
         self._on_wait: Callable[[], None] | None = None  # pops a closed window's tracker
+        # blocks until done or the deadline (time.monotonic), running this thread's due
+        # retries meanwhile (Checkpointer._wait_for); None: a plain wait
+        self._waits: Callable[[PendingSave, float | None], None] | None = None
+        self._on_fail: Callable[[PendingSave], None] | None = None  # records an unobserved failure
 
     def _reap(self) -> None:
         if self._on_wait is not None:
@@ -88,6 +113,9 @@ class PendingSave:
         """Block until the state is captured; raises if capturing failed."""
         try:
             self._staged.result(timeout, f"capture of checkpoint {self.id}")
+        except CheckpointError:
+            self._mark_observed()
+            raise
         finally:
             self._reap()
 
@@ -97,18 +125,49 @@ class PendingSave:
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo:
         """Block until durable; returns the info, or raises the save's error."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            # a save that failed validation is retried on this thread: look for it while waiting
-            while not self._durable.done():
-                self._reap()
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    break
-                self._durable.wait_for(_RETRY_POLL_S if left is None else min(_RETRY_POLL_S, left))
-            return self._durable.result(0, f"checkpoint {self.id}")  # type: ignore[no-any-return]
-        finally:
-            self._reap()
+        error = self.exception(timeout)
+        if error is not None:
+            raise error
+        return self._durable.value()  # type: ignore[no-any-return]
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Block until durable like :meth:`wait`; returns the save's error (None once
+        committed) instead of raising it. Either way the error counts as observed."""
+        self._block(timeout)
+        if not self._durable.done():
+            raise TimeoutError(f"checkpoint {self.id} did not finish within {timeout} s")
+        error = self._durable.error()
+        if error is not None:
+            self._mark_observed()
+        return error
+
+    def _block(self, timeout: float | None) -> None:
+        if self._waits is None:
+            self._durable.wait_for(timeout)
+            return
+        # a save that failed validation is retried on the thread that saved: its waits run it
+        self._waits(self, None if timeout is None else time.monotonic() + timeout)
+
+    def _wait_done(self, seconds: float | None) -> bool:
+        return self._durable.wait_for(seconds)
+
+    def _error(self) -> BaseException | None:
+        return self._durable.error()
+
+    def _info(self) -> CheckpointInfo | None:
+        return self._durable.value()  # type: ignore[no-any-return]
+
+    def _mark_observed(self) -> None:
+        with self._observed_lock:
+            self._observed = True
+
+    def _claim(self) -> bool:
+        """True for the first caller once the save has failed unobserved: it reports the error."""
+        with self._observed_lock:
+            if self._observed or self._durable.error() is None:
+                return False
+            self._observed = True
+            return True
 
     def _set_staged(self) -> None:
         self._staged.set(None)
@@ -119,13 +178,14 @@ class PendingSave:
         self._durable.set(info)
 
     def _fail(self, error: BaseException) -> None:
+        """Fail the save (once: a save already committed or failed stays as it is)."""
         if not isinstance(error, CheckpointError):
-            wrapped = CheckpointError(f"checkpoint {self.id} failed: {error}")
+            wrapped = CheckpointError(f"checkpoint {self.id} failed: {str(error) or type(error).__name__}")
             wrapped.__cause__ = error
             error = wrapped
-        if not self._staged.done():
-            self._staged.fail(error)
-        self._durable.fail(error)
+        self._staged.fail(error)
+        if self._durable.fail(error) and self._on_fail is not None:
+            self._on_fail(self)
 
     def __repr__(self) -> str:
         state = "done" if self.done() else ("staged" if self.staged() else "capturing")
@@ -142,7 +202,11 @@ class RestoreHandle:
     ``bytes_read``, ``chunks_read``, ``waits`` / ``wait_s`` (ops that waited for a buffer not
     yet loaded, and for how long in total), ``opaque_waits`` (CUDA graph replays, Triton or
     compiled launches that waited for everything), ``first_needed`` (key path -> seconds from
-    ``restore()`` to the program's first touch of it during a lazy restore).
+    ``restore()`` to the program's first touch of it during a lazy restore), ``skipped_newer``
+    (unreadable manifests newer than the checkpoint restored: ``[{"id", "reason"}]``, each
+    also named in a WARNING), ``lazy_refused`` (why a ``lazy=True`` restore ran eagerly, e.g.
+    inside ``torch.inference_mode()``), ``gate_dropped`` (times a guard no gpusnap hook saw
+    dropped the lazy gate's dispatch key, put back at the next gpusnap call).
 
     >>> h = ckpt.restore(app_state, lazy=True)   # doctest: +SKIP
     >>> out = model(x)                            # doctest: +SKIP
