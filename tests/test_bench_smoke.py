@@ -89,7 +89,7 @@ def test_failed_correctness_check_fails_the_command(tmp_path, monkeypatch):
 
 
 def test_unknown_workload_is_a_usage_error(tmp_path, capsys):
-    assert main(["bench", "--device", "cpu", "--workload", "bert", "--out", str(tmp_path)]) == 1
+    assert main(["bench", "--device", "cpu", "--workload", "bert", "--out", str(tmp_path)]) == 2
     assert "unknown workload 'bert'" in capsys.readouterr().err
 
 

@@ -1,57 +1,102 @@
-"""The CLI's commands, each a function of parsed arguments returning an exit code."""
+"""The CLI's commands, each a function of parsed arguments returning an exit status
+(:mod:`gpusnap.cli.exits`). Results go to stdout; warnings and errors to stderr."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
-from gpusnap.cli.main import EXIT_FAIL, EXIT_OK
+from gpusnap.cli.as_json import dumps, ls_doc, show_doc, verify_doc
+from gpusnap.cli.exits import EXIT_DAMAGE, EXIT_ERROR, EXIT_OK
+from gpusnap.cli.opening import open_root
 from gpusnap.cli.progress import byte_progress
-from gpusnap.cli.render import checkpoint_table, human_bytes, tree_lines
-from gpusnap.storage.repository import Repository
+from gpusnap.cli.render import checkpoint_table, human_bytes, manifest_reason, unreadable_lines
+from gpusnap.cli.show_text import show_lines
+from gpusnap.errors import CheckpointNotFoundError
 
 __all__ = ["cmd_bench", "cmd_demo", "cmd_gc", "cmd_ls", "cmd_show", "cmd_verify"]
 
 
-def _open(root: str) -> Repository:
-    return Repository.open(root, create=False)
-
-
-def _warn_problems(repo: Repository) -> None:
-    for where, problem in repo.problems():
-        print(f"warning: unreadable checkpoint {where}: {problem}")
+def _warn_unreadable(problems: list[tuple[str, str]], root: str, what: str) -> None:
+    if problems:
+        print(
+            f"gpusnap: warning: {len(problems)} checkpoint manifest(s) in {root} cannot be read; "
+            f"{what} (run `gpusnap verify {root}`; delete the file to drop that checkpoint)",
+            file=sys.stderr,
+        )
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    repo = _open(args.root)
+    repo = open_root(args.root)
     manifests = repo.list()
-    _warn_problems(repo)
-    if not manifests:
+    problems = repo.problems()
+    if args.json:
+        print(dumps(ls_doc(repo.root, manifests, problems)))
+    elif manifests:
+        for line in checkpoint_table(manifests):
+            print(line)
+    elif not problems:
         print(f"no committed checkpoints in {args.root}")
-        return EXIT_OK
-    for line in checkpoint_table(manifests):
-        print(line)
-    return EXIT_OK
+    if not args.json:
+        for line in unreadable_lines(problems):
+            print(line)
+    _warn_unreadable(problems, args.root, "restore() and `latest` skip them")
+    return EXIT_DAMAGE if problems else EXIT_OK
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    repo = _open(args.root)
-    m = repo.resolve(args.checkpoint)
-    print(f"checkpoint {m.id}" + (f" (tag {m.tag})" if m.tag else ""))
-    print(f"  {len(m.storages)} storages, {human_bytes(m.nbytes)}, chunk size {human_bytes(m.chunk_size)}")
-    stats = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.stats.items())
-    print(f"  stats: {stats}")
-    for line in tree_lines(m):
-        print("  " + line)
+    repo = open_root(args.root)
+    ref = args.checkpoint
+    problems = repo.problems()
+    named = [p for p in problems if ref is not None and _file_id(p[0]) == ref]
+    if named:  # the checkpoint asked for exists but cannot be read
+        return _report_unreadable(named)
+    try:
+        m = repo.resolve(ref)
+    except CheckpointNotFoundError:
+        if ref is None and problems:  # no readable checkpoint, but damaged ones
+            return _report_unreadable(problems)
+        raise
+    if args.json:
+        print(dumps(show_doc(repo.root, m, problems)))
+    else:
+        for line in show_lines(m, all_stats=args.stats):
+            print(line)
+    if ref is None:
+        _warn_unreadable(problems, args.root, "the newest readable checkpoint is shown")
+    elif ref != m.id:
+        _warn_unreadable(problems, args.root, f"tag {ref!r} was looked up among the readable ones only")
+    else:
+        _warn_unreadable(problems, args.root, "`latest` and restore() skip them")
     return EXIT_OK
 
 
+def _file_id(where: str) -> str:
+    """The checkpoint id of a manifest's location (path or URL)."""
+    name = where.replace("\\", "/").rsplit("/", 1)[-1]
+    return name[: -len(".json")] if name.endswith(".json") else name
+
+
+def _report_unreadable(problems: list[tuple[str, str]]) -> int:
+    for where, error in problems:
+        reason = manifest_reason(where, error)
+        print(f"gpusnap: error: unreadable checkpoint manifest {where}: {reason}", file=sys.stderr)
+    return EXIT_DAMAGE
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
-    repo = _open(args.root)
-    target = repo.resolve(args.checkpoint).id if args.checkpoint else None
-    manifests = [m for m in repo.list() if target is None or m.id == target]
-    total = sum(m.nbytes for m in manifests)
+    repo = open_root(args.root)
+    ref = args.checkpoint
+    manifests = [m for m in repo.list() if ref is None or ref in (m.id, m.tag)]
+    if ref is not None:
+        manifests = manifests[-1:]  # an id, or the newest with that tag: what verify checks
+    total = 0 if args.json else sum(m.nbytes for m in manifests)
     with byte_progress(total, "verifying") as advance:
-        report = repo.verify(target, progress=advance)
+        # an id whose manifest is unreadable is a problem in the report (exit 1), not unknown
+        report = repo.verify(ref, progress=advance)
+    if args.json:
+        print(dumps(verify_doc(repo.root, report)))
+        return EXIT_OK if report.ok else EXIT_DAMAGE
     for problem in report.problems:
         print(f"CORRUPT: {problem}")
     summary = (
@@ -62,17 +107,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"ok: {summary}")
         return EXIT_OK
     print(f"corrupt: {len(report.problems)} problem(s); {summary}")
-    return EXIT_FAIL
+    return EXIT_DAMAGE
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
     if args.keep_last is not None and args.keep_last < 1:
         raise ValueError("--keep-last must be at least 1")
-    repo = _open(args.root)
+    repo = open_root(args.root)
     report = repo.gc(args.keep_last)
     if report.skipped:
-        print(f"gc skipped: {report.notes}")
-        return EXIT_FAIL
+        print(f"gpusnap: error: gc skipped: {'; '.join(report.notes)}", file=sys.stderr)
+        return EXIT_ERROR
     print(
         f"deleted {len(report.deleted_checkpoints)} checkpoint(s) and "
         f"{len(report.deleted_packs)} pack(s), freed {human_bytes(report.freed_bytes)}"
@@ -85,10 +130,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from gpusnap.cli.demo import run_demo
 
-    return EXIT_OK if run_demo(args.root, steps=args.steps, every=args.every, device=args.device) else EXIT_FAIL
+    return EXIT_OK if run_demo(args.root, steps=args.steps, every=args.every, device=args.device) else EXIT_DAMAGE
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from gpusnap.cli.bench import run
 
-    return EXIT_OK if run(args) else EXIT_FAIL
+    return EXIT_OK if run(args) else EXIT_DAMAGE

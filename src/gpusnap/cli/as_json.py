@@ -1,0 +1,90 @@
+"""The ``--json`` documents of ``ls``, ``show`` and ``verify``. Their keys are documented in
+docs/cli.md and only ever gain new ones; ``"schema"`` says which document a reader holds."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from typing import Any
+
+from gpusnap.cli.summary import summarize
+from gpusnap.storage.manifest import Manifest
+from gpusnap.storage.repository import VerifyReport
+
+__all__ = ["dumps", "ls_doc", "show_doc", "verify_doc"]
+
+SCHEMA = 1
+
+
+def dumps(doc: dict[str, Any]) -> str:
+    return json.dumps(doc, indent=2, sort_keys=False)
+
+
+def _utc(ts: float) -> str:
+    return _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _checkpoint(m: Manifest) -> dict[str, Any]:
+    return {
+        "id": m.id,
+        "tag": m.tag,
+        "created": m.created,
+        "created_utc": _utc(m.created),
+        "nbytes": m.nbytes,
+        "stall_s": m.stats.get("stall_s"),
+        "duration_s": m.stats.get("duration_s"),
+        "validation": m.stats.get("validation"),
+    }
+
+
+def _unreadable(problems: list[tuple[str, str]]) -> list[dict[str, str]]:
+    return [{"manifest": where, "error": error} for where, error in problems]
+
+
+def ls_doc(root: str, manifests: list[Manifest], problems: list[tuple[str, str]]) -> dict[str, Any]:
+    return {
+        "schema": f"gpusnap.ls/{SCHEMA}",
+        "root": root,
+        "checkpoints": [_checkpoint(m) for m in manifests],
+        "unreadable": _unreadable(problems),
+    }
+
+
+def show_doc(root: str, m: Manifest, problems: list[tuple[str, str]]) -> dict[str, Any]:
+    tensors, values = summarize(m)
+    return {
+        "schema": f"gpusnap.show/{SCHEMA}",
+        "root": root,
+        **_checkpoint(m),
+        "chunk_size": m.chunk_size,
+        "storages": [
+            {"nbytes": s.nbytes, "device": s.device, "chunks": list(s.chunks)} for s in m.storages
+        ],
+        "tensors": [
+            {
+                "key": t.key,
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "nbytes": t.nbytes,
+                "device": t.device,
+                "requires_grad": t.requires_grad,
+            }
+            for t in tensors
+        ],
+        "values": [{"key": v.key, "kind": v.kind, "text": v.text} for v in values],
+        "stats": m.stats,
+        "tree": m.tree,
+        "unreadable": _unreadable(problems),
+    }
+
+
+def verify_doc(root: str, report: VerifyReport) -> dict[str, Any]:
+    return {
+        "schema": f"gpusnap.verify/{SCHEMA}",
+        "root": root,
+        "ok": report.ok,
+        "checked_checkpoints": report.checked_checkpoints,
+        "checked_chunks": report.checked_chunks,
+        "checked_bytes": report.checked_bytes,
+        "problems": list(report.problems),
+    }
