@@ -40,3 +40,15 @@ def _reader_processes(monkeypatch: pytest.MonkeyPatch) -> None:
         from gpusnap.restore import restorer
 
         monkeypatch.setattr(restorer, "DIRECT_COPIES", direct)
+
+
+@pytest.fixture(autouse=True)
+def _patient_worker_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reader processes and direct-copy helpers get a minute to say ready, not the 5 s (30 s)
+    a restore gives them: on a loaded machine a fresh interpreter may take longer, and a test
+    would then see the thread fallback instead of what it checks. Tests of the start timeout
+    set their own."""
+    from gpusnap.restore import direct, read_procs
+
+    monkeypatch.setattr(read_procs, "START_TIMEOUT_S", 60.0)
+    monkeypatch.setattr(direct, "START_TIMEOUT_S", 60.0)

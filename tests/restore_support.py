@@ -1,8 +1,12 @@
-"""Restore test support: a backend whose chunk reads can be held back, slowed and logged.
+"""Restore test support: a backend whose chunk reads can be held back, slowed and logged,
+and a loader that loads only what the program waits for.
 
 :class:`HeldBackend` gates only ``readinto_range`` (chunk reads); manifests and pack indexes
-read normally, so ``restore()`` can plan while loading is held. A held read waits at most
-``HOLD_LIMIT`` seconds, so a broken test fails instead of hanging.
+read normally, so ``restore()`` can plan while loading is held. :func:`on_demand` holds the
+loader itself: a lazy restore then loads a span only once the program waits for it, so a
+test sees the program run ahead of the loader however the threads are scheduled (no sleeps,
+no slowed reads). A held read or reader waits at most ``HOLD_LIMIT`` seconds: that ends
+only a hang (a broken test then fails instead of blocking the suite), never a slow machine.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,10 +28,10 @@ from gpusnap.config import Config
 from gpusnap.storage.backend import LocalBackend
 from gpusnap.storage.repository import Repository
 
-__all__ = ["HOLD_LIMIT", "HeldBackend", "blank_like", "held_root", "loader_batches", "mixed_state", "raw",
-           "release_after", "states_equal", "tiny_config"]
+__all__ = ["HOLD_LIMIT", "HeldBackend", "OnDemand", "blank_like", "held_root", "loader_batches", "mixed_state",
+           "on_demand", "raw", "release_after", "states_equal", "tiny_config"]
 
-HOLD_LIMIT = 30.0
+HOLD_LIMIT = 240.0  # (under pytest's 300 s per test: a hang fails here, naming the hold)
 
 
 class HeldBackend(FaultyBackend):
@@ -77,6 +82,99 @@ def held_root(root: Path, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> Ite
         yield backend
     finally:
         backend.release()
+
+
+class OnDemand:
+    """What :func:`on_demand` saw: the spans the program waited for (``Schedule.wait``, in
+    order; only those not loaded yet), and the loads it let run whole."""
+
+    def __init__(self) -> None:
+        self.waited: list[int] = []
+        self.opened = 0  # loads let run whole (a wait for everything)
+        self._open: weakref.WeakSet[Any] = weakref.WeakSet()  # the schedules let run whole
+        self._made: weakref.WeakSet[Any] = weakref.WeakSet()  # every schedule made meanwhile
+        self._lock = threading.Lock()
+
+    def is_open(self, schedule: Any) -> bool:
+        return schedule in self._open
+
+    def open(self, schedule: Any) -> None:
+        with self._lock:
+            if schedule not in self._open:
+                self._open.add(schedule)
+                self.opened += 1
+
+    def open_all(self) -> None:
+        """Every load begun so far runs to the end (a handle's wait: it does not say which)."""
+        for schedule in list(self._made):
+            self.open(schedule)
+
+
+def on_demand(monkeypatch: pytest.MonkeyPatch) -> OnDemand:
+    """From now on every restore's readers take a piece only when the program waits for its
+    span (``Schedule.wait``: an op in the lazy gate, or ``restore()`` for what ``finish()``
+    reads), or once something waits for the whole load (``Schedule.wait_all``: an opaque
+    launch; ``Loader.join``: an eager restore, a later restore or save; ``RestoreHandle.wait``:
+    every load begun so far); then that load runs to the end.
+
+    Readers wait before they take a piece, never while holding one, so a span waited for is
+    always taken by the next free reader: no deadlock, and no span loads unless asked.
+    """
+    from gpusnap.handles import RestoreHandle
+    from gpusnap.restore.loader import Loader
+    from gpusnap.restore.schedule import Schedule, SpanState
+
+    demand = OnDemand()
+    init, take_batch, wait, wait_all = Schedule.__init__, Schedule.take_batch, Schedule.wait, Schedule.wait_all
+    join, handle_wait = Loader.join, RestoreHandle.wait
+
+    def made(self: Schedule, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        demand._made.add(self)
+
+    def asked(schedule: Schedule) -> bool:
+        return (
+            demand.is_open(schedule)
+            or schedule.error is not None
+            or any(ls.next_chunk < ls.chunks for ls in schedule._urgent)
+            or all(ls.next_chunk >= ls.chunks for ls in schedule.spans)  # nothing left: take_batch ends
+        )
+
+    def held_take_batch(self: Schedule, *args: Any, **kwargs: Any) -> Any:
+        deadline = time.monotonic() + HOLD_LIMIT  # (a hang guard only)
+        with self.cond:
+            # (Schedule.wait marks a span urgent without a notify: poll the condition)
+            while not asked(self) and time.monotonic() < deadline:
+                self.cond.wait(0.005)
+        return take_batch(self, *args, **kwargs)
+
+    def noted_wait(self: Schedule, ls: Any, *args: Any, **kwargs: Any) -> Any:
+        if ls.state is not SpanState.LOADED:
+            with demand._lock:
+                demand.waited.append(ls.index)
+        return wait(self, ls, *args, **kwargs)
+
+    def opening_wait_all(self: Schedule, *args: Any, **kwargs: Any) -> Any:
+        demand.open(self)
+        return wait_all(self, *args, **kwargs)
+
+    def opening_join(self: Loader, timeout: float | None = None) -> bool:
+        if timeout is None or timeout > 0:
+            demand.open(self.schedule)
+        return join(self, timeout)
+
+    def opening_handle_wait(self: RestoreHandle, timeout: float | None = None, *args: Any, **kwargs: Any) -> Any:
+        if timeout is None or timeout > 0:
+            demand.open_all()
+        return handle_wait(self, timeout, *args, **kwargs)
+
+    monkeypatch.setattr(Schedule, "__init__", made)
+    monkeypatch.setattr(Schedule, "take_batch", held_take_batch)
+    monkeypatch.setattr(Schedule, "wait", noted_wait)
+    monkeypatch.setattr(Schedule, "wait_all", opening_wait_all)
+    monkeypatch.setattr(Loader, "join", opening_join)
+    monkeypatch.setattr(RestoreHandle, "wait", opening_handle_wait)
+    return demand
 
 
 def release_after(backend: HeldBackend, seconds: float) -> threading.Timer:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import gc
-import time
+import threading
 
 import pytest
 import torch
+from faults import HANG_S
 from torch import nn
 
 import gpusnap
@@ -207,10 +208,14 @@ def test_memory_is_freed_at_wait_even_while_the_writer_still_holds_the_job(tmp_p
     hold the finished job for a moment (in .ci/run this made the test above fail now and
     then). The job's records must not keep the state's memory alive by then."""
     real = gpusnap.Checkpointer._run_job
+    looked = [threading.Event()]  # the test has checked this save's memory
+    test_thread = threading.current_thread()
 
     def slow_to_let_go(self, repo, job):
+        mine = looked[0]  # (taken before the save ends: the test replaces it once it has looked)
         real(self, repo, job)
-        time.sleep(0.5)  # the job is still referenced here and by the writer loop
+        if threading.current_thread() is not test_thread:  # (a blocking save may run it right here)
+            mine.wait(HANG_S)  # the job is still referenced here and by the writer loop
 
     monkeypatch.setattr(gpusnap.Checkpointer, "_run_job", slow_to_let_go)
     freed = torch.UntypedStorage._expired
@@ -226,6 +231,8 @@ def test_memory_is_freed_at_wait_even_while_the_writer_still_holds_the_job(tmp_p
                 assert freed(weak), f"blocking={blocking}: the finished job still holds the state's memory"
             finally:
                 torch.UntypedStorage._free_weak_ref(weak)
+                looked[0].set()
+                looked[0] = threading.Event()
 
 
 def test_mutation_right_after_nonblocking_save_is_not_captured(tmp_path):

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  (imported lazily by the tracker's first op otherwise)
+from faults import HANG_S
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
@@ -69,7 +70,7 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
     wait_captured = CaptureWindow._wait_captured
 
     def gated_store(self: Any, *args: Any, **kwargs: Any) -> Any:
-        g.open.wait(30)
+        g.open.wait(HANG_S)
         return store(self, *args, **kwargs)
 
     def opening_wait(self: Any, ws: Any) -> Any:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from restore_support import held_root, tiny_config
+from restore_support import held_root, on_demand, tiny_config
 from torch import nn
 
 import gpusnap
@@ -50,36 +50,26 @@ def test_empty_model_undoes_its_patch_on_error():
 
 
 def test_cold_start_serves_before_everything_is_loaded(tmp_path, monkeypatch, device):
-    """Deterministic: chunk reads are held until the first forward needs a buffer that is not
-    loaded yet, so that forward is served while nothing, then not everything, is loaded."""
-    from gpusnap.restore.gate import Gate
-    from gpusnap.restore.schedule import SpanState
-
+    """Deterministic: the loader loads only what the forward waits for (``on_demand``) until
+    ``handle.wait()``, so that forward is served while nothing, then not everything, is loaded."""
     torch.manual_seed(0)
     trained = TinyLM(layers=12).to(device)
     ids = torch.randint(0, 64, (2, 8), device=device)
     with torch.no_grad():
         expected = trained(ids)
     with (
-        held_root(tmp_path / "ck", monkeypatch, delay=0.003) as backend,
+        held_root(tmp_path / "ck", monkeypatch) as backend,
         gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config()) as ck,
     ):
         ck.save({"model": trained, "served": 0}, blocking=True)
-        need = Gate.need
-
-        def released_when_needed(self, ls):  # the program's first wait opens the reads
-            if ls.state is not SpanState.LOADED:
-                backend.release()
-            return need(self, ls)
-
-        monkeypatch.setattr(Gate, "need", released_when_needed)
-        backend.hold()
+        demand = on_demand(monkeypatch)
         state = {"served": -1}
         model, handle = gpusnap.cold_start(lambda: TinyLM(layers=12), ck, device=device, app_state=state)
         assert state == {"served": 0, "model": model}
         assert not backend.reads, "cold_start returned before any chunk was read"
         with torch.no_grad():
             out = model(ids)
+        assert demand.waited, "the forward waited for what it read"
         handle.wait()
     assert torch.equal(out, expected)
     assert handle.stats["waits"] >= 1

@@ -1,8 +1,9 @@
 """Lazy restore: computation during loading always sees restored values (DESIGN.md, issue 5).
 
-Loading is held back (``HeldBackend``) or slowed so that the program really runs ahead of
-the loader; ``raw()`` reads memory below the gate to show the bytes were stale at that moment,
-so each test fails if the gate lets an op through early.
+The loader is held to what the program waits for (``on_demand``) so that the program really
+runs ahead of it, however the threads are scheduled; ``raw()`` reads memory below the gate to
+show the bytes were stale at that moment, so each test fails if the gate lets an op through
+early.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import random
 import subprocess
 import sys
 import threading
-import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 import torch
-from restore_support import held_root, raw, release_after, tiny_config
+from restore_support import HOLD_LIMIT as HANG_S
+from restore_support import held_root, on_demand, raw, tiny_config
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
@@ -42,16 +43,13 @@ def _model(seed: int, device: torch.device | str = "cpu") -> nn.Module:
 
 @contextlib.contextmanager
 def _lazy_restore_of(tmp_path, monkeypatch, model, target) -> Iterator[Any]:
-    """``model`` saved, then lazily restored into ``target`` from a root whose reads are held
-    for 0.1 s: yields the RestoreHandle while the restore is still loading."""
-    with (
-        held_root(tmp_path / "ck", monkeypatch) as backend,
-        gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config()) as ck,
-    ):
+    """``model`` saved, then lazily restored into ``target``, loading only what the program
+    waits for: yields the RestoreHandle while nothing is loaded yet."""
+    with gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config()) as ck:
         ck.save({"model": model}, blocking=True)
-        backend.hold()
+        on_demand(monkeypatch)
         handle = ck.restore({"model": target}, lazy=True)
-        release_after(backend, 0.1)
+        assert not handle.done(), "nothing loads before the program asks"
         yield handle
         handle.wait()
 
@@ -80,12 +78,7 @@ def test_lazy_restore_then_train_matches_eager(tmp_path, monkeypatch, device):
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     _train_step(model, optim, x)
     app = {"model": model, "optim": optim, "rng": gpusnap.RNGState(), "step": 3}
-    # training runs ahead of the loader: slow reads, and two readers however many cores the
-    # machine has (a 16-core GPU host loaded everything before the first op otherwise)
-    monkeypatch.setattr("gpusnap.restore.restorer.os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    monkeypatch.setattr("gpusnap.restore.restorer.os.cpu_count", lambda: 2)
-    slow = held_root(tmp_path / "ck", monkeypatch, delay=0.005)
-    with slow, gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config()) as ck:
+    with gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config()) as ck:
         ck.save(app, blocking=True)
         expect_rand = torch.rand(3)
         reference = {"model": _model(1, device), "step": 0}
@@ -97,12 +90,14 @@ def test_lazy_restore_then_train_matches_eager(tmp_path, monkeypatch, device):
         lazy = {"model": _model(2, device), "step": 0}
         lazy["optim"] = torch.optim.Adam(lazy["model"].parameters(), lr=1e-2)  # no state yet: created
         lazy["rng"] = gpusnap.RNGState()
+        demand = on_demand(monkeypatch)  # training runs ahead of the loader: it loads what training waits for
         handle = ck.restore(lazy, lazy=True)
         assert lazy["step"] == 3, "plain values are back when restore() returns"
         assert torch.equal(torch.rand(3), expect_rand), "RNG state is loaded before restore() returns"
+        assert not handle.done()
         losses = [_train_step(lazy["model"], lazy["optim"], x) for _ in range(3)]
         handle.wait()
-        assert handle.stats["waits"] >= 1, "training really ran while loading"
+        assert handle.stats["waits"] >= 1 and demand.waited, "training really ran while loading"
     assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
     for a, b in zip(lazy["model"].parameters(), reference["model"].parameters()):
         assert torch.equal(a, b)
@@ -113,18 +108,20 @@ def test_lazy_restore_then_train_matches_eager(tmp_path, monkeypatch, device):
 def test_an_op_waits_for_exactly_the_buffer_it_touches(tmp_path, monkeypatch):
     tensors = {f"t{i:02d}": torch.full((1024,), float(i)) for i in range(24)}  # 8 chunks each
     with (
-        held_root(tmp_path / "ck", monkeypatch, delay=0.004) as backend,
+        held_root(tmp_path / "ck", monkeypatch) as backend,
         gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config()) as ck,
     ):
         ck.save(tensors, blocking=True)
         target = {k: torch.zeros(1024) for k in tensors}
+        demand = on_demand(monkeypatch)
         handle = ck.restore(target, lazy=True)
         last = target["t23"]  # loaded last in manifest order
         assert raw(last).eq(0).all(), "not loaded yet when the op is issued"
         total = (last + 1).sum().item()  # waits for t23 only: it jumps the queue
         assert total == 24 * 1024
+        assert len(set(demand.waited)) == 1
         assert not handle.done(), "the op did not wait for everything"
-        assert raw(target["t22"]).eq(0).any(), "t22 was not loaded on the way"
+        assert raw(target["t22"]).eq(0).all(), "t22 was not loaded on the way"
         handle.wait()
         assert handle.stats["waits"] >= 1 and handle.stats["wait_s"] > 0
         assert set(handle.stats["first_needed"]) == {"t23"}
@@ -135,20 +132,17 @@ def test_an_op_waits_for_exactly_the_buffer_it_touches(tmp_path, monkeypatch):
 
 def test_reads_and_writes_of_unloaded_buffers_see_restored_bytes_first(tmp_path, monkeypatch):
     source = {"a": torch.arange(4096.0), "b": torch.arange(4096.0) * 2, "c": torch.ones(4096)}
-    with (
-        held_root(tmp_path / "ck", monkeypatch) as backend,
-        gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config()) as ck,
-    ):
+    with gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config()) as ck:
         ck.save(source, blocking=True)
         target = {k: torch.full((4096,), -5.0) for k in source}
-        backend.hold()
+        demand = on_demand(monkeypatch)
         handle = ck.restore(target, lazy=True)
         assert raw(target["a"]).eq(-5).all()
-        release_after(backend, 0.2)
-        started = time.perf_counter()
         target["a"].add_(1)  # a write: must land on the restored bytes, and survive the loader
-        assert time.perf_counter() - started > 0.1, "the write waited for the held load"
+        assert len(demand.waited) == 1, "the write waited for the load"
+        assert raw(target["c"]).eq(-5).all()
         target["c"].copy_(torch.zeros(4096))  # pure overwrite still waits: the loader must not win
+        assert len(demand.waited) == 2, "the overwrite waited for the load"
         seen_b = target["b"].clone()  # a read
         handle.wait()
     assert torch.equal(target["a"], source["a"] + 1)
@@ -262,16 +256,13 @@ def test_corrupt_chunk_during_lazy_load_raises_in_the_program_and_handle(tmp_pat
 
 
 def test_second_restore_waits_for_the_first(tmp_path, monkeypatch):
-    with (
-        held_root(tmp_path / "ck", monkeypatch) as backend,
-        gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config()) as ck,
-    ):
+    with gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config()) as ck:
         first = ck.save({"t": torch.full((4096,), 1.0)}, blocking=True).wait().id
         second = ck.save({"t": torch.full((4096,), 2.0)}, blocking=True).wait().id
         target = {"t": torch.zeros(4096)}
-        backend.hold()
+        on_demand(monkeypatch)
         h1 = ck.restore(target, first, lazy=True)
-        release_after(backend, 0.15)
+        assert not h1.done()
         h2 = ck.restore(target, second)  # waits for h1's loading, then overwrites
         assert h1.done() and h2.done()
         assert torch.equal(target["t"], torch.full((4096,), 2.0))
@@ -285,15 +276,12 @@ def test_second_restore_waits_for_the_first(tmp_path, monkeypatch):
 
 def test_save_during_lazy_restore_checkpoints_restored_values(tmp_path, monkeypatch):
     model = _model(0)
-    with (
-        held_root(tmp_path / "ck", monkeypatch) as backend,
-        gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config()) as ck,
-    ):
+    with gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config()) as ck:
         ck.save({"model": model}, blocking=True)
         target = _model(9)
-        backend.hold()
+        on_demand(monkeypatch)
         handle = ck.restore({"model": target}, lazy=True)
-        release_after(backend, 0.15)
+        assert not handle.done()
         info = ck.save({"model": target}).wait()  # waits for the load first
         assert handle.done()
         check = _model(3)
@@ -304,15 +292,14 @@ def test_save_during_lazy_restore_checkpoints_restored_values(tmp_path, monkeypa
 
 def test_an_exception_in_the_program_does_not_disturb_loading(tmp_path, monkeypatch):
     model = _model(0)
-    with (
-        held_root(tmp_path / "ck", monkeypatch, delay=0.001),
-        gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config()) as ck,
-    ):
+    with gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config()) as ck:
         ck.save({"model": model}, blocking=True)
         target = _model(4)
+        demand = on_demand(monkeypatch)
         handle = ck.restore({"model": target}, lazy=True)
         with pytest.raises(RuntimeError):
             target(torch.randn(2, 3))  # wrong shape: raises inside the gated op
+        assert demand.waited and not handle.done()
         handle.wait()
         assert _bits(target).keys() == _bits(model).keys()
         assert all(torch.equal(a, b) for a, b in zip(_bits(target).values(), _bits(model).values()))
@@ -326,7 +313,7 @@ def test_gate_stays_pass_through_until_gpusnap_is_called_on_its_thread(tmp_path)
         handle = ck.restore(target, lazy=True)
         done = threading.Event()
         threading.Thread(target=lambda: (handle.wait(), done.set())).start()  # another thread cannot pop
-        assert done.wait(10)
+        assert done.wait(HANG_S)
         assert _gates(), "still pushed: only its own thread may pop it"
         assert target["t"].sum().item() == 64  # passes through
         assert handle.done()  # its own thread: pops
@@ -343,15 +330,12 @@ def test_opaque_launches_wait_for_everything(tmp_path, monkeypatch):
     fake = types.ModuleType("triton.runtime.jit")
     fake.JITFunction = JITFunction  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "triton.runtime.jit", fake)
-    with (
-        held_root(tmp_path / "ck", monkeypatch) as backend,
-        gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config()) as ck,
-    ):
+    with gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config()) as ck:
         ck.save({"a": torch.ones(4096), "b": torch.ones(4096)}, blocking=True)
         target = {"a": torch.zeros(4096), "b": torch.zeros(4096)}
-        backend.hold()
+        on_demand(monkeypatch)
         handle = ck.restore(target, lazy=True)
-        release_after(backend, 0.1)
+        assert not handle.done()
         JITFunction().run(target["a"], target["b"])
         handle.wait()
         assert handle.stats["opaque_waits"] == 1
@@ -412,12 +396,10 @@ def test_cuda_graph_captured_during_lazy_restore_records_restored_weights(tmp_pa
 
 
 _COMPILE_LATE = """
-import sys, threading
-import torch, gpusnap
+import sys
+import pytest, torch, gpusnap
 from pathlib import Path
-from restore_support import HeldBackend, tiny_config
-from gpusnap.storage.backend import LocalBackend
-from gpusnap.storage.repository import Repository
+from restore_support import on_demand, tiny_config
 
 root = Path(sys.argv[1])
 # small positive integers: every order of summation gives the exact sum, and unloaded
@@ -429,24 +411,13 @@ with gpusnap.Checkpointer(root, config=tiny_config()) as ck:
 if "torch._inductor.output_code" in sys.modules:
     print("SKIP: importing gpusnap loaded inductor already")
     sys.exit(0)
-backend = HeldBackend(LocalBackend(root))
-real_open = Repository.open.__func__
-Repository.open = classmethod(lambda cls, r, **kw: real_open(cls, r, **{**kw, "backend": backend}))
 target = {"w": torch.zeros(4096)}
 with gpusnap.Checkpointer(root, config=tiny_config()) as ck:
-    backend.hold()
+    # nothing loads until the graph waits for everything, however long compiling takes
+    demand = on_demand(pytest.MonkeyPatch())
     handle = ck.restore(target, lazy=True)
     compiled = torch.compile(lambda x: (x * 2).sum())  # inductor is imported by the first call
     gate = ck._restorer._active.gate
-
-    def release_once_the_graph_waits():
-        for _ in range(3000):
-            if gate.opaque_waits:
-                break
-            threading.Event().wait(0.02)
-        backend.release()  # after 60 s regardless: the assertion below then fails
-
-    threading.Thread(target=release_once_the_graph_waits, daemon=True).start()
     out = compiled(target["w"])
     # the gate's and the hook's state, should this ever fail
     import torch._inductor.output_code as output_code
@@ -454,7 +425,7 @@ with gpusnap.Checkpointer(root, config=tiny_config()) as ck:
     diag = {"opaque_waits": gate.opaque_waits, "complete_after_call": gate.complete,
             "listeners": len(launch_hooks._listeners),
             "wrapped": getattr(output_code.CompiledFxGraph.__call__, "__gpusnap_wrapped__", False),
-            "released": backend._open.is_set(),
+            "loads_let_run": demand.opened, "spans_waited_for": demand.waited,
             "dynamo": {k: dict(v) for k, v in torch._dynamo.utils.counters.items() if v}}
     handle.wait()
 assert torch.equal(out, (w * 2).sum()), f"the compiled graph ran on unloaded weights: {out} {diag}"

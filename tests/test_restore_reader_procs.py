@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from faults import HANG_S
 from restore_support import blank_like as _blank
 from restore_support import corrupt_chunk, loader_batches, tiny_config
 from restore_support import mixed_state as _state
@@ -330,23 +331,30 @@ def test_shared_memory_outlives_its_pool_while_a_region_is_alive() -> None:
     assert not os.path.exists(f"/proc/self/fd/{fd}"), "unmapped and closed with the last region"
 
 
-def test_close_does_not_wait_for_a_worker_whose_pipe_a_fork_holds(tmp_path: Path) -> None:
-    """A forked child of the program holds the workers' stdin open: close() kills them."""
-    import time
+def test_close_does_not_wait_for_a_worker_whose_pipe_a_fork_holds(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forked child of the program holds the workers' stdin open: close() kills them. The
+    child holds them until it is killed, so a close() that waited for the workers' end of
+    input would never return."""
+    import threading
 
+    monkeypatch.setattr(read_procs, "CLOSE_TIMEOUT_S", 0.2)
     pool = SlotPool(1, 4096, pinned=False, shared=True)
     procs = read_procs.ReaderProcs(2, pool)
     data = tmp_path / "d"
     data.write_bytes(b"x" * 10)
     assert procs.read(0, [(str(data), 0, 10, 0)]) == [10]
+    workers = list(procs._procs)
     child = os.fork()
-    if child == 0:  # holds every inherited fd for a while
-        time.sleep(5)
+    if child == 0:  # holds every inherited fd until killed
+        signal.pause()
         os._exit(0)
     try:
-        started = time.monotonic()
-        procs.close()
-        assert time.monotonic() - started < read_procs.CLOSE_TIMEOUT_S + 2
+        closing = threading.Thread(target=procs.close, daemon=True)
+        closing.start()
+        closing.join(HANG_S)
+        assert not closing.is_alive(), "close() waited for workers a fork keeps alive"
+        assert all(p.returncode == -signal.SIGKILL for p in workers), [p.returncode for p in workers]
     finally:
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
@@ -386,17 +394,22 @@ def test_a_process_first_used_long_after_it_started_is_not_killed(tmp_path: Path
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Processes are kept across restores: one may get its first request long after it
     started. It still has START_TIMEOUT_S from then to say ready (found by review: it was
-    killed at once, and reader processes turned off for good)."""
+    killed at once, and reader processes turned off for good). "Long after" on a clock the
+    test moves: the processes get a generous start timeout of real time."""
     import time
+    import types
 
+    ahead = [0.0]
+    clock = types.SimpleNamespace(monotonic=lambda: time.monotonic() + ahead[0])
+    monkeypatch.setattr(read_procs, "time", clock)
     data = tmp_path / "data"
     data.write_bytes(b"x" * 4096)
     pool = SlotPool(2, 4096, pinned=False, shared=True)
     procs = read_procs.ReaderProcs(2, pool)
-    procs.start_timeout = 1.0
+    procs.start_timeout = HANG_S
     try:
         assert procs.read(0, [(str(data), 0, 10, 0)]) == [10]
-        time.sleep(1.5)
+        ahead[0] = 1.5 * HANG_S  # past the start timeout since the processes started
         assert procs.read(1, [(str(data), 0, 10, 0)]) == [10]
         assert not procs.start_failed
     finally:

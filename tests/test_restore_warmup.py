@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from faults import HANG_S
 from restore_support import add_device_hashes, tiny_config
 
 import gpusnap
@@ -80,8 +81,8 @@ def test_the_copy_thread_waits_for_the_warmup_before_its_first_device_check(
 
         def join(self, timeout: float | None = None) -> bool:
             events.append("join")
-            release.wait(5)
-            time.sleep(0.05)
+            assert release.wait(HANG_S), "no reader read while the warm-up loaded"
+            time.sleep(0.05)  # a duration kernels_wait_s must include (not an ordering device)
             events.append("joined")
             return True
 

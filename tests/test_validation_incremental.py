@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from faults import HANG_S, wait_until
 
 import gpusnap
 from gpusnap.capture import concurrent as _concurrent
@@ -34,7 +35,7 @@ def held(monkeypatch: pytest.MonkeyPatch):
     store = _concurrent.ConcurrentSave._store
 
     def gated_store(self: Any, *args: Any, **kwargs: Any) -> Any:
-        gate.wait(30)
+        gate.wait(HANG_S)
         return store(self, *args, **kwargs)
 
     monkeypatch.setattr(_concurrent.ConcurrentSave, "_store", gated_store)
@@ -169,16 +170,28 @@ def test_a_retried_blocking_save_reports_the_callers_whole_wait(
     inside the caller's wait, and its stall_s is the whole wait, first attempt included."""
     monkeypatch.setattr(gpusnap.Checkpointer, "_blocking_via_window", staticmethod(lambda flat: True))
     state = _state()
+    storing = threading.Event()  # the first attempt's copier has handed a piece of "a" to a writer
+    gated_store = _concurrent.ConcurrentSave._store
+
+    def noted_store(self: Any, *args: Any, **kwargs: Any) -> Any:
+        storing.set()
+        return gated_store(self, *args, **kwargs)
+
+    monkeypatch.setattr(_concurrent.ConcurrentSave, "_store", noted_store)
 
     def unseen_write_then_release() -> None:
-        time.sleep(0.5)  # inside the first attempt, which the caller waits through
+        # inside the first attempt, which the caller waits through: its copier stalls in "a"
+        # (the stores are held, staging holds 4 chunks), so "b" is not copied yet
+        assert storing.wait(HANG_S)
         state["b"].numpy()[3] = 99.0
+        time.sleep(0.5)  # a duration the caller's stall must include (not an ordering device)
         held.set()
 
     with gpusnap.Checkpointer(tmp_path / "ck", config=_config(retry_validation=True)) as ck:
         held.set()
         ck.save(state).wait()  # the first window of a Checkpointer is tracked anyway
         held.clear()
+        storing.clear()
         for v in state.values():
             v.add_(1)  # every chunk changed: none is skipped, the copier stalls on staging
         writer = threading.Thread(target=unseen_write_then_release)
@@ -374,14 +387,12 @@ def test_uncompared_snapshots_go_back_before_the_commit(tmp_path: Any, snapshot_
     writers store, and lets it go then: a whole-state snapshot is as big as the state, and
     used to stay allocated until the commit, seconds later on a big model."""
     import gc
-    import threading
-    import time
 
     release = threading.Event()
     store_many = _concurrent.ConcurrentSave._store_many
 
     def held(self: Any, pieces: Any) -> None:
-        release.wait(30)
+        release.wait(HANG_S)
         store_many(self, pieces)
 
     state = {f"t{i}": torch.randn(4096) for i in range(4)}
@@ -398,11 +409,9 @@ def test_uncompared_snapshots_go_back_before_the_commit(tmp_path: Any, snapshot_
         expected = {k: v.clone() for k, v in state.items()}
         pending = ck.save(state)
         try:
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and any(r() is not None for r in snapshot_refs):
-                gc.collect()
-                time.sleep(0.01)
-            assert snapshot_refs and all(r() is None for r in snapshot_refs), "the snapshot waited for the commit"
+            # (the hashing ends on another thread: polled, with a deadline only against a hang)
+            wait_until(lambda: gc.collect() is not None and snapshot_refs and all(r() is None for r in snapshot_refs),
+                       "the snapshot was let go before the commit")
             assert not pending.done()  # the writers are still held: nothing is committed yet
         finally:
             release.set()
