@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 import torch
 
+from faults import HANG_S
+
 import gpusnap
 from gpusnap.capture import concurrent as _concurrent
 from gpusnap.capture.window import CaptureWindow
@@ -47,7 +49,7 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
     wait_captured = CaptureWindow._wait_captured
 
     def gated_store(self: Any, *args: Any, **kwargs: Any) -> Any:
-        g.open.wait(60)
+        g.open.wait(HANG_S)
         return store(self, *args, **kwargs)
 
     def opening_wait(self: Any, ws: Any) -> Any:

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from capture_support import gate  # noqa: F401  (a fixture: chunk stores held until released)
 
 HAS_CUDA = torch.cuda.is_available()
 

@@ -15,7 +15,7 @@ import torch
 
 import gpusnap
 
-from capture_support import CHUNK, assert_bits, gate, restored, run_isolated, tracked_config  # noqa: F401
+from capture_support import assert_bits, restored, run_isolated, tracked_config
 
 _BEFORE_SAVE = r"""
 import sys, tempfile, torch, gpusnap

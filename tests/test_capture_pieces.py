@@ -13,7 +13,6 @@ import torch._dynamo  # noqa: F401  (imported lazily by the tracker's first op o
 from faults import HANG_S, wait_until
 
 import gpusnap
-from gpusnap.capture import concurrent as _concurrent
 from gpusnap.capture.staging import StagingArena
 from gpusnap.capture.window import CaptureWindow
 
@@ -83,25 +82,6 @@ def _config(**kw: Any) -> gpusnap.Config:
     return gpusnap.Config(**base)
 
 
-@pytest.fixture
-def held(monkeypatch: pytest.MonkeyPatch):
-    """Holds every chunk store until released, so the copier stalls with a span in flight."""
-    gate = threading.Event()
-    store = _concurrent.ConcurrentSave._store
-    wait_captured = CaptureWindow._wait_captured
-
-    def gated_store(self: Any, *args: Any, **kwargs: Any) -> Any:
-        gate.wait(HANG_S)
-        return store(self, *args, **kwargs)
-
-    def opening_wait(self: Any, ws: Any) -> Any:
-        gate.set()
-        return wait_captured(self, ws)
-
-    monkeypatch.setattr(_concurrent.ConcurrentSave, "_store", gated_store)
-    monkeypatch.setattr(CaptureWindow, "_wait_captured", opening_wait)
-    yield gate
-    gate.set()
 
 
 def _wait_issued(pending_window: CaptureWindow, name: str, nbytes: int) -> None:
@@ -109,7 +89,7 @@ def _wait_issued(pending_window: CaptureWindow, name: str, nbytes: int) -> None:
     wait_until(lambda: ws.issued >= nbytes, f"{name}: {nbytes} bytes issued")
 
 
-def test_write_to_a_span_in_flight_shadows_only_the_rest(tmp_path: Any, held: threading.Event) -> None:
+def test_write_to_a_span_in_flight_shadows_only_the_rest(tmp_path: Any, gate) -> None:
     state = {"a": torch.randn(2048)}  # 8 KiB = 16 chunks; the arena holds 4
     before = state["a"].clone()
     with gpusnap.Checkpointer(tmp_path / "ck", config=_config(cow_budget_bytes=1 << 20)) as ck:
@@ -117,7 +97,7 @@ def test_write_to_a_span_in_flight_shadows_only_the_rest(tmp_path: Any, held: th
         window = ck._windows[-1].window
         _wait_issued(window, "a", 4 * CHUNK)  # 4 chunks copied, then the arena is full
         state["a"].mul_(-3)  # must shadow the 12 chunks not yet copied, and only those
-        held.set()
+        gate.release()
         info = pending.wait()
         ck.restore(state, info.id)
     assert torch.equal(state["a"], before)
@@ -125,7 +105,7 @@ def test_write_to_a_span_in_flight_shadows_only_the_rest(tmp_path: Any, held: th
     assert info.stats["cow_events"] == 1 and info.stats["waits"] == 0
 
 
-def test_in_flight_over_budget_waits_for_the_whole_span(tmp_path: Any, held: threading.Event) -> None:
+def test_in_flight_over_budget_waits_for_the_whole_span(tmp_path: Any, gate) -> None:
     state = {"a": torch.randn(2048)}
     before = state["a"].clone()
     with gpusnap.Checkpointer(tmp_path / "ck", config=_config(cow_budget_bytes=CHUNK)) as ck:
@@ -138,7 +118,7 @@ def test_in_flight_over_budget_waits_for_the_whole_span(tmp_path: Any, held: thr
     assert info.stats["bytes_cow"] == 0 and info.stats["waits"] == 1, info.stats
 
 
-def test_staged_comes_before_durable(tmp_path: Any, held: threading.Event) -> None:
+def test_staged_comes_before_durable(tmp_path: Any, gate) -> None:
     state = {"a": torch.randn(256), "b": torch.randn(256)}
     before = {k: v.clone() for k, v in state.items()}
     with gpusnap.Checkpointer(tmp_path / "ck", config=_config(staging_bytes=1 << 20)) as ck:
@@ -147,7 +127,7 @@ def test_staged_comes_before_durable(tmp_path: Any, held: threading.Event) -> No
         assert not pending.done()
         for t in state.values():
             t.zero_()  # free to mutate: no tracker interference needed any more
-        held.set()
+        gate.release()
         info = pending.wait()
         ck.restore(state, info.id)
     for k in state:
@@ -183,7 +163,7 @@ def test_trace_dir_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_opaque_launch_in_a_window_protects_every_buffer(
-    tmp_path: Any, held: threading.Event, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Any, gate, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A launch the tracker cannot see (here a stand-in for Triton's JITFunction.run, whose
     module the program imports only after save()) is hooked and makes every pending buffer safe."""
@@ -208,7 +188,7 @@ def test_opaque_launch_in_a_window_protects_every_buffer(
 
         launch_hooks.install_hooks()  # what the import watcher does when a real import finishes
         JITFunction().run(state["z"])
-        held.set()
+        gate.release()
         info = pending.wait()
         ck.restore(state, info.id)
     assert info.stats["opaque_launches"] == 1
@@ -268,7 +248,7 @@ def test_graph_capture_silences_launches_on_its_thread(monkeypatch: pytest.Monke
 
 
 def test_ops_recorded_into_a_graph_capture_are_not_tracked(
-    tmp_path: Any, held: threading.Event, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Any, gate, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A device op inside a capture runs only at a replay (an opaque launch): the tracker must
     not protect it now (a copy-on-write would be recorded into the program's graph). A write
@@ -299,7 +279,7 @@ def test_ops_recorded_into_a_graph_capture_are_not_tracked(
         state["a"].mul_(1.0)  # a host write runs now: tracked (value kept: mul by 1)
         assert any(op.startswith("mul_") for op in touched)
         g.capture_end()
-        held.set()
+        gate.release()
         info = pending.wait()
         ck.restore(state, info.id)
     assert info.stats["opaque_launches"] == 0

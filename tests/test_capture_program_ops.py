@@ -15,7 +15,7 @@ import gpusnap
 from gpusnap.capture import window as _window
 from gpusnap.capture.window import CaptureWindow
 
-from capture_support import assert_bits, gate, restored, tracked_config  # noqa: F401
+from capture_support import assert_bits, restored, tracked_config
 
 HUGE = 1 << 30
 

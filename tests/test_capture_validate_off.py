@@ -13,7 +13,7 @@ import torch
 import gpusnap
 from gpusnap.storage.repository import Repository
 
-from capture_support import assert_bits, gate, restored, tracked_config  # noqa: F401
+from capture_support import assert_bits, restored, tracked_config
 
 
 def _state() -> dict[str, torch.Tensor]:

@@ -3,18 +3,13 @@ equals the state at the consistent point (DESIGN.md invariants 1, 3, 4, 5)."""
 
 from __future__ import annotations
 
-import threading
-from typing import Any
 
 import pytest
 import torch
-from faults import HANG_S
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import gpusnap
 from gpusnap import Config
-from gpusnap.capture import concurrent as _concurrent
-from gpusnap.capture.window import CaptureWindow
 
 
 def _cfg(**kw) -> Config:
@@ -25,27 +20,6 @@ def _cfg(**kw) -> Config:
     return Config(**base)
 
 
-@pytest.fixture
-def held(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Chunk stores wait until released, or until the program waits for a span: the copier
-    stalls in the first span (staging holds 4 chunks), so later spans are certainly pending
-    when the program writes them, however the threads are scheduled."""
-    gate = threading.Event()
-    store = _concurrent.ConcurrentSave._store
-    wait_captured = CaptureWindow._wait_captured
-
-    def gated_store(self: Any, *args: Any, **kwargs: Any) -> Any:
-        gate.wait(HANG_S)
-        return store(self, *args, **kwargs)
-
-    def opening_wait(self: Any, ws: Any) -> Any:
-        gate.set()  # the program waits for this span: let the copier run
-        return wait_captured(self, ws)
-
-    monkeypatch.setattr(_concurrent.ConcurrentSave, "_store", gated_store)
-    monkeypatch.setattr(CaptureWindow, "_wait_captured", opening_wait)
-    yield gate
-    gate.set()
 
 
 def _restore_into(ck: gpusnap.Checkpointer, like: dict, cid: str) -> dict:
@@ -54,7 +28,7 @@ def _restore_into(ck: gpusnap.Checkpointer, like: dict, cid: str) -> dict:
     return fresh
 
 
-def test_write_right_after_save_is_shadowed(tmp_path, device, held):
+def test_write_right_after_save_is_shadowed(tmp_path, device, gate):
     big = torch.randn(1 << 20, device=device)  # copied first: many tiny chunks, slow
     last = torch.randn(4096, device=device)
     app = {"big": big, "last": last}
@@ -63,7 +37,7 @@ def test_write_right_after_save_is_shadowed(tmp_path, device, held):
         pending = ck.save(app)
         last.mul_(3)  # the copier is still busy with "big": this must be shadowed
         big.add_(1)
-        held.set()
+        gate.release()
         info = pending.wait()
         assert info.stats["bytes_cow"] >= last.numel() * 4
         assert info.stats["cow_events"] >= 1
@@ -72,7 +46,7 @@ def test_write_right_after_save_is_shadowed(tmp_path, device, held):
         assert torch.equal(got[k], expected[k]), k
 
 
-def test_over_budget_write_waits_for_the_copy(tmp_path, device, held):
+def test_over_budget_write_waits_for_the_copy(tmp_path, device, gate):
     big = torch.randn(1 << 19, device=device)
     last = torch.randn(4096, device=device)
     app = {"big": big, "last": last}
@@ -114,12 +88,12 @@ def test_freed_tensor_during_window_is_captured_from_its_storage(tmp_path):
     assert torch.equal(got["b"], expected_b)
 
 
-def test_copy_order_learns_from_previous_window(tmp_path, held):
+def test_copy_order_learns_from_previous_window(tmp_path, gate):
     app = {"first": torch.randn(1 << 16), "written": torch.randn(1 << 10)}
     with gpusnap.Checkpointer(tmp_path / "ck", config=_cfg(cow_budget_bytes=1 << 30)) as ck:
         pending = ck.save(app)
         app["written"].add_(1)  # inside the window: the copier is held in "first"
-        held.set()
+        gate.release()
         pending.wait()
         assert ck._write_order[:1] == ["written"]
         flat_order = ck._copy_order(gpusnap.state.flatten(app))
@@ -127,7 +101,7 @@ def test_copy_order_learns_from_previous_window(tmp_path, held):
 
 
 @pytest.mark.cuda
-def test_cuda_graph_replay_in_window_is_treated_as_writing_everything(tmp_path, held):
+def test_cuda_graph_replay_in_window_is_treated_as_writing_everything(tmp_path, gate):
     x = torch.zeros(1 << 16, device="cuda")
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
@@ -143,7 +117,7 @@ def test_cuda_graph_replay_in_window_is_treated_as_writing_everything(tmp_path, 
     with gpusnap.Checkpointer(tmp_path / "ck", config=_cfg(cow_budget_bytes=1 << 30)) as ck:
         pending = ck.save(app)
         g.replay()  # the dispatcher sees nothing: the hook must protect x
-        held.set()
+        gate.release()
         info = pending.wait()
         assert info.stats["opaque_launches"] >= 1
         got = _restore_into(ck, app, info.id)

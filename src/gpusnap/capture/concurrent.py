@@ -34,7 +34,7 @@ from gpusnap.errors import CheckpointError, ValidationError
 from gpusnap.kernels.hashing import chunk_digest
 from gpusnap.state.flatten import FlatState
 from gpusnap.storage.manifest import StorageEntry
-from gpusnap.storage.repository import WriteTxn
+from gpusnap.storage.txn import WriteTxn
 
 __all__ = ["ConcurrentSave"]
 

@@ -19,7 +19,7 @@ from gpusnap.capture.validation import HashTable
 from gpusnap.kernels.hashing import chunk_digest
 from gpusnap.state.flatten import FlatState
 from gpusnap.storage.manifest import StorageEntry
-from gpusnap.storage.repository import WriteTxn
+from gpusnap.storage.txn import WriteTxn
 
 __all__ = ["CaptureCounters", "snapshot_to_host", "write_host_spans"]
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from gpusnap.cli.summary import summarize
 from gpusnap.storage.manifest import Manifest
-from gpusnap.storage.repository import VerifyReport
+from gpusnap.storage.verify import VerifyReport
 
 __all__ = ["dumps", "ls_doc", "show_doc", "verify_doc"]
 

@@ -12,27 +12,22 @@ until it commits or aborts, and its ``tmp/`` files are kept. The root lock (shar
 transactions and verify, exclusive for gc) still keeps a gc away from readers and from
 writers that predate the lease, except that a gc does not wait for its own transactions.
 
-Write transaction states: ``open -> committing -> committed``, or ``-> aborted``. A backend
-failure while ``open`` marks it *failed* (further puts and the commit raise a
-:class:`StorageError`) and ``abort()`` (or leaving the ``with`` block) cleans up;
-``commit()`` either commits or aborts.
+Write transactions are in ``storage.txn``, verification in ``storage.verify``, the root's
+layout and error helpers in ``storage.layout``.
 """
 
 from __future__ import annotations
 
 import builtins
-import errno
 import json
 import logging
 import os
-import re
 import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 from gpusnap.config import Config
@@ -40,19 +35,28 @@ from gpusnap.errors import CheckpointError, CheckpointNotFoundError, IntegrityEr
 from gpusnap.kernels.hashing import chunk_digest
 from gpusnap.storage.backend import Backend, BackendLock, _poll_until, open_backend
 from gpusnap.storage.lease import LEASE_NAME, LeaseBusy, LeaseHolds
+from gpusnap.storage.layout import (
+    ID_RE,
+    LAYOUT,
+    MANIFESTS,
+    PACKS,
+    ROOT_FILE,
+    TMP,
+    about,
+    byte_view,
+    map_chunks,
+    os_reason,
+    storage_error,
+)
 from gpusnap.storage.manifest import FORMAT, VERSION, Manifest, canonical_json
-from gpusnap.storage.pack import PACK_MAGIC, PackIndex, PackWriter, pack_path, read_pack_index
+from gpusnap.storage.pack import PackIndex, read_pack_index
+from gpusnap.storage.txn import WriteTxn
 from gpusnap.storage.unreadable import UnreadableManifest, id_time, may_be_newer
+from gpusnap.storage.verify import VerifyReport, verify
 
 __all__ = ["ChunkReads", "GcReport", "Repository", "UnreadableManifest", "VerifyReport", "WriteTxn"]
 
 log = logging.getLogger("gpusnap")
-
-ROOT_FILE = "gpusnap.json"
-PACKS, MANIFESTS, TMP = "packs", "manifests", "tmp"
-_LAYOUT = frozenset({PACKS, MANIFESTS, TMP, "lock", LEASE_NAME})
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_INTACT = "this checkpoint was not committed; earlier checkpoints are intact"
 
 
 @dataclass(frozen=True)
@@ -74,47 +78,6 @@ class GcReport:
     skipped: bool = False
     notes: tuple[str, ...] = ()
     unreadable: tuple[UnreadableManifest, ...] = ()  # why no pack was deleted, when not empty
-
-
-@dataclass(frozen=True)
-class VerifyReport:
-    """Outcome of re-hashing stored chunks; ``ok`` is False when ``problems`` is not empty."""
-
-    ok: bool
-    problems: tuple[str, ...]
-    checked_checkpoints: int
-    checked_chunks: int
-    checked_bytes: int
-
-
-def _os_reason(exc: OSError) -> str:
-    name = errno.errorcode.get(exc.errno or 0, "")
-    text = exc.strerror or str(exc) or type(exc).__name__
-    return f"{text} [{name}]" if name else text
-
-
-def _storage_error(exc: OSError, doing: str, where: str, *, writing: bool) -> StorageError:
-    """One line: what failed, where, and (for writes) that nothing earlier was harmed."""
-    tail = f"; {_INTACT}" if writing else ""
-    return StorageError(f"{doing} {where} failed: {_os_reason(exc)}{tail}")
-
-
-def _about(what: str) -> str:
-    return f" ({what})" if what else ""
-
-
-def _map_chunks(into: dict[str, tuple[str, int, int]], index: PackIndex) -> None:
-    """Add ``index``'s chunks to ``into`` (digest -> pack path, offset, length); a digest
-    already mapped keeps its first pack."""
-    for digest, offset, length in index.entries:
-        into.setdefault(digest, (index.path, offset, length))
-
-
-def _byte_view(data: bytes | bytearray | memoryview) -> memoryview:
-    view = memoryview(data)
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")  # needs a C-contiguous buffer, as any chunk of a span is
-    return view
 
 
 class Repository:
@@ -164,7 +127,7 @@ class Repository:
                 cls._check_root_file(backend)
                 if create:
                     cls._initialise(backend, root_file=False)
-            elif names <= _LAYOUT:
+            elif names <= LAYOUT:
                 # Empty, or a root another process is creating right now (gpusnap.json comes
                 # last): either way creating it here is safe and idempotent.
                 if not create:
@@ -176,7 +139,7 @@ class Repository:
                     "pick an empty or new directory"
                 )
         except OSError as exc:
-            raise _storage_error(exc, "opening checkpoint root", where, writing=False) from exc
+            raise storage_error(exc, "opening checkpoint root", where, writing=False) from exc
         return cls(backend, config)
 
     @staticmethod
@@ -222,7 +185,7 @@ class Repository:
         try:
             yield
         except OSError as exc:
-            raise _storage_error(exc, doing, self.backend.describe(path), writing=writing) from exc
+            raise storage_error(exc, doing, self.backend.describe(path), writing=writing) from exc
 
     def _listdir(self, path: str) -> builtins.list[str]:
         """Names under ``path``; a missing directory is empty (object stores have no empty dirs)."""
@@ -231,7 +194,7 @@ class Repository:
         except FileNotFoundError:
             return []
         except OSError as exc:
-            raise _storage_error(exc, "listing", self.backend.describe(path), writing=False) from exc
+            raise storage_error(exc, "listing", self.backend.describe(path), writing=False) from exc
 
     def _lock(self, *, exclusive: bool, timeout: float) -> BackendLock:
         try:
@@ -242,7 +205,7 @@ class Repository:
                 f"gave up waiting for the {'exclusive' if exclusive else 'shared'} lock after {timeout:g}s"
             ) from None
         except OSError as exc:
-            raise _storage_error(exc, "locking", self.backend.describe("lock"), writing=False) from exc
+            raise storage_error(exc, "locking", self.backend.describe("lock"), writing=False) from exc
 
     # ------------------------------------------------------------------ the writer lease
 
@@ -259,13 +222,13 @@ class Repository:
                 f"Checkpointer, or let its process or gc finish, then write again{waited}"
             ) from None
         except OSError as exc:
-            raise _storage_error(exc, "taking the writer lease", self.backend.describe(LEASE_NAME), writing=False) from exc
+            raise storage_error(exc, "taking the writer lease", self.backend.describe(LEASE_NAME), writing=False) from exc
 
     def _confirm_lease(self, doing: str) -> None:
         try:
             self._lease.confirm()
         except OSError as exc:
-            raise _storage_error(exc, doing, self.backend.describe(LEASE_NAME), writing=True) from exc
+            raise storage_error(exc, doing, self.backend.describe(LEASE_NAME), writing=True) from exc
 
     def claim_writer(self) -> None:
         """Become this root's writer until :meth:`release_writer` (a Checkpointer: from its first
@@ -322,7 +285,7 @@ class Repository:
         except FileNotFoundError:
             raise  # callers decide: vanished during a listing, or an unknown id
         except OSError as exc:
-            raise _storage_error(exc, "reading manifest", where, writing=False) from exc
+            raise storage_error(exc, "reading manifest", where, writing=False) from exc
         manifest = Manifest.from_json(data, where)
         if f"{manifest.id}.json" != name:
             raise IntegrityError(f"manifest {where} holds id {manifest.id!r}, which does not match its file name")
@@ -417,7 +380,7 @@ class Repository:
 
     def load_manifest(self, checkpoint_id: str) -> Manifest:
         """Read one manifest by id, checksum verified (no cache)."""
-        if not _ID_RE.match(checkpoint_id):
+        if not ID_RE.match(checkpoint_id):
             raise CheckpointNotFoundError(f"no checkpoint {checkpoint_id!r} in {self.root}")
         try:
             return self._read_manifest(f"{checkpoint_id}.json")
@@ -448,7 +411,7 @@ class Repository:
     def delete(self, checkpoint_id: str, *, timeout: float = 30.0) -> None:
         """Remove one manifest (the checkpoint disappears); its packs wait for :meth:`gc`.
         A write: it holds the writer lease (waiting up to ``timeout`` for another writer)."""
-        if not _ID_RE.match(checkpoint_id):
+        if not ID_RE.match(checkpoint_id):
             raise CheckpointNotFoundError(f"no checkpoint {checkpoint_id!r} in {self.root}")
         path = f"{MANIFESTS}/{checkpoint_id}.json"
         self._hold_lease(timeout)
@@ -499,7 +462,7 @@ class Repository:
                         errors.append((path, str(exc)))
                     continue
                 except OSError as exc:
-                    err = _storage_error(exc, "reading pack index", self.backend.describe(path), writing=False)
+                    err = storage_error(exc, "reading pack index", self.backend.describe(path), writing=False)
                     if errors is None:
                         raise err from exc
                     errors.append((path, str(err)))
@@ -509,12 +472,12 @@ class Repository:
     def _rebuild_chunk_map(self) -> None:
         self._chunks = {}
         for index in self._packs.values():
-            _map_chunks(self._chunks, index)
+            map_chunks(self._chunks, index)
 
     def _add_pack(self, index: PackIndex) -> None:
         with self._mutex:
             self._packs[index.path] = index
-            _map_chunks(self._chunks, index)
+            map_chunks(self._chunks, index)
 
     def _known(self, digest: str) -> bool:
         with self._mutex:
@@ -528,7 +491,7 @@ class Repository:
             with self._mutex:
                 loc = self._chunks.get(digest)
         if loc is None:
-            raise IntegrityError(f"chunk {digest}{_about(what)} is missing: no pack under {self.root} holds it")
+            raise IntegrityError(f"chunk {digest}{about(what)} is missing: no pack under {self.root} holds it")
         return loc
 
     def _forget_pack(self, path: str) -> None:
@@ -566,14 +529,14 @@ class Repository:
         ``verify=False`` skips the digest check (never the length check): for callers that
         chose speed over integrity, e.g. ``restore(..., verify="off")``.
         """
-        view = _byte_view(out)
+        view = byte_view(out)
         if view.readonly:
             raise ValueError("read_chunk_into needs a writable buffer")
         for attempt in (0, 1):
             path, offset, length = self._locate(digest, what)
             if length != len(view):
                 raise IntegrityError(
-                    f"chunk {digest}{_about(what)} in pack {self.backend.describe(path)} is {length} bytes, "
+                    f"chunk {digest}{about(what)} in pack {self.backend.describe(path)} is {length} bytes, "
                     f"the checkpoint expects {len(view)}"
                 )
             try:
@@ -589,7 +552,7 @@ class Repository:
                 self._check(digest, view[:got], path, offset, length, what)
             elif got != length:
                 raise IntegrityError(
-                    f"chunk {digest}{_about(what)} in pack {self.backend.describe(path)} is truncated: "
+                    f"chunk {digest}{about(what)} in pack {self.backend.describe(path)} is truncated: "
                     f"{got} of {length} bytes"
                 )
             return
@@ -605,7 +568,7 @@ class Repository:
         one. Each chunk is then checked against its digest (``verify``) or only for its
         length. ``out`` must be exactly the chunks' total length.
         """
-        view = _byte_view(out)
+        view = byte_view(out)
         if view.readonly:
             raise ValueError("read_chunks_into needs a writable buffer")
         runs = self.chunk_runs(digests, chunk_size, len(view), what=what)
@@ -627,7 +590,7 @@ class Repository:
             if got != hi - lo:
                 j = first + min(got // chunk_size, n - 1)
                 raise IntegrityError(
-                    f"chunk {digests[j]}{_about(what)} in pack {self.backend.describe(path)} is truncated "
+                    f"chunk {digests[j]}{about(what)} in pack {self.backend.describe(path)} is truncated "
                     f"(read {got} of {hi - lo} bytes of its run)"
                 )
         read_s = time.perf_counter() - started
@@ -658,7 +621,7 @@ class Repository:
             want = min(chunk_size, nbytes - j * chunk_size)
             if length != want:
                 raise IntegrityError(
-                    f"chunk {digest}{_about(what)} in pack {self.backend.describe(path)} is {length} bytes, "
+                    f"chunk {digest}{about(what)} in pack {self.backend.describe(path)} is {length} bytes, "
                     f"the checkpoint expects {want}"
                 )
             if runs:
@@ -677,17 +640,17 @@ class Repository:
 
     def _read_error(self, exc: OSError, path: str, what: str) -> StorageError:
         doing = f"reading chunk for {what} from pack" if what else "reading chunk from pack"
-        return _storage_error(exc, doing, self.backend.describe(path), writing=False)
+        return storage_error(exc, doing, self.backend.describe(path), writing=False)
 
     def _check(self, digest: str, data: bytes | memoryview, path: str, offset: int, length: int, what: str) -> None:
         where = self.backend.describe(path)
         if len(data) != length:
             raise IntegrityError(
-                f"chunk {digest}{_about(what)} in pack {where} is truncated: {len(data)} of {length} bytes"
+                f"chunk {digest}{about(what)} in pack {where} is truncated: {len(data)} of {length} bytes"
             )
         if chunk_digest(data) != digest:
             raise IntegrityError(
-                f"chunk {digest}{_about(what)} in pack {where} at offset {offset} does not match its digest (corrupt)"
+                f"chunk {digest}{about(what)} in pack {where} at offset {offset} does not match its digest (corrupt)"
             )
 
     # ------------------------------------------------------------------ writing
@@ -795,7 +758,7 @@ class Repository:
             except TimeoutError:
                 return self._has_txns()  # one began meanwhile
             except OSError as exc:
-                raise _storage_error(exc, "locking", self.backend.describe("lock"), writing=False) from exc
+                raise storage_error(exc, "locking", self.backend.describe("lock"), writing=False) from exc
 
         if not _poll_until(attempt, timeout):
             raise StorageError(
@@ -863,7 +826,7 @@ class Repository:
             except FileNotFoundError:
                 pass
             except OSError as exc:
-                notes.append(f"could not delete temporary {self.backend.describe(path)}: {_os_reason(exc)}")
+                notes.append(f"could not delete temporary {self.backend.describe(path)}: {os_reason(exc)}")
         return GcReport(tuple(deleted_ids), tuple(deleted_packs), freed, False, tuple(notes), tuple(bad))
 
     def _doom_packs(
@@ -900,393 +863,5 @@ class Repository:
     def verify(
         self, checkpoint_id: str | None = None, *, progress: Callable[[int], None] | None = None
     ) -> VerifyReport:
-        """Re-hash every chunk of one checkpoint (id or tag) or of all, and check pack trailers.
-
-        Works from freshly read pack indexes, not from what this object remembers. Holds the
-        shared lock (best effort) so a concurrent gc cannot pull packs away mid-check.
-        """
-        try:
-            lock: BackendLock | None = self._lock(exclusive=False, timeout=30.0)
-        except StorageError:
-            lock = None  # read-only media or a long gc: verify anyway, a vanished pack is reported
-        try:
-            return self._verify(checkpoint_id, progress)
-        finally:
-            if lock is not None:
-                lock.release()
-
-    def _verify(self, checkpoint_id: str | None, progress: Callable[[int], None] | None) -> VerifyReport:
-        problems: builtins.list[str] = []
-        if checkpoint_id is None:
-            manifests, bad = self._scan(fresh=True)
-            problems.extend(f"manifest {u.path}: {u.reason}" for u in bad)
-        else:
-            try:
-                manifests = [self.load_manifest(checkpoint_id)]
-            except CheckpointNotFoundError:
-                manifests = [self.resolve(checkpoint_id)]  # a tag, or CheckpointNotFoundError
-            except CheckpointError as exc:
-                manifests = []
-                problems.append(str(exc))
-
-        packs: dict[str, PackIndex] = {}
-        pack_errors: builtins.list[str] = []
-        for path in self._pack_paths():
-            try:
-                packs[path] = read_pack_index(self.backend, path)
-            except FileNotFoundError:
-                continue
-            except IntegrityError as exc:
-                pack_errors.append(str(exc))
-            except OSError as exc:
-                where = self.backend.describe(path)
-                pack_errors.append(str(_storage_error(exc, "reading pack index", where, writing=False)))
-        where_is: dict[str, tuple[str, int, int]] = {}
-        for index in packs.values():
-            _map_chunks(where_is, index)
-        if checkpoint_id is None:
-            problems.extend(pack_errors)
-
-        results: dict[str, str | None] = {}
-        used_packs: set[str] = set()
-        checked_chunks = checked_bytes = 0
-        for m in manifests:
-            found = len(problems)
-            for si, storage in enumerate(m.storages):
-                for ci, digest in enumerate(storage.chunks):
-                    if digest not in results:
-                        loc = where_is.get(digest)
-                        if loc is None:
-                            hint = f" ({len(pack_errors)} pack(s) have unreadable indexes)" if pack_errors else ""
-                            results[digest] = f"chunk {digest} is missing: no pack holds it{hint}"
-                        else:
-                            used_packs.add(loc[0])
-                            results[digest] = self._verify_chunk(digest, *loc)
-                            checked_chunks += 1
-                            checked_bytes += loc[2]
-                            if progress is not None:
-                                progress(loc[2])
-                    if results[digest] is not None:
-                        problems.append(f"checkpoint {m.id}: storage {si} chunk {ci}: {results[digest]}")
-                if all(d in where_is for d in storage.chunks):
-                    total = sum(where_is[d][2] for d in storage.chunks)
-                    if total != storage.nbytes:
-                        problems.append(
-                            f"checkpoint {m.id}: storage {si} chunks hold {total} bytes, "
-                            f"the manifest says {storage.nbytes}"
-                        )
-            if len(problems) > found and self._deleted_meanwhile(m.id):
-                del problems[found:]  # the writer's retention retired it while this ran
-
-        for path in sorted(packs if checkpoint_id is None else used_packs):
-            problems.extend(self._verify_pack_header(packs[path]))
-        return VerifyReport(not problems, tuple(problems), len(manifests), checked_chunks, checked_bytes)
-
-    def _deleted_meanwhile(self, checkpoint_id: str) -> bool:
-        """Whether a checkpoint's manifest is gone: a writer's retention does not wait for
-        readers (see ``gc``), so packs of a checkpoint it retires can vanish under a verify."""
-        try:
-            return not self.backend.exists(f"{MANIFESTS}/{checkpoint_id}.json")
-        except OSError:
-            return False
-
-    def _verify_chunk(self, digest: str, path: str, offset: int, length: int) -> str | None:
-        """The problem with one chunk, or None."""
-        try:
-            data = self.backend.read_range(path, offset, length)
-            self._check(digest, data, path, offset, length, "")
-        except OSError as exc:
-            return str(self._read_error(exc, path, ""))
-        except CheckpointError as exc:
-            return str(exc)
-        return None
-
-    def _verify_pack_header(self, index: PackIndex) -> builtins.list[str]:
-        where = self.backend.describe(index.path)
-        out = []
-        if index.path != pack_path(index.pack_id):
-            out.append(f"pack {where}: name does not match its index digest {index.pack_id}")
-        try:
-            head = self.backend.read_range(index.path, 0, len(PACK_MAGIC))
-        except OSError as exc:
-            return [*out, str(_storage_error(exc, "reading pack", where, writing=False))]
-        if head != PACK_MAGIC:
-            out.append(f"pack {where}: bad header magic {head!r}")
-        return out
-
-
-class WriteTxn:
-    """One checkpoint being written: chunks go into temporary packs, :meth:`commit` publishes.
-
-    Holds the writer lease and the shared root lock from :meth:`Repository.begin_write` until
-    commit or abort. Every chunk it stores, or reuses because it is already stored
-    (:meth:`has_chunk`, :meth:`put_chunk`, :meth:`reuse`), is pinned until then: a gc of the
-    same Repository (a Checkpointer's retention after the previous commit) keeps its pack,
-    and keeps this transaction's ``tmp/`` files.
-
-    States: ``open -> committing -> committed``, or ``-> aborted`` from any but committed.
-    Up to ``config.io_threads`` pack writers are open at once, each used by one thread at a
-    time, so concurrent ``put_chunk`` calls write different files in parallel.
-    """
-
-    def __init__(self, repo: Repository, lock: BackendLock) -> None:
-        self._repo = repo
-        self._backend = repo.backend
-        self._config = repo.config
-        self._lock: BackendLock | None = lock
-        self._token = f"{os.getpid()}-{secrets.token_hex(4)}"
-        self._cond = threading.Condition()
-        self._state = "open"
-        self._error: StorageError | None = None  # first backend failure; the txn cannot commit
-        self._put: set[str] = set()  # digests written or being written by this txn
-        self._free: list[PackWriter] = []  # open writers no thread is using
-        self._last: dict[int, PackWriter] = {}  # thread -> writer it used last (locality)
-        self._writers: list[PackWriter] = []  # every writer made, for cleanup
-        self._finished: list[PackIndex] = []  # full packs, trailer written, still in tmp/
-        self._live = 0  # unfinished writers (free or in use), at most config.io_threads
-        self._busy = 0  # put_chunk calls holding a writer
-        self._seq = 0
-        self._pinned: set[str] = set()  # digests gc must keep (stored or reused); under repo._mutex
-        with repo._mutex:
-            repo._txns.add(self)
-
-    def __enter__(self) -> WriteTxn:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if self._state in ("open", "committing"):
-            self.abort()
-
-    def _check_usable(self) -> None:
-        if self._error is not None:
-            raise self._error
-        if self._state != "open":
-            raise CheckpointError(f"write transaction is {self._state}")
-
-    def _take_free_writer(self) -> PackWriter | None:
-        """A free writer, preferably the one this thread used last: a thread storing a span's
-        chunks in order then writes them back to back, which restores read in one call."""
-        if not self._free:
-            return None
-        mine = self._last.get(threading.get_ident())
-        if mine is not None and mine in self._free:
-            self._free.remove(mine)
-            return mine
-        return self._free.pop()
-
-    def has_chunk(self, digest: str) -> bool:
-        """Whether ``digest`` is already stored (committed packs) or was put in this txn; a
-        stored one is pinned: the caller may now name it in the manifest without storing it."""
-        with self._cond:
-            if digest in self._put:
-                return True
-        return self._repo._pin_known(self, digest)
-
-    def reuse(self, chunks: dict[int, str]) -> dict[int, str]:
-        """The entries of ``chunks`` (index -> digest, e.g. chunks unchanged since the previous
-        checkpoint) whose digest is stored, each pinned until commit or abort. The caller stores
-        the others itself: a retention run may have deleted them since it learned of them."""
-        with self._cond:
-            self._check_usable()
-            put = set(self._put)
-        return {k: d for k, d in chunks.items() if d in put or self._repo._pin_known(self, d)}
-
-    def put_chunk(self, digest: str, data: bytes | bytearray | memoryview) -> bool:
-        """Store one chunk unless known; returns False when deduplicated. Thread-safe.
-
-        ``digest`` is trusted to be ``chunk_digest(data)`` (the capture layer computed it from
-        the same bytes); :meth:`Repository.verify` would expose a mismatch. After a
-        :class:`StorageError` the transaction can only be aborted.
-        """
-        view = _byte_view(data)
-        with self._cond:
-            while True:
-                self._check_usable()
-                if digest in self._put or self._repo._pin_known(self, digest):
-                    return False
-                if self._free or self._live < self._config.io_threads:
-                    break
-                self._cond.wait()
-            self._put.add(digest)
-            self._repo._pin(self, digest)  # kept by gc from its temporary pack to the commit
-            self._busy += 1
-            writer = self._take_free_writer()
-            if writer is None:
-                self._live += 1
-                self._seq += 1
-            path = writer.tmp_path if writer is not None else f"{TMP}/{self._token}-{self._seq:04d}.pack"
-        index: PackIndex | None = None
-        try:
-            if writer is None:
-                writer = PackWriter(self._backend, path, fsync=self._config.fsync)
-                with self._cond:
-                    self._writers.append(writer)
-            writer.append(digest, view)
-            if writer.nbytes >= self._config.pack_size:
-                index = writer.finish()  # fsync here spreads sync cost over the save
-        except BaseException as exc:
-            error = self._fail(writer, digest, exc, path)
-            if error is None:
-                raise
-            raise error from exc
-        with self._cond:
-            if index is not None:
-                self._finished.append(index)
-                self._live -= 1
-                self._last.pop(threading.get_ident(), None)
-            else:
-                self._free.append(writer)
-                self._last[threading.get_ident()] = writer
-            self._busy -= 1
-            self._cond.notify_all()
-        return True
-
-    def _fail(self, writer: PackWriter | None, digest: str, exc: BaseException, path: str) -> StorageError | None:
-        """Mark the txn failed and drop the broken writer's file; the rest waits for abort()."""
-        if writer is not None:
-            writer.discard()
-        error = None
-        if isinstance(exc, OSError):
-            error = _storage_error(exc, "writing pack", self._backend.describe(path), writing=True)
-        with self._cond:
-            self._put.discard(digest)
-            self._live -= 1
-            self._busy -= 1
-            if self._error is None:
-                self._error = error or StorageError(f"writing pack {path} failed: {exc!r}; {_INTACT}")
-            self._cond.notify_all()
-        return error
-
-    def commit(self, manifest: Manifest) -> None:
-        """Publish ``manifest``: finish and sync packs, rename them, then the manifest. Releases the lock.
-
-        On any failure the transaction is aborted (temporary files removed) before raising;
-        packs already renamed into ``packs/`` stay for gc (another writer may already use them).
-        """
-        problem: CheckpointError | None = None
-        with self._cond:
-            while self._busy:
-                self._cond.wait()
-            try:
-                self._check_usable()
-            except CheckpointError as exc:
-                problem = exc
-            else:
-                self._state = "committing"
-        if problem is not None:
-            self.abort()  # a failed put left temporary files; a closed txn makes this a no-op
-            raise problem
-        try:
-            self._commit(manifest)
-        except BaseException:
-            self.abort()
-            raise
-        with self._cond:
-            self._state = "committed"
-        self._release()
-
-    def _commit(self, manifest: Manifest) -> None:
-        repo, backend, fsync = self._repo, self._backend, self._config.fsync
-        if not _ID_RE.match(manifest.id):
-            raise CheckpointError(f"checkpoint id {manifest.id!r} is not a safe file name")
-        missing = [d for s in manifest.storages for d in s.chunks if d not in self._put and not repo._known(d)]
-        if missing:
-            raise CheckpointError(
-                f"manifest {manifest.id} names {len(missing)} chunk(s) never stored, e.g. {missing[0]}; "
-                "nothing was committed"
-            )
-        repo._confirm_lease("confirming the writer lease")  # an object store's can be lost
-        if manifest.tag is not None:
-            owner = repo.tag_owner(manifest.tag, other_than=manifest.id)
-            if owner is not None:
-                raise CheckpointError(
-                    f"tag {manifest.tag!r} already names checkpoint {owner} in {repo.root}; a tag names "
-                    f"one checkpoint: {manifest.id} was not committed"
-                )
-        final = f"{MANIFESTS}/{manifest.id}.json"
-        with repo._io("checking", final, writing=True):
-            if backend.exists(final):
-                raise CheckpointError(f"checkpoint {manifest.id} already exists in {repo.root}")
-        data = manifest.to_json()
-
-        packs = list(self._finished)
-        for writer in self._free:
-            with repo._io("writing pack", writer.tmp_path, writing=True):
-                packs.append(writer.finish())
-        self._free = []
-        fans = sorted({pack_path(p.pack_id).rsplit("/", 1)[0] for p in packs})
-        for fan in fans:
-            with repo._io("creating", fan, writing=True):
-                backend.makedirs(fan)
-        published: list[PackIndex] = []
-        for index in packs:
-            dst = pack_path(index.pack_id)
-            with repo._io("publishing pack", dst, writing=True):
-                backend.rename(index.path, dst)
-            published.append(PackIndex(dst, index.pack_id, index.size, index.entries))
-        if fsync and fans:
-            for d in [*fans, PACKS]:
-                with repo._io("syncing", d, writing=True):
-                    backend.sync_dir(d)
-        for index in published:
-            repo._add_pack(index)
-
-        tmp = f"{TMP}/{self._token}-{manifest.id}.json"
-        with repo._io("writing manifest", tmp, writing=True):
-            handle = backend.open_write(tmp)
-            try:
-                handle.write(data)
-            finally:
-                handle.close(sync=fsync)
-        with repo._io("publishing manifest", final, writing=True):
-            backend.rename(tmp, final)
-        if fsync:
-            try:
-                backend.sync_dir(MANIFESTS)
-            except OSError as exc:
-                # not durable, so not committed: take it back, so that the error and list() agree
-                try:
-                    backend.remove(final)
-                except OSError:
-                    pass
-                raise _storage_error(exc, "syncing", backend.describe(MANIFESTS), writing=True) from exc
-        with repo._mutex:
-            repo._manifest_cache[f"{manifest.id}.json"] = manifest
-
-    def abort(self) -> None:
-        """Drop everything this transaction wrote to ``tmp/`` and release the lock. Idempotent."""
-        with self._cond:
-            if self._state in ("aborted", "committed"):
-                return
-            self._state = "aborted"
-            self._cond.notify_all()
-            while self._busy:
-                self._cond.wait()
-            writers, self._writers, self._free, self._finished = self._writers, [], [], []
-        for writer in writers:
-            writer.discard()  # best effort; a file already renamed into packs/ is simply gone
-        try:
-            leftovers = [n for n in self._backend.listdir(TMP) if n.startswith(f"{self._token}-")]
-        except OSError:
-            leftovers = []
-        for name in leftovers:
-            try:
-                self._backend.remove(f"{TMP}/{name}")
-            except OSError:
-                pass
-        self._release()
-
-    def _release(self) -> None:
-        """Unpin (after a commit, its manifest is cached: gc sees it) and let the locks go."""
-        repo = self._repo
-        with repo._mutex:
-            registered = self in repo._txns
-            repo._txns.discard(self)
-            self._pinned = set()
-        lock, self._lock = self._lock, None
-        if lock is not None:
-            lock.release()
-        if registered:
-            repo._lease.drop()
+        """Re-hash every chunk of one checkpoint (id or tag) or of all (``storage.verify``)."""
+        return verify(self, checkpoint_id, progress=progress)

@@ -1,0 +1,302 @@
+"""A write transaction: one checkpoint's chunks go into temporary packs; ``commit`` publishes.
+
+States: ``open -> committing -> committed``, or ``-> aborted``. A backend failure while
+``open`` marks it *failed* (further puts and the commit raise a :class:`StorageError`) and
+``abort()`` (or leaving the ``with`` block) cleans up; ``commit()`` either commits or aborts.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from gpusnap.errors import CheckpointError, StorageError
+from gpusnap.storage.backend import BackendLock
+from gpusnap.storage.layout import ID_RE, INTACT, MANIFESTS, PACKS, TMP, byte_view, storage_error
+from gpusnap.storage.manifest import Manifest
+from gpusnap.storage.pack import PackIndex, PackWriter, pack_path
+
+if TYPE_CHECKING:
+    from gpusnap.storage.repository import Repository
+
+__all__ = ["WriteTxn"]
+
+
+class WriteTxn:
+    """One checkpoint being written: chunks go into temporary packs, :meth:`commit` publishes.
+
+    Holds the writer lease and the shared root lock from :meth:`Repository.begin_write` until
+    commit or abort. Every chunk it stores, or reuses because it is already stored
+    (:meth:`has_chunk`, :meth:`put_chunk`, :meth:`reuse`), is pinned until then: a gc of the
+    same Repository (a Checkpointer's retention after the previous commit) keeps its pack,
+    and keeps this transaction's ``tmp/`` files.
+
+    States: ``open -> committing -> committed``, or ``-> aborted`` from any but committed.
+    Up to ``config.io_threads`` pack writers are open at once, each used by one thread at a
+    time, so concurrent ``put_chunk`` calls write different files in parallel.
+    """
+
+    def __init__(self, repo: Repository, lock: BackendLock) -> None:
+        self._repo = repo
+        self._backend = repo.backend
+        self._config = repo.config
+        self._lock: BackendLock | None = lock
+        self._token = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self._cond = threading.Condition()
+        self._state = "open"
+        self._error: StorageError | None = None  # first backend failure; the txn cannot commit
+        self._put: set[str] = set()  # digests written or being written by this txn
+        self._free: list[PackWriter] = []  # open writers no thread is using
+        self._last: dict[int, PackWriter] = {}  # thread -> writer it used last (locality)
+        self._writers: list[PackWriter] = []  # every writer made, for cleanup
+        self._finished: list[PackIndex] = []  # full packs, trailer written, still in tmp/
+        self._live = 0  # unfinished writers (free or in use), at most config.io_threads
+        self._busy = 0  # put_chunk calls holding a writer
+        self._seq = 0
+        self._pinned: set[str] = set()  # digests gc must keep (stored or reused); under repo._mutex
+        with repo._mutex:
+            repo._txns.add(self)
+
+    def __enter__(self) -> WriteTxn:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._state in ("open", "committing"):
+            self.abort()
+
+    def _check_usable(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._state != "open":
+            raise CheckpointError(f"write transaction is {self._state}")
+
+    def _take_free_writer(self) -> PackWriter | None:
+        """A free writer, preferably the one this thread used last: a thread storing a span's
+        chunks in order then writes them back to back, which restores read in one call."""
+        if not self._free:
+            return None
+        mine = self._last.get(threading.get_ident())
+        if mine is not None and mine in self._free:
+            self._free.remove(mine)
+            return mine
+        return self._free.pop()
+
+    def has_chunk(self, digest: str) -> bool:
+        """Whether ``digest`` is already stored (committed packs) or was put in this txn; a
+        stored one is pinned: the caller may now name it in the manifest without storing it."""
+        with self._cond:
+            if digest in self._put:
+                return True
+        return self._repo._pin_known(self, digest)
+
+    def reuse(self, chunks: dict[int, str]) -> dict[int, str]:
+        """The entries of ``chunks`` (index -> digest, e.g. chunks unchanged since the previous
+        checkpoint) whose digest is stored, each pinned until commit or abort. The caller stores
+        the others itself: a retention run may have deleted them since it learned of them."""
+        with self._cond:
+            self._check_usable()
+            put = set(self._put)
+        return {k: d for k, d in chunks.items() if d in put or self._repo._pin_known(self, d)}
+
+    def put_chunk(self, digest: str, data: bytes | bytearray | memoryview) -> bool:
+        """Store one chunk unless known; returns False when deduplicated. Thread-safe.
+
+        ``digest`` is trusted to be ``chunk_digest(data)`` (the capture layer computed it from
+        the same bytes); :meth:`Repository.verify` would expose a mismatch. After a
+        :class:`StorageError` the transaction can only be aborted.
+        """
+        view = byte_view(data)
+        with self._cond:
+            while True:
+                self._check_usable()
+                if digest in self._put or self._repo._pin_known(self, digest):
+                    return False
+                if self._free or self._live < self._config.io_threads:
+                    break
+                self._cond.wait()
+            self._put.add(digest)
+            self._repo._pin(self, digest)  # kept by gc from its temporary pack to the commit
+            self._busy += 1
+            writer = self._take_free_writer()
+            if writer is None:
+                self._live += 1
+                self._seq += 1
+            path = writer.tmp_path if writer is not None else f"{TMP}/{self._token}-{self._seq:04d}.pack"
+        index: PackIndex | None = None
+        try:
+            if writer is None:
+                writer = PackWriter(self._backend, path, fsync=self._config.fsync)
+                with self._cond:
+                    self._writers.append(writer)
+            writer.append(digest, view)
+            if writer.nbytes >= self._config.pack_size:
+                index = writer.finish()  # fsync here spreads sync cost over the save
+        except BaseException as exc:
+            error = self._fail(writer, digest, exc, path)
+            if error is None:
+                raise
+            raise error from exc
+        with self._cond:
+            if index is not None:
+                self._finished.append(index)
+                self._live -= 1
+                self._last.pop(threading.get_ident(), None)
+            else:
+                self._free.append(writer)
+                self._last[threading.get_ident()] = writer
+            self._busy -= 1
+            self._cond.notify_all()
+        return True
+
+    def _fail(self, writer: PackWriter | None, digest: str, exc: BaseException, path: str) -> StorageError | None:
+        """Mark the txn failed and drop the broken writer's file; the rest waits for abort()."""
+        if writer is not None:
+            writer.discard()
+        error = None
+        if isinstance(exc, OSError):
+            error = storage_error(exc, "writing pack", self._backend.describe(path), writing=True)
+        with self._cond:
+            self._put.discard(digest)
+            self._live -= 1
+            self._busy -= 1
+            if self._error is None:
+                self._error = error or StorageError(f"writing pack {path} failed: {exc!r}; {INTACT}")
+            self._cond.notify_all()
+        return error
+
+    def commit(self, manifest: Manifest) -> None:
+        """Publish ``manifest``: finish and sync packs, rename them, then the manifest. Releases the lock.
+
+        On any failure the transaction is aborted (temporary files removed) before raising;
+        packs already renamed into ``packs/`` stay for gc (another writer may already use them).
+        """
+        problem: CheckpointError | None = None
+        with self._cond:
+            while self._busy:
+                self._cond.wait()
+            try:
+                self._check_usable()
+            except CheckpointError as exc:
+                problem = exc
+            else:
+                self._state = "committing"
+        if problem is not None:
+            self.abort()  # a failed put left temporary files; a closed txn makes this a no-op
+            raise problem
+        try:
+            self._commit(manifest)
+        except BaseException:
+            self.abort()
+            raise
+        with self._cond:
+            self._state = "committed"
+        self._release()
+
+    def _commit(self, manifest: Manifest) -> None:
+        repo, backend, fsync = self._repo, self._backend, self._config.fsync
+        if not ID_RE.match(manifest.id):
+            raise CheckpointError(f"checkpoint id {manifest.id!r} is not a safe file name")
+        missing = [d for s in manifest.storages for d in s.chunks if d not in self._put and not repo._known(d)]
+        if missing:
+            raise CheckpointError(
+                f"manifest {manifest.id} names {len(missing)} chunk(s) never stored, e.g. {missing[0]}; "
+                "nothing was committed"
+            )
+        repo._confirm_lease("confirming the writer lease")  # an object store's can be lost
+        if manifest.tag is not None:
+            owner = repo.tag_owner(manifest.tag, other_than=manifest.id)
+            if owner is not None:
+                raise CheckpointError(
+                    f"tag {manifest.tag!r} already names checkpoint {owner} in {repo.root}; a tag names "
+                    f"one checkpoint: {manifest.id} was not committed"
+                )
+        final = f"{MANIFESTS}/{manifest.id}.json"
+        with repo._io("checking", final, writing=True):
+            if backend.exists(final):
+                raise CheckpointError(f"checkpoint {manifest.id} already exists in {repo.root}")
+        data = manifest.to_json()
+
+        packs = list(self._finished)
+        for writer in self._free:
+            with repo._io("writing pack", writer.tmp_path, writing=True):
+                packs.append(writer.finish())
+        self._free = []
+        fans = sorted({pack_path(p.pack_id).rsplit("/", 1)[0] for p in packs})
+        for fan in fans:
+            with repo._io("creating", fan, writing=True):
+                backend.makedirs(fan)
+        published: list[PackIndex] = []
+        for index in packs:
+            dst = pack_path(index.pack_id)
+            with repo._io("publishing pack", dst, writing=True):
+                backend.rename(index.path, dst)
+            published.append(PackIndex(dst, index.pack_id, index.size, index.entries))
+        if fsync and fans:
+            for d in [*fans, PACKS]:
+                with repo._io("syncing", d, writing=True):
+                    backend.sync_dir(d)
+        for index in published:
+            repo._add_pack(index)
+
+        tmp = f"{TMP}/{self._token}-{manifest.id}.json"
+        with repo._io("writing manifest", tmp, writing=True):
+            handle = backend.open_write(tmp)
+            try:
+                handle.write(data)
+            finally:
+                handle.close(sync=fsync)
+        with repo._io("publishing manifest", final, writing=True):
+            backend.rename(tmp, final)
+        if fsync:
+            try:
+                backend.sync_dir(MANIFESTS)
+            except OSError as exc:
+                # not durable, so not committed: take it back, so that the error and list() agree
+                try:
+                    backend.remove(final)
+                except OSError:
+                    pass
+                raise storage_error(exc, "syncing", backend.describe(MANIFESTS), writing=True) from exc
+        with repo._mutex:
+            repo._manifest_cache[f"{manifest.id}.json"] = manifest
+
+    def abort(self) -> None:
+        """Drop everything this transaction wrote to ``tmp/`` and release the lock. Idempotent."""
+        with self._cond:
+            if self._state in ("aborted", "committed"):
+                return
+            self._state = "aborted"
+            self._cond.notify_all()
+            while self._busy:
+                self._cond.wait()
+            writers, self._writers, self._free, self._finished = self._writers, [], [], []
+        for writer in writers:
+            writer.discard()  # best effort; a file already renamed into packs/ is simply gone
+        try:
+            leftovers = [n for n in self._backend.listdir(TMP) if n.startswith(f"{self._token}-")]
+        except OSError:
+            leftovers = []
+        for name in leftovers:
+            try:
+                self._backend.remove(f"{TMP}/{name}")
+            except OSError:
+                pass
+        self._release()
+
+    def _release(self) -> None:
+        """Unpin (after a commit, its manifest is cached: gc sees it) and let the locks go."""
+        repo = self._repo
+        with repo._mutex:
+            registered = self in repo._txns
+            repo._txns.discard(self)
+            self._pinned = set()
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
+        if registered:
+            repo._lease.drop()
