@@ -8,7 +8,6 @@ aborted) and propagates; close() twice, from another thread, or a save() after i
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from pathlib import Path
@@ -241,18 +240,17 @@ def test_ctrl_c_while_save_waits_for_a_queue_slot(
         state = _state()
         first = ck.save(state)  # the writer holds it
         second = ck.save(state)  # queued: the queue is full
-        put = ck._queue.put
+        acquire = ck._slots.acquire
 
-        def interrupted_put(item: Any, block: bool = True, timeout: float | None = None) -> None:
-            try:
-                put(item, block=False)
-            except queue.Full:  # it would block: Ctrl-C arrives now
-                raise KeyboardInterrupt from None
+        def interrupted_acquire(blocking: bool = True, timeout: float | None = None) -> bool:
+            if not acquire(blocking=False):  # it would block: Ctrl-C arrives now
+                raise KeyboardInterrupt
+            return True
 
-        monkeypatch.setattr(ck._queue, "put", interrupted_put)
+        monkeypatch.setattr(ck._slots, "acquire", interrupted_acquire)
         with pytest.raises(KeyboardInterrupt):
             ck.save(state)
-        monkeypatch.setattr(ck._queue, "put", put)
+        monkeypatch.setattr(ck._slots, "acquire", acquire)
         third = made[-1]
         assert third not in (first, second)
         assert third.done() and third not in ck._pending, "the interrupted save failed and is forgotten"

@@ -52,6 +52,10 @@ class FlakyStore(MemoryFileSystem):
         self._fail("CopyObject", path2)
         return super().mv(path1, path2, *args, **kwargs)
 
+    def copy(self, path1: Any, path2: Any, *args: Any, **kwargs: Any) -> Any:
+        self._fail("CopyObject", path2)
+        return super().copy(path1, path2, *args, **kwargs)
+
 
 @pytest.fixture()
 def root() -> Iterator[str]:

@@ -16,6 +16,7 @@ import queue
 import sys
 import threading
 import time
+import weakref
 from collections.abc import MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -76,6 +77,7 @@ class _SaveJob:
     app_state: Any = None  # kept for one retry after a validation failure
     owner: threading.Thread | None = None  # called save(): a retry starts on this thread only
     retry_note: str | None = None  # why this save is a retry
+    handed_on: bool = False  # failed validation: its retry (another job) finishes its pending
 
 
 def _release_state(job: _SaveJob) -> None:
@@ -127,7 +129,10 @@ class Checkpointer:
         self._pool = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="gpusnap-io")
         # one long-lived thread runs each window's copier in turn (one window at a time)
         self._copier_runner = ThreadPoolExecutor(1, thread_name_prefix="gpusnap-copier")
-        self._queue: queue.Queue[_SaveJob | None] = queue.Queue(self.config.max_pending_saves)
+        # jobs for the writer; unbounded, so that putting its stop never blocks (close() from a
+        # signal handler that interrupted a save waiting for a slot); saves wait for a slot
+        self._queue: queue.Queue[_SaveJob | None] = queue.Queue()
+        self._slots = threading.BoundedSemaphore(self.config.max_pending_saves)  # queued jobs at most
         self._pending: list[PendingSave] = []
         self._pending_lock = threading.Lock()
         self._writer: threading.Thread | None = None
@@ -161,11 +166,13 @@ class Checkpointer:
         self._close_lock = threading.Lock()  # a second close() waits for the first
         # a save's last look at _closed and its enqueue, against close(): a job is queued
         # before the writer's stop, or refused (never left behind it)
-        self._enqueue_lock = threading.Lock()
+        self._enqueue_lock = threading.RLock()  # (a signal handler may close() inside a save())
         self._unobserved = Unobserved()  # failed saves whose error nothing has seen yet
         # threads inside a gpusnap wait, which runs their due retries (see _wait_for)
         self._waiting: dict[threading.Thread, int] = {}
         exit_hooks.track(self)
+        self._opened: list[Repository] = []  # (for _let_go, which must not hold self)
+        weakref.finalize(self, _let_go, self._queue, self._opened).atexit = False
 
     # -- repository ---------------------------------------------------------------------------
     def _repository(self, *, create: bool) -> Repository:
@@ -173,12 +180,13 @@ class Checkpointer:
         ``close()``: a StorageError names the writer that already holds it."""
         with self._repo_lock:
             if self._repo is None:
-                self._repo = Repository.open(
+                self._repo = repo = Repository.open(
                     self.root,
                     create=create,
                     storage_options=self._storage_options,
                     config=self.config,
                 )
+                self._opened.append(repo)
             if create:
                 self._repo.claim_writer()  # idempotent
             return self._repo
@@ -217,7 +225,7 @@ class Checkpointer:
         if owner is not None:
             raise CheckpointError(
                 f"tag {tag!r} already names checkpoint {owner} in {self.root}; a tag names one "
-                "checkpoint: pick another tag, or delete that checkpoint first"
+                "checkpoint: pick another tag"
             )
 
     def _save(
@@ -230,7 +238,12 @@ class Checkpointer:
         with collector_paused():  # not in this call's stall: see collector.py
             pending, run_now = self._save_now(app_state, tag, blocking, retry_of)
         if run_now is not None:
-            self._run_job(*run_now)  # (an interrupt there propagates: see _run_job)
+            with self._pending_lock:  # listed while it runs: its tag is taken (_check_tag_free)
+                self._pending.append(pending)
+            try:
+                self._run_job(*run_now)  # (an interrupt there propagates: see _run_job)
+            finally:
+                self._forget(pending)
         if blocking:
             pending.wait()
         return pending
@@ -280,7 +293,8 @@ class Checkpointer:
         try:
             self._enqueue(job)
         except BaseException as exc:  # Ctrl-C while waiting for a slot, a close() meanwhile
-            self._abandon(job, exc, raised=True)
+            # a retry's error reaches no caller of save(): it stays unobserved until raised
+            self._abandon(job, exc, raised=retry_of is None)
             raise
         job.stall_s = time.perf_counter() - started
         job.phases["queue"] = time.perf_counter() - queued
@@ -294,7 +308,35 @@ class Checkpointer:
             if self._closed:  # by close() on another thread since this save's first check
                 raise CheckpointError(f"Checkpointer({self.root!r}) was closed during this save()")
             self._ensure_writer()
-            self._queue.put(job)  # blocks while max_pending_saves durable writes are queued
+        # Blocks while max_pending_saves durable writes are queued: not under the lock, which a
+        # close() from a signal handler on this very thread (SIGTERM on preemption) takes.
+        self._slots.acquire()
+        try:
+            self._queue.put(job)
+        except BaseException:
+            self._slots.release()
+            raise
+        if self._stop_sent:  # a close() meanwhile: was this job queued behind the writer's stop?
+            self._writer.join()  # type: ignore[union-attr]
+            if job in self._drain_stopped(keep=job):
+                raise CheckpointError(f"Checkpointer({self.root!r}) was closed during this save()")
+
+    def _drain_stopped(self, keep: _SaveJob | None = None) -> list[_SaveJob]:
+        """Once the writer has stopped: take the jobs queued after its stop (saves that raced
+        close()) and fail them, but ``keep`` (the caller's own, which save() raises for);
+        returns them all."""
+        left: list[_SaveJob] = []
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return left
+            if job is not None:
+                self._slots.release()
+                left.append(job)
+                if job is not keep:
+                    self._abandon(job, CheckpointError(f"Checkpointer({self.root!r}) was closed during this save()"),
+                                  raised=False)
 
     def _abandon(self, job: _SaveJob, error: BaseException, *, raised: bool) -> None:
         """Fail a save that started but will never reach (or left) the writer, and undo what
@@ -303,14 +345,16 @@ class Checkpointer:
         lock, temporary files), and this thread's tracker is popped. ``raised``: the error
         propagates from save() itself, which counts as observing it."""
         capture = job.concurrent
-        if capture is not None:
-            capture.close_out(error)  # (a second interrupt while it waits stops the undoing)
-        self._forget(job.pending)
-        _release_state(job)
-        if raised:
-            job.pending._mark_observed()  # (first: no other thread's wait() raises it too)
-        job.pending._fail(error)
-        self._reap(retry=False)
+        try:
+            if capture is not None:
+                capture.close_out(error)  # (a second interrupt while it waits stops the waiting)
+        finally:  # whatever interrupts the undoing, the save is failed and forgotten: no hang
+            self._forget(job.pending)
+            _release_state(job)
+            if raised:
+                job.pending._mark_observed()  # (first: no other thread's wait() raises it too)
+            job.pending._fail(error)
+            self._reap(retry=False)
 
     def _forget(self, pending: PendingSave) -> None:
         with self._pending_lock:
@@ -380,15 +424,17 @@ class Checkpointer:
             window = capture.window
             window.on_close(lambda: pending._set_staged() if window.error is None else None)
             starting = time.perf_counter()
+            with self._pending_lock:  # listed first: its tracker is popped (_reap) whatever happens
+                self._windows.append(capture)
             capture.start()
             phases["open_window"] = time.perf_counter() - opened
             phases.update({f"open_window.{k}": v for k, v in capture.phases.items()},
                           **{"open_window.start": time.perf_counter() - starting})
-        except BaseException:
+        except BaseException as exc:  # (Ctrl-C included): the window closes, its copier stops
             if capture is not None:
-                capture.abort_txn()
+                capture.close_out(exc)
+                self._reap(retry=False)
             raise
-        self._windows.append(capture)
         return capture
 
     def _incremental_note(self, share: float | None, compared: bool) -> str:
@@ -585,28 +631,24 @@ class Checkpointer:
 
     def _ensure_writer(self) -> None:
         if self._writer is None or not self._writer.is_alive():
+            # the thread holds the Checkpointer only while it writes a job: one the program
+            # drops without close() (a notebook cell run again) is collected, and lets its
+            # root's writer lease go (_let_go), instead of holding it for the process's life
             self._writer = threading.Thread(
-                target=self._writer_loop, name="gpusnap-writer", daemon=True
+                target=_writer_loop, args=(weakref.ref(self), self._queue, self._slots), name="gpusnap-writer",
+                daemon=True,
             )
             self._writer.start()
 
-    def _writer_loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            try:
-                self._run_job(self._repository(create=True), job)
-            except BaseException as exc:  # (_run_job reports its own): the save must not hang
-                self._abandon(job, exc, raised=False)
-            finally:
-                with self._pending_lock:
-                    if job.pending in self._pending and job not in self._retries:
-                        self._pending.remove(job.pending)
-            # not held while this thread waits for the next save: a finished job still holds
-            # its window's per-span records (~7k objects on GPT-2 large), which Python's full
-            # collections would walk until then
-            del job
+    def _write_one(self, job: _SaveJob) -> None:
+        try:
+            self._run_job(self._repository(create=True), job)
+        except BaseException as exc:  # (_run_job reports its own): the save must not hang
+            self._abandon(job, exc, raised=False)
+        finally:
+            with self._pending_lock:  # (a job handed on to its retry leaves it listed)
+                if job.pending in self._pending and not job.handed_on:
+                    self._pending.remove(job.pending)
 
     def _run_job(self, repo: Repository, job: _SaveJob) -> None:
         pending = job.pending
@@ -673,16 +715,6 @@ class Checkpointer:
                     stats=stats,
                 )
                 txn.commit(manifest)
-                if any(e.hashes is not None for e in entries):
-                    self._previous = known_chunks(manifest)
-            info = info_from_manifest(manifest)
-            info.stats["duration_s"] = time.perf_counter() - job.started
-            if job.blocking:  # the caller waited through the commit too
-                info.stats["stall_s"] = info.stats["duration_s"]
-            if self.keep_last is not None:
-                self._retain(repo)
-            _release_state(job)  # before wait() returns: nothing of the state is held after it
-            pending._finish(info)
         except BaseException as exc:  # the save failed: report it on the handle, commit nothing
             if capture is not None:
                 capture.close_out(exc)  # its copier and store tasks stopped, its txn aborted
@@ -697,6 +729,20 @@ class Checkpointer:
             pending._fail(exc)
             if interrupted:
                 raise
+            return
+        # committed: what follows never fails the save (an interrupt still propagates, after)
+        info = info_from_manifest(manifest)
+        try:
+            info.stats["duration_s"] = time.perf_counter() - job.started
+            if job.blocking:  # the caller waited through the commit too
+                info.stats["stall_s"] = info.stats["duration_s"]
+            if any(e.hashes is not None for e in entries):
+                self._previous = known_chunks(manifest)
+            if self.keep_last is not None:  # before wait() returns: list() shows keep_last
+                self._retain(repo)
+        finally:
+            _release_state(job)  # before wait() returns: nothing of the state is held after it
+            pending._finish(info)
 
     def _retain(self, repo: Repository) -> None:
         """``keep_last`` after a commit, even while the next save writes (Repository.gc pins
@@ -705,7 +751,7 @@ class Checkpointer:
         assert self.keep_last is not None
         try:
             report = repo.gc(self.keep_last, blocking=False, fresh=False)
-        except CheckpointError as exc:
+        except Exception as exc:
             log.warning("gpusnap: retention (keep_last=%d) failed; the next commit tries again: %s",
                         self.keep_last, exc)
             return
@@ -724,6 +770,7 @@ class Checkpointer:
         log.warning("gpusnap: checkpoint %s will be retried: %s", job.pending.id, error)
         with self._pending_lock:
             self._retries.append(job)  # its pending stays listed: ck.wait() waits for the retry
+            job.handed_on = True
         return True
 
     # -- waiting, listing ---------------------------------------------------------------------
@@ -800,8 +847,7 @@ class Checkpointer:
         self._reap()
         started = time.perf_counter()
         repo = self._repository(create=False)
-        manifest = repo.resolve(checkpoint)
-        skipped = repo.skipped_newer(manifest, checkpoint)  # "latest" must not fall back silently
+        manifest, skipped = repo.resolve_reporting(checkpoint)  # "latest" must not fall back silently
         repo.warn_unreadable(skipped, f"restore() used the older checkpoint {manifest.id} instead")
         handle = self._restorer.restore(
             repo, manifest, app_state, allow_pickle=self.allow_pickle, lazy=lazy, verify=verify, started=started
@@ -835,9 +881,10 @@ class Checkpointer:
             if self._writer is not None:
                 if not self._stop_sent:
                     self._ensure_writer()  # (what is queued is written even if it had ended)
+                    self._stop_sent = True  # (first: a save that queues after the stop sees it)
                     self._queue.put(None)
-                    self._stop_sent = True
                 self._writer.join()
+                self._drain_stopped()
             self._reap(retry=False)
             with self._pending_lock:
                 late, self._retries = self._retries, []
@@ -884,6 +931,30 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.root!r}, keep_last={self.keep_last})"
+
+
+def _writer_loop(
+    ref: weakref.ref[Checkpointer], jobs: queue.Queue[_SaveJob | None], slots: threading.BoundedSemaphore
+) -> None:
+    while True:
+        job = jobs.get()
+        if job is not None:
+            slots.release()  # taken off the queue: another save may queue
+        owner = ref() if job is not None else None
+        if owner is None:  # told to stop, or the Checkpointer is gone (its jobs with it)
+            return
+        owner._write_one(job)
+        # neither is held while this thread waits for the next save: a finished job holds its
+        # window's per-span records (~7k objects on GPT-2 large), which Python's full
+        # collections would walk until then; the Checkpointer would never be collected
+        del job, owner
+
+
+def _let_go(jobs: queue.Queue[_SaveJob | None], repos: list[Repository]) -> None:
+    """A Checkpointer collected without close(): stop its writer, release its root."""
+    jobs.put_nowait(None)  # (unbounded)
+    for repo in repos:
+        repo.close()
 
 
 def _tracker_on_stack(capture: ConcurrentSave) -> bool:

@@ -18,6 +18,7 @@ Each live Checkpointer gets two calls of ``_at_exit(final)``:
 from __future__ import annotations
 
 import atexit
+import os
 import concurrent.futures.thread  # noqa: F401  (its exit hook must be registered before ours)
 import threading
 import traceback
@@ -34,6 +35,16 @@ class _AtExit(Protocol):
 _live: weakref.WeakSet[_AtExit] = weakref.WeakSet()
 _lock = threading.Lock()
 _registered = False
+_pid = os.getpid()  # the process whose Checkpointers these are
+
+
+def _forget_in_child() -> None:
+    global _live
+    _live = weakref.WeakSet()  # (the hooks inherited from the parent find nothing to do)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def track(owner: _AtExit) -> None:
@@ -54,6 +65,8 @@ def track(owner: _AtExit) -> None:
 
 
 def _run(final: bool) -> None:
+    if os.getpid() != _pid:
+        return  # a forked child (a DataLoader worker): its parent's saves are not its own
     with _lock:
         owners = list(_live)
     for owner in owners:

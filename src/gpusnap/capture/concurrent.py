@@ -160,23 +160,24 @@ class ConcurrentSave:
         self.phases["copier_init"] = time.perf_counter() - t2
 
     def start(self) -> None:
-        if not self.window.all_snapshotted:  # live spans: a resize must not free them unseen
-            window = self.window
-            resize_guard.watch(window)
-            window.on_close(lambda: resize_guard.unwatch(window))
-        if self.tracked:
-            # torch wraps every mode's handler in _disable_dynamo, which imports torch._dynamo
-            # on its first call (~0.4 s): pay that here, inside save()'s measured stall, not in
-            # the program's first op, which would otherwise block until the window had closed.
-            import torch._dynamo  # noqa: F401  (imported for its side effect, see above)
-
-            self.tracker.__enter__()
-            launch_hooks.add_listener(self.window.before_opaque_launch)
+        window = self.window
         try:
+            if not window.all_snapshotted:  # live spans: a resize must not free them unseen
+                window.on_close(lambda: resize_guard.unwatch(window))  # (first: never left watching)
+                resize_guard.watch(window)
+            if self.tracked:
+                # torch wraps every mode's handler in _disable_dynamo, which imports
+                # torch._dynamo on its first call (~0.4 s): pay that here, inside save()'s
+                # measured stall, not in the program's first op, which would otherwise block
+                # until the window had closed.
+                import torch._dynamo  # noqa: F401  (imported for its side effect, see above)
+
+                self.tracker.__enter__()
+                launch_hooks.add_listener(window.before_opaque_launch)
             self.copier.start()
-        except BaseException as exc:  # no copier will ever close this window: undo it here
-            self.window.close(exc)
-            launch_hooks.remove_listener(self.window.before_opaque_launch)
+        except BaseException as exc:  # (Ctrl-C included) no copier will close this window: undo it
+            window.close(exc)
+            launch_hooks.remove_listener(window.before_opaque_launch)
             if self.tracked:
                 self.reap()
             raise
@@ -211,14 +212,16 @@ class ConcurrentSave:
         """A failed save, on the thread that owns it: close the window, wait until the copier
         and every store task have stopped (their own errors are ``error``'s consequences), then
         abort the transaction. Nothing of the save keeps running, or holding the root, after."""
-        self.window.close(error)
-        self.copier.join()
-        launch_hooks.remove_listener(self.window.before_opaque_launch)
-        with self._lock:
-            futures = list(self._futures)
-        wait(futures)
-        self._kept = None
-        self.abort_txn(error)
+        try:
+            self.window.close(error)
+            self.copier.join()
+            launch_hooks.remove_listener(self.window.before_opaque_launch)
+            with self._lock:
+                futures = list(self._futures)
+            wait(futures)
+            self._kept = None
+        finally:  # (an interrupt meanwhile: the transaction still goes, and no new one opens)
+            self.abort_txn(error)
 
     def _drop_kept(self) -> None:
         if self.window.error is not None:

@@ -95,8 +95,10 @@ class Copier:
         # save cost save() ~5 ms on a busy 2-core machine (Thread.start waits for it to run).
         self._runner = runner
         self._finished = threading.Event()
+        self._started = False
 
     def start(self) -> None:
+        self._started = True
         for device, stream in self.streams.items():
             stream.wait_event(self.events[device])  # copies read the state as of save()
         if self._runner is not None:
@@ -108,7 +110,8 @@ class Copier:
         threading.Thread(target=self._run, name="gpusnap-copier", daemon=True).start()
 
     def join(self, timeout: float | None = None) -> None:
-        self._finished.wait(timeout)
+        if self._started:  # (a copier never started has nothing to wait for)
+            self._finished.wait(timeout)
 
     def _run(self) -> None:
         try:

@@ -16,6 +16,9 @@ program's storage is resized as asked. ``TypedStorage.resize_`` and FSDP's
 Resizes that bypass the method (C++ code calling the storage's ``set_nbytes`` or the
 allocator directly) stay unseen: the copier checks each live storage's size under the lock
 before every piece and fails the save naming the tensor (docs/capture.md says what is left).
+The wrapper goes in when ``save()`` starts the window, after its snapshot: a resize by
+another thread while ``save()`` itself runs is a race with the consistent point, like any
+write from another thread then (docs/guarantees.md).
 """
 
 from __future__ import annotations

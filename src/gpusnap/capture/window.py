@@ -454,8 +454,7 @@ class CaptureWindow:
             self.closed_at = time.perf_counter()
             self.cond.notify_all()
         callbacks, self._on_close = self._on_close, []  # run once; and they are bound
-        for callback in callbacks:  # methods of the save, which holds this window: no cycle
-            callback()
+        _run_all(callbacks)  # methods of the save, which holds this window: no cycle
 
     def settle(self) -> None:
         """After close: wait until no program thread is still leaving a wait (so that the
@@ -578,3 +577,15 @@ def _sources(group: Iterable[WindowSpan]) -> list[torch.Tensor]:
 
 def _name(ws: WindowSpan) -> str:
     return ws.span.paths[0] if ws.span.paths else f"storage #{ws.index}"
+
+
+def _run_all(callbacks: list[Callable[[], None]]) -> None:
+    """Each callback runs even if one before it raised (or was interrupted): one of them may
+    be the resize guard's unwatch, which must never be skipped. The first error is raised."""
+    if not callbacks:
+        return
+    try:
+        callbacks[0]()
+    finally:
+        _run_all(callbacks[1:])
+

@@ -39,7 +39,9 @@ from gpusnap.restore.gate import looking_past_failures, storage_key, storage_of
 if TYPE_CHECKING:
     from gpusnap.restore.lazy import LazyRestore
 
-__all__ = ["before_save", "begin", "end", "gate_done", "live", "restored", "settled", "track", "wait_for_loads"]
+__all__ = [
+    "before_save", "begin", "end", "gate_done", "live", "restored", "retire_failed", "settled", "track", "wait_for_loads",
+]
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,17 @@ def wait_for_loads() -> None:
             return
         for session in waiting:
             session.wait_over()
+
+
+def retire_failed() -> None:
+    """Before a restore writes: stop every failed lazy restore's gate (any Checkpointer's).
+    Its never-loaded tensors stay recorded as stale (saves of them are refused until a
+    restore rewrites them), but a restore into them, from any root, must not be refused by
+    the failed one's gate, which only its own Checkpointer's next restore used to retire."""
+    with _lock:
+        failed = [s for s in _live if s.over() and s.loader.error is not None]
+    for session in failed:
+        session.retire()
 
 
 def _refuse_stale(app_state: Mapping[str, Any]) -> None:

@@ -172,6 +172,7 @@ class Restorer:
             lazy = False
         self.settle()
         active.wait_for_loads()  # another Checkpointer's lazy restore may be writing the same tensors
+        active.retire_failed()  # and one that failed must not refuse this restore's writes
         if self._warmup is not None:  # (a restore that raised during set-up left it running)
             self._warmup.join(WARMUP_JOIN_S)
             self._warmup = None

@@ -183,14 +183,23 @@ class _FlockLock:
 class _FlockLease:
     """The writer lease on a local root: an exclusive ``flock`` on ``ROOT/writer``, which
     holds the owner's JSON. The kernel drops it when the process dies; dropping the object
-    without ``release()`` closes the descriptor too."""
+    without ``release()`` closes the descriptor too.
+
+    A forked child (a DataLoader worker, say) inherits the descriptor, and a flock lasts while
+    any descriptor of it is open: the child closes its copy at once (``_after_fork``), which
+    leaves the parent's lock alone, so the child is no writer and does not keep the root
+    locked after the parent dies."""
 
     def __init__(self, fd: int) -> None:
         self._fd: int | None = fd
+        self._forked = False
         self._closer = weakref.finalize(self, os.close, fd)
+        _flock_leases.add(self)
 
     def confirm(self) -> None:
-        return None  # a flock cannot be taken away while its descriptor is open
+        # a flock cannot be taken away while its descriptor is open; a child has none
+        if self._forked:
+            raise OSError(errno.EPERM, "a forked child process inherits no writer lease")
 
     def release(self) -> None:
         fd, self._fd = self._fd, None
@@ -198,10 +207,33 @@ class _FlockLease:
             return
         try:
             os.ftruncate(fd, 0)  # the next refused writer must not name a writer long gone
+            fcntl.flock(fd, fcntl.LOCK_UN)
         except OSError:
             pass
         finally:
-            self._closer()  # closing the descriptor releases the flock
+            self._closer()  # (closing the descriptor also releases the flock)
+
+    def _forget_in_child(self) -> None:
+        fd, self._fd = self._fd, None
+        self._forked = True
+        self._closer.detach()
+        if fd is not None:
+            try:
+                os.close(fd)  # not LOCK_UN: that would unlock the parent's lock too
+            except OSError:
+                pass
+
+
+_flock_leases: weakref.WeakSet[_FlockLease] = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    for lease in list(_flock_leases):
+        lease._forget_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 def _poll_until(acquire: Callable[[], bool], timeout: float) -> bool:

@@ -30,6 +30,7 @@ Limits worth knowing before pointing a checkpoint root at an object store:
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import posixpath
 import socket
@@ -44,6 +45,8 @@ from gpusnap.storage.backend import BackendLock, WriteHandle, _poll_until
 from gpusnap.storage.lease import LEASE_NAME, LeaseBusy, WriterLease, describe_owner, encode_owner, parse_owner
 
 __all__ = ["LEASE_TTL_S", "FsspecBackend"]
+
+log = logging.getLogger("gpusnap")
 
 LEASE_TTL_S = 300.0
 """A lease object renewed longer ago than this, by an owner on another host, is abandoned."""
@@ -161,21 +164,43 @@ class _FsspecWriteHandle:
 
 
 def _alive(info: dict[str, Any]) -> bool:
-    """Whether the owner a lease object names may still be writing."""
+    """Whether the owner a lease object names may still be writing. Another host's: renewed
+    within ``LEASE_TTL_S``. This host's: a process with its pid exists and started before the
+    lease was taken (a pid in use again, after a container restarted with the same hostname,
+    must not keep the root unwritable for good); this process's: under a token it holds."""
     pid = info.get("pid")
     if info.get("host") == socket.gethostname() and isinstance(pid, int):
+        if pid == os.getpid():
+            return info.get("token") in _held_tokens
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
             return False
         except PermissionError:
-            return True
-        return True
+            pass
+        started, since = _process_start(pid), info.get("since")
+        return started is None or not isinstance(since, (int, float)) or started <= since + 1.0
     renewed = info.get("renewed")
     return isinstance(renewed, (int, float)) and _now() - renewed < LEASE_TTL_S
 
 
+def _process_start(pid: int) -> float | None:
+    """When process ``pid`` started (unix time), where /proc tells (Linux), else None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])  # field 22: starttime
+        with open("/proc/stat", "rb") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+_held_tokens: set[str] = set()  # lease objects this process holds now (see _alive)
+
+
 def _drop_lease_object(backend: FsspecBackend, token: str) -> None:
+    _held_tokens.discard(token)
     try:
         if (backend._read_owner() or {}).get("token") == token:
             backend.remove(LEASE_NAME)
@@ -189,6 +214,7 @@ class _ObjectLease:
     def __init__(self, backend: FsspecBackend, owner: dict[str, Any]) -> None:
         self._backend = backend
         self._owner = dict(owner)
+        _held_tokens.add(owner["token"])
         self._drop = weakref.finalize(self, _drop_lease_object, backend, owner["token"])
 
     def confirm(self) -> None:
@@ -225,13 +251,26 @@ class FsspecBackend:
     def describe(self, path: str) -> str:
         return str(self.fs.unstrip_protocol(self._abs(path)))
 
+    def _fresh(self, full: str) -> None:
+        """Forget what the filesystem cached about ``full`` and its parent: s3fs (and others)
+        keep directory listings forever, so another process's packs, manifests and deletions
+        would never be seen (a commit could deduplicate against a pack gc already deleted)."""
+        invalidate = getattr(self.fs, "invalidate_cache", None)
+        if invalidate is not None:
+            invalidate(full)
+            invalidate(posixpath.dirname(full.rstrip("/")))
+
     def exists(self, path: str) -> bool:
+        full = self._abs(path)
         with _translated(self.describe(path)):
-            return bool(self.fs.exists(self._abs(path)))
+            self._fresh(full)
+            return bool(self.fs.exists(full))
 
     def isdir(self, path: str) -> bool:
+        full = self._abs(path)
         with _translated(self.describe(path)):
-            return bool(self.fs.isdir(self._abs(path)))
+            self._fresh(full)
+            return bool(self.fs.isdir(full))
 
     def makedirs(self, path: str) -> None:
         with _translated(self.describe(path)):
@@ -241,6 +280,7 @@ class FsspecBackend:
         full = self._abs(path).rstrip("/")
         names = []
         with _translated(self.describe(path)):
+            self._fresh(full)
             entries = self.fs.ls(full, detail=False)
         for entry in entries:
             entry = entry.rstrip("/")
@@ -250,8 +290,10 @@ class FsspecBackend:
         return sorted(names)
 
     def size(self, path: str) -> int:
+        full = self._abs(path)
         with _translated(self.describe(path)):
-            return int(self.fs.size(self._abs(path)))
+            self._fresh(full)
+            return int(self.fs.size(full))
 
     def open_write(self, path: str) -> WriteHandle:
         where = self.describe(path)
@@ -259,8 +301,17 @@ class FsspecBackend:
             return _FsspecWriteHandle(self.fs.open(self._abs(path), "wb"), where)
 
     def rename(self, src: str, dst: str) -> None:
+        """A copy, then a delete (object stores have no rename). Once the copy is complete
+        ``dst`` is published, so a failed delete of ``src`` must not report the rename as
+        failed: the leftover is a temporary name, garbage for gc."""
         with _translated(self.describe(dst)):
-            self.fs.mv(self._abs(src), self._abs(dst))
+            self.fs.copy(self._abs(src), self._abs(dst))
+        try:
+            with _translated(self.describe(src)):
+                self.fs.rm_file(self._abs(src))
+        except OSError as exc:
+            log.warning("gpusnap: %s was published, but removing its temporary copy %s failed "
+                        "(gc removes it later): %s", self.describe(dst), self.describe(src), exc)
 
     def read_range(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         end = None if length is None else offset + length

@@ -98,6 +98,7 @@ class Repository:
         self._lease = LeaseHolds(backend.writer_lease)
         self._txns: set[WriteTxn] = set()  # open write transactions (their pins), under _mutex
         self._cache_complete = False  # _manifest_cache lists every readable manifest (writer only)
+        self._commit_lock = threading.Lock()  # commits of this object, one at a time (txn.py)
         self._warned: set[str] = set()  # unreadable manifests already reported (warn_unreadable)
 
     # ------------------------------------------------------------------ opening
@@ -347,10 +348,9 @@ class Repository:
 
     def skipped_newer(self, chosen: Manifest, ref: str | None = None) -> builtins.list[UnreadableManifest]:
         """Unreadable manifests that :meth:`resolve` passed over to pick ``chosen`` for ``ref``:
-        those that may be newer (``unreadable.may_be_newer``). None for an exact id."""
-        if ref is not None and ref == chosen.id:
-            return []
-        return [u for u in self._scan()[1] if u.id != chosen.id and may_be_newer(u, chosen.id)]
+        those that may be newer (``unreadable.may_be_newer``). None for an exact id. (A fresh
+        listing: :meth:`resolve_reporting` answers from the listing the choice was made on.)"""
+        return _passed_over(chosen, ref, self._scan()[1])
 
     def warn_unreadable(self, entries: Sequence[UnreadableManifest], consequence: str) -> None:
         """A WARNING on the ``gpusnap`` logger for each of ``entries`` not yet reported by this
@@ -375,8 +375,21 @@ class Repository:
         manifests = cached if cached is not None else self._scan()[0]
         for m in manifests:
             if m.tag == tag and m.id != other_than:
+                if cached is not None and not self._still_there(m.id):
+                    continue  # deleted by hand since: its tag is free again
                 return m.id
         return None
+
+    def _still_there(self, checkpoint_id: str) -> bool:
+        name = f"{checkpoint_id}.json"
+        try:
+            if self.backend.exists(f"{MANIFESTS}/{name}"):
+                return True
+        except OSError:
+            return True  # cannot tell: keep refusing the tag
+        with self._mutex:
+            self._manifest_cache.pop(name, None)
+        return False
 
     def load_manifest(self, checkpoint_id: str) -> Manifest:
         """Read one manifest by id, checksum verified (no cache)."""
@@ -389,7 +402,19 @@ class Repository:
 
     def resolve(self, ref: str | None) -> Manifest:
         """``None``: the newest readable checkpoint; else an id; else the newest with that tag."""
+        return self.resolve_reporting(ref)[0]
+
+    def resolve_reporting(self, ref: str | None) -> tuple[Manifest, builtins.list[UnreadableManifest]]:
+        """:meth:`resolve`, and the unreadable manifests it passed over that may be newer than
+        its choice, from the one listing the choice was made on (a manifest unreadable for a
+        moment must not be skipped without a word: a second listing might read it)."""
         manifests, bad = self._scan()
+        chosen = self._choose(ref, manifests, bad)
+        return chosen, _passed_over(chosen, ref, bad)
+
+    def _choose(
+        self, ref: str | None, manifests: builtins.list[Manifest], bad: builtins.list[UnreadableManifest]
+    ) -> Manifest:
         note = f" ({len(bad)} unreadable manifest(s), e.g. {bad[-1].path}: {bad[-1].reason}; run verify)" if bad else ""
         if ref is not None and any(u.id == ref for u in bad):
             return self.load_manifest(ref)  # raises why it is unreadable (unless repaired meanwhile)
@@ -865,3 +890,12 @@ class Repository:
     ) -> VerifyReport:
         """Re-hash every chunk of one checkpoint (id or tag) or of all (``storage.verify``)."""
         return verify(self, checkpoint_id, progress=progress)
+
+
+def _passed_over(
+    chosen: Manifest, ref: str | None, bad: Sequence[UnreadableManifest]
+) -> builtins.list[UnreadableManifest]:
+    if ref is not None and ref == chosen.id:
+        return []
+    return [u for u in bad if u.id != chosen.id and may_be_newer(u, chosen.id)]
+

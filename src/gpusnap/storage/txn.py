@@ -189,7 +189,8 @@ class WriteTxn:
             self.abort()  # a failed put left temporary files; a closed txn makes this a no-op
             raise problem
         try:
-            self._commit(manifest)
+            with self._repo._commit_lock:  # the tag check and the manifest's rename: one step
+                self._commit(manifest)
         except BaseException:
             self.abort()
             raise

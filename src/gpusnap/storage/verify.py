@@ -28,7 +28,6 @@ class VerifyReport:
     checked_bytes: int
 
 
-
 def verify(
     repo: Repository, checkpoint_id: str | None = None, *, progress: Callable[[int], None] | None = None
 ) -> VerifyReport:
@@ -46,6 +45,7 @@ def verify(
     finally:
         if lock is not None:
             lock.release()
+
 
 def _verify(repo: Repository, checkpoint_id: str | None, progress: Callable[[int], None] | None) -> VerifyReport:
     problems: list[str] = []
@@ -114,6 +114,7 @@ def _verify(repo: Repository, checkpoint_id: str | None, progress: Callable[[int
         problems.extend(_verify_pack_header(repo, packs[path]))
     return VerifyReport(not problems, tuple(problems), len(manifests), checked_chunks, checked_bytes)
 
+
 def _deleted_meanwhile(repo: Repository, checkpoint_id: str) -> bool:
     """Whether a checkpoint's manifest is gone: a writer's retention does not wait for
     readers (see ``gc``), so packs of a checkpoint it retires can vanish under a verify."""
@@ -121,6 +122,7 @@ def _deleted_meanwhile(repo: Repository, checkpoint_id: str) -> bool:
         return not repo.backend.exists(f"{MANIFESTS}/{checkpoint_id}.json")
     except OSError:
         return False
+
 
 def _verify_chunk(repo: Repository, digest: str, path: str, offset: int, length: int) -> str | None:
     """The problem with one chunk, or None."""
@@ -133,6 +135,7 @@ def _verify_chunk(repo: Repository, digest: str, path: str, offset: int, length:
         return str(exc)
     return None
 
+
 def _verify_pack_header(repo: Repository, index: PackIndex) -> list[str]:
     where = repo.backend.describe(index.path)
     out = []
@@ -140,6 +143,8 @@ def _verify_pack_header(repo: Repository, index: PackIndex) -> list[str]:
         out.append(f"pack {where}: name does not match its index digest {index.pack_id}")
     try:
         head = repo.backend.read_range(index.path, 0, len(PACK_MAGIC))
+    except FileNotFoundError:
+        return out  # deleted since its index was read: a writer's retention (see _deleted_meanwhile)
     except OSError as exc:
         return [*out, str(storage_error(exc, "reading pack", where, writing=False))]
     if head != PACK_MAGIC:
