@@ -21,7 +21,7 @@ def test_fresh_processes_restore_and_match(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fresh_cold_start.py"), "--model", "tiny",
                            "--rounds", "1", "--kinds", "lazy,eager", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert [r["kind"] for r in result["runs"]] == ["lazy", "eager"]
@@ -35,5 +35,5 @@ def test_fresh_processes_restore_and_match(tmp_path: Path) -> None:
 def test_bad_arguments_are_usage_errors(tmp_path: Path, args: list[str]) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fresh_cold_start.py"), *args],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path, check=False)
     assert proc.returncode == 2 and ("must be one of" in proc.stderr or "unknown fast" in proc.stderr)

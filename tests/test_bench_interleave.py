@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import torch
+from bench_support import load_benchmark
 
 import gpusnap
-from bench_support import load_benchmark
 
 
 @pytest.fixture()
@@ -104,7 +104,11 @@ def test_pipelined_step_leaves_out_the_excluded_work(bench: Any, monkeypatch: py
 def test_one_save_checks_each_save_against_the_consistent_point(
         bench: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pipelined: bool, where: str) -> None:
     loop = _loop(bench, pipelined)
-    monkeypatch.setattr(bench, "build", lambda name, dev, seed=0: (lambda m: (m, torch.optim.AdamW(m.parameters())))(_TinyLM()))
+    def build(name: str, dev: Any, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = _TinyLM()
+        return model, torch.optim.AdamW(model.parameters())
+
+    monkeypatch.setattr(bench, "build", build)
     monkeypatch.setitem(bench._TARGET, "name", "tiny")
     monkeypatch.delitem(bench._TARGET, "app", raising=False)
     app = {"model": loop.model, "optim": loop.optim, "step": 0}

@@ -153,7 +153,7 @@ class GpusnapConcurrent(_GpusnapBase):
     def save(self, wl: Workload, index: int) -> SaveHandle:
         assert self.ckpt is not None
         started = time.perf_counter()
-        pending = self.ckpt.save(wl.app_state)
+        pending = self._call_save(wl)
         handle = SaveHandle(
             started=started,
             returned=time.perf_counter(),
@@ -162,6 +162,11 @@ class GpusnapConcurrent(_GpusnapBase):
         )
         handle.wait = lambda: self._settle(handle, index, pending)
         return handle
+
+    def _call_save(self, wl: Workload) -> gpusnap.PendingSave:
+        """The save call itself (a subclass passes its options)."""
+        assert self.ckpt is not None
+        return self.ckpt.save(wl.app_state)
 
     def _settle(self, handle: SaveHandle, index: int, pending: gpusnap.PendingSave) -> dict[str, Any]:
         """Waits until durable; takes the captured and durable moments from gpusnap's own

@@ -1,10 +1,14 @@
-"""The programs the bench checkpoints: GPT-2 small/large and ResNet-50 training, LLM decode.
+"""The programs the bench checkpoints: GPT-2 small/large, Llama ~0.95B and ResNet-50 training,
+LLM decode.
 
 A :class:`Workload` is a live program: its ``app_state`` (what gpusnap saves), a ``step``
-that advances it by one training step or one decoded token, and :meth:`Workload.tensors`,
+that advances it by one training step or one decoded token and returns its loss (the
+decoded tokens) as a device tensor, not read (the caller reads it, as a real loop reads
+``loss.item()``), and :meth:`Workload.tensors`,
 the flat name -> tensor dict every baseline saves (the same bytes gpusnap saves, without
 the plain values). ``transformers`` and ``torchvision`` are imported only when a workload
-needs them; without ``transformers`` the GPT-2 workloads use :class:`MiniGPT`, the same shape.
+needs them; without ``transformers`` the GPT-2 workloads use :class:`MiniGPT` and ``llama``
+:class:`~gpusnap.bench.llama.MiniLlama`, the same shapes.
 
 Sizes come in three presets: ``full`` (the published suite), ``quick`` (``--quick`` on a
 GPU: fits the 10-minute budget) and ``tiny`` (CPU smoke tests; not a performance figure).
@@ -29,7 +33,7 @@ Hook = Callable[[], None]
 """Called by ``step`` just before its first write to checkpointed state (DCP async waits
 for its staging copy there: the earliest moment a real training loop would have to)."""
 
-WORKLOADS = ("gpt2", "gpt2-large", "resnet50", "decode")
+WORKLOADS = ("gpt2", "gpt2-large", "llama", "resnet50", "decode")
 SIZES = ("tiny", "quick", "full")
 
 # n_layer, n_embd, n_head; batch and sequence length; GPT-2 vocabulary.
@@ -56,7 +60,7 @@ class Workload:
     kind: str  # "training" or "inference"
     device: torch.device
     app_state: dict[str, Any]
-    step: Callable[[Hook | None], None]
+    step: Callable[[Hook | None], torch.Tensor | None]
     impl: str
     config: dict[str, Any] = field(default_factory=dict)
 
@@ -124,6 +128,8 @@ def build_workload(
     torch.manual_seed(seed)
     if name in _GPT:
         return _gpt(name, device, size, batch, seq)
+    if name == "llama":
+        return _llama(device, size, batch, seq)
     if name == "resnet50":
         return _resnet(device, size, batch, seq)
     return _decode(device, size, batch, seq)
@@ -158,7 +164,7 @@ def _gpt(name: str, device: torch.device, size: str, batch: int | None, seq: int
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     state = _train_state(model, optim)
 
-    def step(hook: Hook | None = None) -> None:
+    def step(hook: Hook | None = None) -> torch.Tensor:
         out = loss(data)
         out.backward()
         if hook is not None:  # forward and backward write no checkpointed tensor
@@ -166,10 +172,32 @@ def _gpt(name: str, device: torch.device, size: str, batch: int | None, seq: int
         optim.step()
         optim.zero_grad(set_to_none=True)
         state["step"] += 1
+        return out.detach()
 
     config = {"n_layer": n_layer, "n_embd": n_embd, "n_head": n_head, "batch": b, "seq": s, "vocab": vocab,
               "dtype": "float32", "optimizer": "AdamW", "size": size}
     return _primed(Workload(name, "training", device, state, step, impl, config))
+
+
+def _llama(device: torch.device, size: str, batch: int | None, seq: int | None) -> Workload:
+    from gpusnap.bench.llama import build_llama
+
+    model, loss, optim, data, impl, config = build_llama(device, size, batch, seq)
+    state = _train_state(model, optim)
+    cuda = device.type == "cuda"  # bf16 autocast on CUDA only: CPU bf16 matmuls are slow
+
+    def step(hook: Hook | None = None) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            out = loss(data)
+        out.backward()
+        if hook is not None:  # forward and backward write no checkpointed tensor
+            hook()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        state["step"] += 1
+        return out.detach()
+
+    return _primed(Workload("llama", "training", device, state, step, impl, config))
 
 
 def _resnet(device: torch.device, size: str, batch: int | None, image: int | None) -> Workload:
@@ -185,7 +213,7 @@ def _resnet(device: torch.device, size: str, batch: int | None, image: int | Non
     optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     state = _train_state(model, optim)
 
-    def step(hook: Hook | None = None) -> None:
+    def step(hook: Hook | None = None) -> torch.Tensor:
         if hook is not None:  # BatchNorm running statistics are written by the forward
             hook()
         loss = nn.functional.cross_entropy(model(images), labels)
@@ -193,6 +221,7 @@ def _resnet(device: torch.device, size: str, batch: int | None, image: int | Non
         optim.step()
         optim.zero_grad(set_to_none=True)
         state["step"] += 1
+        return loss.detach()
 
     config = {"batch": b, "image": px, "dtype": "float32", "optimizer": "SGD momentum", "size": size}
     return _primed(Workload("resnet50", "training", device, state, step, "torchvision resnet50 (random init)", config))
@@ -214,13 +243,14 @@ def _decode(device: torch.device, size: str, batch: int | None, max_len: int | N
         tokens = torch.randint(0, vocab, (b, L))
     state: dict[str, Any] = {"model": model, "kv": kv, "tokens": tokens, "pos": start}
 
-    def step(hook: Hook | None = None) -> None:
+    def step(hook: Hook | None = None) -> torch.Tensor:
         if hook is not None:
             hook()
         pos = state["pos"]
         nxt = model.decode_step(tokens[:, pos : pos + 1], kv, pos)
         tokens[:, pos + 1 : pos + 2].copy_(nxt)
         state["pos"] = pos + 1 if pos + 2 < L else start  # wrap: keep the prompt, decode again
+        return nxt
 
     config = {"n_layer": n_layer, "n_embd": n_embd, "n_head": n_head, "batch": b, "max_len": L, "vocab": vocab,
               "dtype": str(dtype).replace("torch.", ""), "size": size, "frozen_weights": True}

@@ -1,14 +1,23 @@
-"""``gpusnap bench``: options, and the glue from parsed arguments to the bench package."""
+"""``gpusnap bench``: options, and the glue from parsed arguments to the bench package.
+
+``gpusnap bench --cost`` runs the cost suite instead (``gpusnap.bench.cost_runner``: what
+each checkpoint costs a training job, on the wall clock and the CPU); the quick one, from
+the repository root of a GPU machine: ``PYTHONPATH=src python3 -m gpusnap bench --cost --quick``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
 import shlex
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["add_parser", "run"]
 
-_ALL = ("gpt2", "gpt2-large", "resnet50", "decode")
+_ALL = ("gpt2", "gpt2-large", "llama", "resnet50", "decode")
 _QUICK = ("gpt2", "gpt2-large", "decode")  # ResNet-50 is optional in --quick (asked for by name)
 _CPU = ("gpt2", "decode")
 
@@ -49,12 +58,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument("--batch", type=int, default=None, help="override the preset batch size")
     s.add_argument("--seq", type=int, default=None, help="override the preset sequence length (image size, cache length)")
     s.add_argument("--budget-s", type=float, default=None,
-                   help="stop starting new measurements after this many seconds (default with --quick on a GPU: 480)")
+                   help="stop starting new measurements after this many seconds (default with --quick on a GPU: 480; "
+                   "with --cost --quick: 500)")
     s.add_argument("--no-plots", action="store_true", help="do not draw PNGs")
+    cost = s.add_argument_group("cost suite (--cost)")
+    cost.add_argument("--cost", action="store_true",
+                      help="measure what each checkpoint costs a training job (wall and CPU seconds, durable "
+                      "bandwidth, throughput at every N) for gpusnap default and fast tier, pinned copy + "
+                      "writer thread, torch.save in a thread; writes OUT/cost.json and OUT/cost.md "
+                      "(default workloads: llama, gpt2-large)")
+    cost.add_argument("--dcp", action="store_true", help="with --cost: add DCP async_save, plain and with a pinned "
+                      "stager (slow: seconds per checkpoint)")
+    cost.add_argument("--window-steps", type=int, default=None, metavar="N",
+                      help="with --cost: steps per window (default 60; --quick: 30; CPU: 3)")
+    cost.add_argument("--fast-root", default=None,
+                      help="with --cost: root of the fast tier (default: a folder under --root)")
 
 
-def _workloads(values: list[str] | None, *, quick: bool, cpu: bool) -> list[str]:
+def _workloads(values: list[str] | None, *, quick: bool, cpu: bool, cost: bool = False) -> list[str]:
     if not values:
+        if cost:
+            from gpusnap.bench.cost_runner import COST_WORKLOADS
+
+            return list(COST_WORKLOADS)
         return list(_CPU if cpu else (_QUICK if quick else _ALL))
     names: list[str] = []
     for value in values:
@@ -103,10 +129,15 @@ def run(args: argparse.Namespace) -> bool:
         raise ValueError("--device cuda asked for, but torch sees no CUDA device")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"--device must be cpu or cuda[:i], got {args.device!r}")
-    for flag in ("steps", "saves", "batch", "seq"):
+    for flag in ("steps", "saves", "batch", "seq", "window_steps"):
         value = getattr(args, flag)
         if value is not None and value < 1:
-            raise ValueError(f"--{flag} must be at least 1")
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.cost:
+        return _run_cost(args, device)
+    for flag in ("dcp", "window_steps", "fast_root"):
+        if getattr(args, flag) not in (None, False):
+            raise ValueError(f"--{flag.replace('_', '-')} goes with --cost")
     opts = BenchOptions(
         workloads=_workloads(args.workload, quick=args.quick, cpu=device.type == "cpu"),
         device=device,
@@ -142,4 +173,49 @@ def run(args: argparse.Namespace) -> bool:
                 ok = False
     if results.get("disclaimer"):
         print(results["disclaimer"])
+    return ok
+
+
+def _run_cost(args: argparse.Namespace, device: torch.device) -> bool:
+    """The cost suite; True when every bit-exactness check passed and no gpusnap row failed."""
+    from gpusnap.bench.cost_report import summary_table, write_cost_report
+    from gpusnap.bench.cost_runner import CostOptions, run_cost
+    from gpusnap.bench.runner import default_root
+
+    opts = CostOptions(
+        workloads=_workloads(args.workload, quick=args.quick, cpu=device.type == "cpu", cost=True),
+        device=device,
+        quick=args.quick,
+        root=args.root or default_root(),
+        fast_root=args.fast_root,
+        size=args.size,
+        window_steps=args.window_steps,
+        saves=args.saves,
+        every=args.every,
+        systems=[s.strip() for s in args.systems.split(",")] if args.systems else None,
+        dcp=args.dcp,
+        batch=args.batch,
+        seq=args.seq,
+        budget_s=args.budget_s,
+        command=_command(args),
+    )
+    results = run_cost(opts)
+    written = write_cost_report(results, args.out)
+    print()
+    for what, path in written.items():
+        print(f"{what}: {os.path.relpath(path)}")
+    ok = True
+    for wl in results["workloads"]:
+        for check in wl.get("checks", []):
+            if not check["ok"]:
+                print(f"CORRECTNESS FAILED: {wl['name']} {check['system']} {check['save']}: {check['detail']}")
+                ok = False
+        for row in wl.get("systems", []):
+            if row["family"] == "gpusnap" and row["status"].startswith("failed"):
+                print(f"FAILED: {wl['name']} {row['system']}: {row['status']}")
+                ok = False
+    if results.get("disclaimer"):
+        print(results["disclaimer"])
+    print()
+    print("\n".join(summary_table(results)))  # the short table, last
     return ok

@@ -1,4 +1,6 @@
-"""``torch.distributed.checkpoint``: ``save`` and ``async_save`` with a ``DefaultStager``.
+"""``torch.distributed.checkpoint``: ``save``, ``async_save`` with a ``DefaultStager``, and plain
+``async_save`` (no stager of the caller's: DCP's own, which stages synchronously inside the
+call into pageable host memory, a fresh copy each save).
 
 Single process, no process group: ``save`` then assumes the local process (``no_dist``), and
 ``async_save`` needs a process group only when one is initialised (it must then have a CPU
@@ -41,7 +43,7 @@ from gpusnap.bench.system import (
 )
 from gpusnap.bench.workloads import Workload
 
-__all__ = ["DcpAsyncSave", "DcpSave", "dcp_unavailable"]
+__all__ = ["DcpAsyncPlain", "DcpAsyncSave", "DcpSave", "dcp_unavailable"]
 
 
 def dcp_unavailable() -> str | None:
@@ -107,6 +109,21 @@ class _DcpBase(System):
         sync(target.device)
         eager = time.perf_counter() - t0
         return RestoreResult(eager_s=eager, first_step_s=timed_step(target), notes=["dcp.load in place"])
+
+    def verify(self, wl: Workload, target: Workload, index: int, expected: dict[str, Any]) -> tuple[bool, str]:
+        """``dcp.load`` of save ``index`` into ``target``'s tensors in place, compared bit for bit."""
+        import torch.distributed.checkpoint as dcp
+
+        from gpusnap.bench.verify import compare
+
+        path = self._path(index)
+        if not os.path.isdir(path):
+            return False, f"save {index} left no checkpoint at {path}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(target.tensors(), checkpoint_id=path, **_no_dist_kwargs(dcp.load))
+        sync(target.device)
+        return compare(expected, target.tensors())
 
     def bytes_on_disk(self) -> int | None:
         from gpusnap.bench.system import dir_bytes
@@ -234,6 +251,25 @@ class DcpAsyncSave(_DcpBase):
                 self._stager.close()
                 self._stager = None
             super().teardown()
+
+
+class DcpAsyncPlain(DcpAsyncSave):
+    """``async_save(state, checkpoint_id=...)`` as its docstring shows it: no stager passed."""
+
+    key = "dcp_async_plain"
+    label = "DCP async_save (plain)"
+
+    def setup(self, wl: Workload) -> None:
+        _DcpBase.setup(self, wl)
+        # (the upload thread's dcp.save warns on every call without a process group)
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled", category=UserWarning)
+        self._stager = None  # async_stager=None: DCP makes, uses and closes its own per save
+
+    def pinned_bytes(self) -> int | None:
+        return 0
+
+    def notes(self) -> list[str]:
+        return ["async_save without async_stager: DCP's DefaultStager(no pinned memory, synchronous staging)"]
 
 
 class _DeferredClose:
