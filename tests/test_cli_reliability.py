@@ -287,5 +287,6 @@ def test_ls_json(root, capsys):
     assert doc["schema"] == "gpusnap.ls/1" and doc["unreadable"] == []
     assert [c["tag"] for c in doc["checkpoints"]] == ["first", "second"]
     assert set(doc["checkpoints"][0]) == {
-        "id", "tag", "created", "created_utc", "nbytes", "stall_s", "duration_s", "validation",
+        "id", "tier", "tag", "created", "created_utc", "nbytes", "stall_s", "duration_s", "validation",
     }
+    assert {c["tier"] for c in doc["checkpoints"]} == {"durable"}

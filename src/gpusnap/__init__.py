@@ -16,6 +16,7 @@ from gpusnap.errors import (
     CheckpointNotFoundError,
     IntegrityError,
     RestoreMismatchError,
+    SaveSkipped,
     StorageError,
     ValidationError,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "IntegrityError",
     "RestoreMismatchError",
+    "SaveSkipped",
     "StorageError",
     "ValidationError",
     "__version__",

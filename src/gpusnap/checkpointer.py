@@ -27,17 +27,26 @@ import torch
 from gpusnap import exit_hooks
 from gpusnap.capture import CaptureCounters, snapshot_to_host, write_host_spans
 from gpusnap.capture.concurrent import ConcurrentSave
+from gpusnap.capture.fast_arena import FastArena, room_needed
 from gpusnap.capture.staging import StagingArena
 from gpusnap.capture.trace import Trace
 from gpusnap.capture.validation import known_chunks
 from gpusnap.collector import collector_paused
 from gpusnap.config import Config
 from gpusnap.device import outside_graph_captures
-from gpusnap.errors import CheckpointError, CheckpointNotFoundError, ValidationError
+from gpusnap.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    SaveSkipped,
+    StorageError,
+    ValidationError,
+)
 from gpusnap.handles import CheckpointInfo, PendingSave, RestoreHandle
+from gpusnap.promotion import Promoter
 from gpusnap.restore import active as lazy_restores
 from gpusnap.restore.restorer import Restorer, Verify
 from gpusnap.state.flatten import FlatPlan, FlatState, flatten
+from gpusnap.storage.fast_tier import FastTier
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.repository import Repository
 from gpusnap.unobserved import Unobserved
@@ -51,13 +60,14 @@ SKIP_WORTH = 0.05  # when the last save found at least this share of the bytes u
 _RETRY_POLL_S = 0.05  # how often a waiting thread looks for a retry it must start
 
 
-def info_from_manifest(manifest: Manifest) -> CheckpointInfo:
+def info_from_manifest(manifest: Manifest, tier: str = "durable") -> CheckpointInfo:
     return CheckpointInfo(
         id=manifest.id,
         tag=manifest.tag,
         created=manifest.created,
         nbytes=manifest.nbytes,
         stats=dict(manifest.stats),
+        tier=tier,
     )
 
 
@@ -78,6 +88,8 @@ class _SaveJob:
     owner: threading.Thread | None = None  # called save(): a retry starts on this thread only
     retry_note: str | None = None  # why this save is a retry
     handed_on: bool = False  # failed validation: its retry (another job) finishes its pending
+    repo: Repository | None = None  # where it commits: the root, or the fast tier
+    promote: bool = False  # fast tier: promote it whatever the count
 
 
 def _release_state(job: _SaveJob) -> None:
@@ -106,6 +118,13 @@ class Checkpointer:
     ...     _ = ckpt.restore(app_state)
     >>> app_state["step"]
     3
+
+    With ``fast_root`` (a local path in host memory, such as ``/dev/shm/run1``) saves commit
+    to a *fast tier* there (no host copy or hash: docs/tiers.md), which survives the process
+    but not the machine; every ``promote_every``-th committed save (and any saved with
+    ``promote=True``) is then copied in the background to ``root``, the durable tier.
+    ``fast_keep_last`` (default 2) is the fast tier's retention, ``keep_last`` the root's.
+    ``list()``, ``latest()`` and ``restore()`` consider both tiers.
     """
 
     def __init__(
@@ -116,12 +135,31 @@ class Checkpointer:
         config: Config | None = None,
         allow_pickle: bool = False,
         storage_options: dict[str, Any] | None = None,
+        fast_root: str | os.PathLike[str] | None = None,
+        fast_keep_last: int | None = None,
+        promote_every: int | None = None,
     ) -> None:
-        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
-            raise ValueError(f"keep_last must be a positive integer or None, got {keep_last!r}")
+        for name, value in (("keep_last", keep_last), ("fast_keep_last", fast_keep_last), ("promote_every", promote_every)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if fast_root is None and (fast_keep_last is not None or promote_every is not None):
+            raise ValueError("fast_keep_last and promote_every need a fast_root")
+        self.fast_root = None if fast_root is None else os.fspath(fast_root)
+        self.fast_keep_last = fast_keep_last if fast_keep_last is not None else 2
+        self.promote_every = promote_every
+        self._fast: FastTier | None = None
+        self._promoter: Promoter | None = None
+        self._fast_commits = 0  # committed to the fast tier (promote_every counts these)
+        self._skipped = 0  # saves skipped (when_busy="skip")
         self.root = os.fspath(root)
         self.keep_last = keep_last
         self.config = config if config is not None else Config.from_env()
+        if self.fast_root is not None:
+            if self.config.fast_slab_bytes < self.config.piece_bytes():
+                raise ValueError(f"Config.fast_slab_bytes ({self.config.fast_slab_bytes}) must hold one copy piece "
+                                 f"({self.config.piece_bytes()} bytes)")
+            if os.path.abspath(self.fast_root) == os.path.abspath(self.root):
+                raise ValueError("fast_root must be a directory of its own, not the Checkpointer's root")
         self.allow_pickle = allow_pickle
         self._storage_options = storage_options
         self._repo: Repository | None = None
@@ -187,13 +225,42 @@ class Checkpointer:
                     config=self.config,
                 )
                 self._opened.append(repo)
+            if create and isinstance(self._repo, FastTier):  # (reading one is fine)
+                raise CheckpointError(
+                    f"{self.root} is a fast tier's root; a Checkpointer's root is durable: give it its own directory "
+                    "(and pass the fast tier as fast_root)"
+                )
             if create:
                 self._repo.claim_writer()  # idempotent
             return self._repo
 
+    def _fast_tier(self) -> FastTier:
+        """The fast tier (created on first use), with this Checkpointer its one writer."""
+        with self._repo_lock:
+            if self._fast is not None and not self._fast.intact():
+                # removed under us (a cleaned /dev/shm): start a new one there; the old one's
+                # lease and maps go (saves still holding its transactions fail on their own)
+                log.warning("gpusnap: the fast tier %s was removed; a new one is made there", self.fast_root)
+                self._fast.close()
+                self._fast = None
+            if self._fast is None:
+                assert self.fast_root is not None
+                self._fast = FastTier.open(self.fast_root, create=True, config=self.config)
+                self._opened.append(self._fast)
+                self._previous = None  # (its chunk names pointed into the old tier)
+            self._fast.claim_writer()
+            return self._fast
+
+    def _promoter_for(self, fast: FastTier) -> Promoter:
+        if self._promoter is None:
+            self._promoter = Promoter(fast, lambda: self._repository(create=True), threads=self.config.io_threads,
+                                      on_promoted=lambda repo, _m: self._retain(repo, self.keep_last))
+        return self._promoter
+
     # -- save ---------------------------------------------------------------------------------
     def save(
-        self, app_state: MutableMapping[str, Any], *, tag: str | None = None, blocking: bool = False
+        self, app_state: MutableMapping[str, Any], *, tag: str | None = None, blocking: bool = False,
+        promote: bool = False,
     ) -> PendingSave:
         """Checkpoint ``app_state`` as it is now; returns at once unless ``blocking``.
 
@@ -203,13 +270,18 @@ class Checkpointer:
 
         An earlier save's failure is not raised here (this save may well succeed): the next
         :meth:`wait`, :meth:`close` or ``with``-block exit raises it (see :class:`PendingSave`).
+
+        With a ``fast_root`` the save commits to the fast tier; ``promote=True`` also copies
+        it to the durable root afterwards, whatever ``promote_every`` says.
         """
         self._check_open()
         if tag is not None and (not isinstance(tag, str) or not tag or "/" in tag):
             raise ValueError(f"tag must be a non-empty string without '/', got {tag!r}")
+        if promote and self.fast_root is None:
+            raise ValueError("promote=True needs a fast_root (without one every save is durable)")
         if tag is not None:
             self._check_tag_free(tag)
-        return self._save(app_state, tag, blocking)
+        return self._save(app_state, tag, blocking, promote=promote)
 
     def _check_tag_free(self, tag: str) -> None:
         """A tag names one checkpoint: refuse one that a committed checkpoint or a save still
@@ -222,6 +294,8 @@ class Checkpointer:
                 "checkpoint: pick another tag"
             )
         owner = self._repository(create=True).tag_owner(tag)
+        if owner is None and self.fast_root is not None:
+            owner = self._fast_tier().tag_owner(tag)
         if owner is not None:
             raise CheckpointError(
                 f"tag {tag!r} already names checkpoint {owner} in {self.root}; a tag names one "
@@ -234,9 +308,10 @@ class Checkpointer:
         tag: str | None,
         blocking: bool,
         retry_of: _SaveJob | None = None,
+        promote: bool = False,
     ) -> PendingSave:
         with collector_paused():  # not in this call's stall: see collector.py
-            pending, run_now = self._save_now(app_state, tag, blocking, retry_of)
+            pending, run_now = self._save_now(app_state, tag, blocking, retry_of, promote)
         if run_now is not None:
             with self._pending_lock:  # listed while it runs: its tag is taken (_check_tag_free)
                 self._pending.append(pending)
@@ -254,31 +329,38 @@ class Checkpointer:
         tag: str | None,
         blocking: bool,
         retry_of: _SaveJob | None,
+        promote: bool = False,
     ) -> tuple[PendingSave, tuple[Repository, _SaveJob] | None]:
         """save()'s work on the caller's thread; a blocking save of host state returns its
         job to run right there (after the collector is back on)."""
         started = time.perf_counter()
         lazy_restores.before_save(app_state)  # any lazy restore in the process still loading: its bytes first
         self._reap()
+        fast = self._fast_tier() if self.fast_root is not None else None
+        if fast is not None and self.config.when_busy == "skip" and retry_of is None and self._window_open():
+            return self._skip(tag, "the previous save is still copying"), None
         self._wait_for_open_window()  # one window at a time: counted in this save's stall
         waited = time.perf_counter()
         # the previous save's plan: the per-tensor work is reused when nothing was re-laid out
         flat = flatten(app_state, allow_pickle=self.allow_pickle, plan=self._flat_plan)
         self._flat_plan = flat.plan
         flattened = time.perf_counter()
-        repo = self._repository(create=True)
+        repo = self._repository(create=True) if fast is None else fast
         created = time.time()
         pending = PendingSave(repo.new_id(created), tag) if retry_of is None else retry_of.pending
         pending._on_wait, pending._waits, pending._on_fail = self._reap, self._wait_for, self._unobserved.add
         job = _SaveJob(pending, flat, created, started, blocking, CaptureCounters())
         job.app_state, job.owner = app_state, threading.current_thread()
+        job.repo, job.promote = repo, promote
         if retry_of is not None:
             job.retry_note = retry_of.retry_note
+            job.promote = retry_of.promote
             # its stats describe the save the caller made: a blocking caller has waited since
             # the first attempt (the retry itself runs inside that caller's wait)
             job.started, job.blocking = retry_of.started, retry_of.blocking
         job.phases.update(wait_previous=waited - started, flatten=flattened - waited)
-        windowed = self.config.concurrent and (not blocking or self._blocking_via_window(flat))
+        # the fast tier is written by the copier only (a window, waited for when blocking)
+        windowed = fast is not None or (self.config.concurrent and (not blocking or self._blocking_via_window(flat)))
         if not windowed:
             job.host_spans, job.counters.bytes_copied, job.hashes = snapshot_to_host(
                 flat, copy_cpu=not blocking, chunk_size=self.config.chunk_size
@@ -287,6 +369,9 @@ class Checkpointer:
             return pending, (repo, job)
         if windowed:
             job.concurrent = self._start_window(repo, flat, pending, job.phases)
+            if job.concurrent is None:  # when_busy="skip": the fast tier has no room now
+                _release_state(job)
+                return self._skip(tag, "the fast tier has no room", pending), None
         else:
             pending._set_staged()
         queued = time.perf_counter()
@@ -299,6 +384,20 @@ class Checkpointer:
         job.stall_s = time.perf_counter() - started
         job.phases["queue"] = time.perf_counter() - queued
         return pending, None
+
+    def _window_open(self) -> bool:
+        with self._pending_lock:
+            return any(not c.window.closed for c in self._windows)
+
+    def _skip(self, tag: str | None, why: str, pending: PendingSave | None = None) -> PendingSave:
+        """A save ``when_busy="skip"`` drops: its handle raises SaveSkipped from wait() only."""
+        self._skipped += 1
+        if pending is None:
+            pending = PendingSave(self._fast_tier().new_id(time.time()), tag)
+        log.warning("gpusnap: save %s skipped (Config.when_busy='skip'): %s", pending.id, why)
+        pending._mark_observed()  # reported here; the Checkpointer does not raise it later
+        pending._fail(SaveSkipped(f"save {pending.id} was skipped: {why} (Config.when_busy='skip')"))
+        return pending
 
     def _enqueue(self, job: _SaveJob) -> None:
         with self._pending_lock:
@@ -372,22 +471,59 @@ class Checkpointer:
         state keeps that path: it stores the caller's memory in place, without a copy."""
         return any(span.device.type != "cpu" for span in flat.spans)
 
+    def _fast_room(self, fast: FastTier, flat: FlatState, pending: PendingSave) -> Any:
+        """A fast-tier transaction with room for ``flat`` reserved, or None (``when_busy=
+        "skip"`` and no room). ``"wait"`` waits while saves or a promotion in flight may
+        make room; with none in flight, no room is a StorageError that says what to change."""
+        piece = self.config.piece_bytes()
+        need = room_needed([s.nbytes for s in flat.spans], piece)
+        txn = fast.begin_write()
+        try:
+            while not txn.reserve(need, piece):
+                with self._pending_lock:
+                    others = [p for p in self._pending if p is not pending and not p.done()]
+                promoting = self._promoter is not None and self._promoter.busy()
+                if self.config.when_busy == "skip":
+                    txn.abort()
+                    return None
+                if not others and not promoting:
+                    raise StorageError(
+                        f"the fast tier {self.fast_root} has no room for this save ({need} bytes) beside the "
+                        f"{self.fast_keep_last} checkpoint(s) it keeps (it may hold {fast.capacity()} bytes): "
+                        "free space there, raise Config.fast_tier_bytes or lower fast_keep_last; nothing was saved"
+                    )
+                with fast._alloc:  # notified when a save commits or aborts, retention or a promotion ends
+                    fast._alloc.wait(0.05)
+        except BaseException:
+            txn.abort()
+            raise
+        return txn
+
     def _start_window(
         self, repo: Repository, flat: FlatState, pending: PendingSave, phases: dict[str, float]
-    ) -> ConcurrentSave:
+    ) -> ConcurrentSave | None:
         # read before the transaction opens: its view of stored chunks must include every
         # chunk the previous checkpoint committed (a later commit may replace _previous)
         previous = self._previous_spans(repo) if self.config.incremental else None
         compare = bool(previous) and self._should_compare()
         capture: ConcurrentSave | None = None
+        fast_txn = None
         try:
             cuda, device_bytes = self._devices(flat)
             order = self._copy_order(flat)
-            arena = self._staging_arena(pinned=bool(cuda))
+            if isinstance(repo, FastTier):
+                reserving = time.perf_counter()
+                fast_txn = self._fast_room(repo, flat, pending)
+                phases["reserve_fast"] = time.perf_counter() - reserving
+                if fast_txn is None:
+                    return None
+                arena: Any = FastArena(fast_txn, self.config.piece_bytes())
+            else:
+                arena = self._staging_arena(pinned=bool(cuda))
             # Pinned allocation is slow and, measured on the H200, stalls the program while it
             # runs; so the arena grows here, once, to hold one whole capture (the first save
             # pays for it, like async_save's first call), never while a window copies.
-            if device_bytes:
+            if device_bytes and fast_txn is None:
                 with torch.inference_mode(False):  # the copier writes it (see below)
                     phases["reserve_staging"] = arena.reserve(device_bytes + self.config.piece_bytes())
             opened = time.perf_counter()
@@ -400,7 +536,8 @@ class Checkpointer:
             with torch.inference_mode(False):
                 capture = ConcurrentSave(
                     flat,
-                    repo.begin_write,  # opened by the writers, off save()'s time
+                    # opened by the writers, off save()'s time (the fast tier's at once: it reserves)
+                    repo.begin_write if fast_txn is None else (lambda: fast_txn),
                     staging=arena,
                     io_pool=self._pool,
                     streams={d: self._copy_stream(d) for d in cuda},
@@ -420,7 +557,10 @@ class Checkpointer:
                     snapshot_budget=snapshot_budget if self.config.device_snapshot else 0,
                     snapshot_cpu_bytes=self.config.cpu_snapshot_bytes,
                     copier_runner=self._copier_runner,
+                    fast=fast_txn is not None,
                 )
+            if fast_txn is not None:
+                capture.txn  # noqa: B018  (bound now: a failed save aborts it with the capture's)
             window = capture.window
             window.on_close(lambda: pending._set_staged() if window.error is None else None)
             starting = time.perf_counter()
@@ -434,6 +574,8 @@ class Checkpointer:
             if capture is not None:
                 capture.close_out(exc)
                 self._reap(retry=False)
+            if fast_txn is not None:
+                fast_txn.abort()
             raise
         return capture
 
@@ -642,7 +784,7 @@ class Checkpointer:
 
     def _write_one(self, job: _SaveJob) -> None:
         try:
-            self._run_job(self._repository(create=True), job)
+            self._run_job(job.repo if job.repo is not None else self._repository(create=True), job)
         except BaseException as exc:  # (_run_job reports its own): the save must not hang
             self._abandon(job, exc, raised=False)
         finally:
@@ -731,29 +873,39 @@ class Checkpointer:
                 raise
             return
         # committed: what follows never fails the save (an interrupt still propagates, after)
-        info = info_from_manifest(manifest)
+        info = info_from_manifest(manifest, "fast" if isinstance(repo, FastTier) else "durable")
         try:
             info.stats["duration_s"] = time.perf_counter() - job.started
             if job.blocking:  # the caller waited through the commit too
                 info.stats["stall_s"] = info.stats["duration_s"]
             if any(e.hashes is not None for e in entries):
                 self._previous = known_chunks(manifest)
-            if self.keep_last is not None:  # before wait() returns: list() shows keep_last
-                self._retain(repo)
+            if isinstance(repo, FastTier):
+                self._fast_commits += 1
+                due = job.promote or (self.promote_every is not None and self._fast_commits % self.promote_every == 0)
+                if due:  # pinned before retention can drop it
+                    self._promoter_for(repo).submit(manifest)
+                    info.stats["promotion"] = "queued"
+                self._retain(repo, self.fast_keep_last)
+            elif self.keep_last is not None:  # before wait() returns: list() shows keep_last
+                self._retain(repo, self.keep_last)
+        except Exception as exc:  # the save is committed: say what did not follow it
+            log.warning("gpusnap: checkpoint %s committed, but what follows a commit failed: %r", pending.id, exc)
         finally:
             _release_state(job)  # before wait() returns: nothing of the state is held after it
             pending._finish(info)
 
-    def _retain(self, repo: Repository) -> None:
+    def _retain(self, repo: Repository, keep_last: int | None) -> None:
         """``keep_last`` after a commit, even while the next save writes (Repository.gc pins
         what its transaction relies on). It never fails the save that just committed: an
         error is a WARNING, and the next commit tries again."""
-        assert self.keep_last is not None
+        if keep_last is None:
+            return
         try:
-            report = repo.gc(self.keep_last, blocking=False, fresh=False)
+            report = repo.gc(keep_last, blocking=False, fresh=False)
         except Exception as exc:
             log.warning("gpusnap: retention (keep_last=%d) failed; the next commit tries again: %s",
-                        self.keep_last, exc)
+                        keep_last, exc)
             return
         if report.skipped:  # only a reader (verify) or an older gpusnap holds the root lock
             log.info("gpusnap: retention skipped; the next commit tries again: %s", report.notes)
@@ -788,21 +940,76 @@ class Checkpointer:
         deadline = None if timeout is None else time.monotonic() + timeout
         for p in pending:
             self._wait_for(p, deadline)
+        promoted = self._promoter is None or self._promoter.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._unobserved.raise_if_any("Checkpointer.wait()")
+        self._raise_promotion_failure()
         late = [p.id for p in pending if not p.done()]
         if late:
             raise TimeoutError(f"{len(late)} save(s) did not finish within {timeout} s: {', '.join(late)}")
+        if not promoted:
+            raise TimeoutError(f"a promotion to {self.root} did not finish within {timeout} s")
         return [info for p in pending if (info := p._info()) is not None]
 
+    def _raise_promotion_failure(self) -> None:
+        """The last promotion's error, once, if no promotion has succeeded since."""
+        promoter = self._promoter
+        failure = promoter.failure if promoter is not None else None
+        if failure is not None:
+            promoter.failure = None  # type: ignore[union-attr]
+            raise StorageError(
+                f"promoting to the durable root {self.root} failed (the checkpoint stays in the fast tier "
+                f"{self.fast_root}; the next promotion due retries): {failure}"
+            ) from failure
+
     def list(self) -> list[CheckpointInfo]:
-        """Committed checkpoints, oldest first (empty when the root does not exist yet)."""
+        """Committed checkpoints of both tiers, oldest first (empty when nothing was saved
+        yet). A checkpoint in both (promoted) lists once, as ``tier="durable"``."""
+        found: dict[str, CheckpointInfo] = {}
+        for repo in self._tiers():
+            manifests, unreadable = repo.scan()
+            repo.warn_unreadable(unreadable, "list() and latest() leave it out")  # once per file
+            tier = "fast" if isinstance(repo, FastTier) else "durable"
+            for m in manifests:
+                if m.id not in found or tier == "durable":
+                    found[m.id] = info_from_manifest(m, tier)
+        return sorted(found.values(), key=lambda i: (i.created, i.id))
+
+    def _tiers(self) -> list[Repository]:
+        """The roots that exist: the fast tier first (it is read first), then the durable one."""
+        tiers: list[Repository] = []
+        if self.fast_root is not None:
+            try:
+                tiers.append(self._fast if self._fast is not None else FastTier.open(self.fast_root, config=self.config))
+            except CheckpointNotFoundError:
+                pass
         try:
-            repo = self._repository(create=False)
+            tiers.append(self._repository(create=False))
         except CheckpointNotFoundError:
-            return []
-        manifests, unreadable = repo.scan()
-        repo.warn_unreadable(unreadable, "list() and latest() leave it out")  # once per file
-        return [info_from_manifest(m) for m in manifests]
+            pass
+        return tiers
+
+    def _resolve(self, ref: str | None) -> tuple[Repository, Manifest, list[Any]]:
+        """Where ``ref`` (id, tag, None: the newest across tiers) is read from: the fast tier
+        when it holds it, else the durable root."""
+        tiers = self._tiers()
+        if not tiers:
+            where = self.root if self.fast_root is None else f"{self.root} or {self.fast_root}"
+            raise CheckpointNotFoundError(f"no checkpoint root at {where} (nothing has been saved there yet)")
+        best: tuple[Repository, Manifest, list[Any]] | None = None
+        errors: list[CheckpointNotFoundError] = []
+        for repo in tiers:
+            try:
+                manifest, skipped = repo.resolve_reporting(ref)
+            except CheckpointNotFoundError as exc:
+                errors.append(exc)
+                continue
+            if ref is not None:
+                return repo, manifest, skipped
+            if best is None or (manifest.created, manifest.id) > (best[1].created, best[1].id):
+                best = (repo, manifest, skipped)
+        if best is None:
+            raise errors[-1]
+        return best
 
     def latest(self) -> CheckpointInfo | None:
         """The newest committed checkpoint, or None (a WARNING names any newer manifest that
@@ -846,8 +1053,7 @@ class Checkpointer:
         # raises one that failed unobserved: resuming must not skip it without a word)
         self._reap()
         started = time.perf_counter()
-        repo = self._repository(create=False)
-        manifest, skipped = repo.resolve_reporting(checkpoint)  # "latest" must not fall back silently
+        repo, manifest, skipped = self._resolve(checkpoint)  # "latest" must not fall back silently
         repo.warn_unreadable(skipped, f"restore() used the older checkpoint {manifest.id} instead")
         handle = self._restorer.restore(
             repo, manifest, app_state, allow_pickle=self.allow_pickle, lazy=lazy, verify=verify, started=started
@@ -867,6 +1073,7 @@ class Checkpointer:
         A second call (from any thread) waits until the first has finished."""
         self._shut_down()
         self._unobserved.raise_if_any("Checkpointer.close()")
+        self._raise_promotion_failure()
 
     def _shut_down(self) -> None:
         """close() without raising; each step may be repeated (a close() interrupted by
@@ -885,6 +1092,8 @@ class Checkpointer:
                     self._queue.put(None)
                 self._writer.join()
                 self._drain_stopped()
+            if self._promoter is not None:
+                self._promoter.stop()  # what is due is promoted before the roots are let go
             self._reap(retry=False)
             with self._pending_lock:
                 late, self._retries = self._retries, []
@@ -895,8 +1104,9 @@ class Checkpointer:
             self._restorer.close()
             self._copier_runner.shutdown(wait=True)
             self._pool.shutdown(wait=True)
-            if self._repo is not None:
-                self._repo.close()  # the writer lease: another Checkpointer may write now
+            for repo in (self._repo, self._fast):
+                if repo is not None:
+                    repo.close()  # the writer lease: another Checkpointer may write now
             self._stopped = True
 
     def __enter__(self) -> Checkpointer:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 __all__ = ["Config", "MiB"]
 
 MiB = 1 << 20
-_MAY_BE_ZERO = {"cow_budget_bytes", "cpu_snapshot_bytes", "eager_cpu_bytes", "eager_device_bytes", "staging_bytes",
+_MAY_BE_ZERO = {"cow_budget_bytes", "fast_tier_bytes", "cpu_snapshot_bytes", "eager_cpu_bytes", "eager_device_bytes", "staging_bytes",
                 "restore_piece_bytes"}
 
 
@@ -135,6 +135,20 @@ class Config:
                   "device; on: also CPU targets whose device check is forced, through shared memory, for "
                   "tests; off)"},
     )
+    when_busy: str = field(
+        default="wait",
+        metadata={"doc": "fast tier: a save that finds no room in the fast tier waits for the saves and promotion "
+                  "in flight to make room ('wait'), or is skipped and reported ('skip')"},
+    )
+    fast_slab_bytes: int = field(
+        default=1 << 30,
+        metadata={"doc": "fast tier: bytes per slab file (page-locked once per process, reused by every save)"},
+    )
+    fast_tier_bytes: int = field(
+        default=0,
+        metadata={"doc": "fast tier: slab bytes at most (0: 90% of what its file system has free when first opened, "
+                  "plus the slabs it holds)"},
+    )
     trace_dir: str = field(
         default="", metadata={"doc": "write a Chrome trace of each capture window here ('' : off)"}
     )
@@ -159,6 +173,8 @@ class Config:
             raise ValueError(
                 f"Config.restore_direct_copies must be 'auto', 'on' or 'off', got {self.restore_direct_copies!r}"
             )
+        if self.when_busy not in ("wait", "skip"):
+            raise ValueError(f"Config.when_busy must be 'wait' or 'skip', got {self.when_busy!r}")
         if self.chunk_size % 512:
             raise ValueError(f"Config.chunk_size must be a multiple of 512, got {self.chunk_size}")
         if self.staging_bytes and self.staging_bytes < self.chunk_size:

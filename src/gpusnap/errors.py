@@ -34,3 +34,9 @@ class CheckpointNotFoundError(CheckpointError, LookupError):
 
 class StorageError(CheckpointError):
     """The storage backend failed (full disk, permissions, a lock held elsewhere)."""
+
+
+class SaveSkipped(CheckpointError):
+    """``Config.when_busy="skip"``: the fast tier had no room for this save when it was
+    made (the previous save still copying, or its slabs full), so nothing was saved. Raised
+    by that save's ``wait()`` only: a skip is reported, not a failure the Checkpointer raises."""

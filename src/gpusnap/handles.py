@@ -19,6 +19,8 @@ class CheckpointInfo:
 
     ``stats`` holds (seconds and bytes): ``stall_s``, ``duration_s``, ``bytes_total``,
     ``bytes_copied``, ``bytes_cow``, ``bytes_skipped``, ``validation``.
+    ``tier``: ``"durable"`` (the Checkpointer's root; a promoted checkpoint lists so) or
+    ``"fast"`` (only in its ``fast_root``).
     """
 
     id: str
@@ -26,6 +28,7 @@ class CheckpointInfo:
     created: float
     nbytes: int
     stats: dict[str, Any] = field(default_factory=dict)
+    tier: str = "durable"
 
 
 class _Completion:

@@ -66,8 +66,13 @@ class ConcurrentSave:
         snapshot_budget: int = 0,
         snapshot_cpu_bytes: int = 0,
         copier_runner: Executor | None = None,
+        fast: bool = False,
     ) -> None:
         self.flat = flat
+        # fast: ``staging`` is the fast tier's slab memory (capture/fast_arena.py); a chunk's
+        # name is its device hash and location, so every chunk is hashed on its device and
+        # nothing is hashed or written on the host
+        self.fast = fast
         self._open_txn = open_txn
         self._txn: WriteTxn | None = None
         self._txn_refused: BaseException | None = None  # set once the save is over (abort_txn)
@@ -90,7 +95,7 @@ class ConcurrentSave:
         self.phases["window"] = t1 - t0  # of which the snapshot copy:
         self.phases["snapshot"] = self.window.snapshot_s
         self.tracked = not self.window.all_snapshotted or log_reads  # (not for a trace alone)
-        validate = validate and not self.window.all_snapshotted
+        validate = (validate or fast) and not self.window.all_snapshotted  # fast: names are hashes
         # Stored digests of every span's chunks, in one list: span i's chunk k is
         # digests[first[i] + k] (one list per span made ~1745 more objects per save for
         # Python's collector, which live until the commit)
@@ -115,7 +120,7 @@ class ConcurrentSave:
         self.compared = bool(previous) and skip_unchanged
         self.bytes_unchanged = 0  # found unchanged by the comparison (not by the store's dedup)
         self.mismatched: list[str] = []
-        hashing = validate or incremental
+        hashing = validate or incremental or fast
         if hashing:
             # Spans not snapshotted are hashed now, in the program's stream order; snapshots
             # cannot change, so the copier hashes them later, off the caller's time. With
@@ -329,6 +334,9 @@ class ConcurrentSave:
         return f"ok: {checked} chunks hashed before and after their copy"
 
     def _sink(self, pieces: list[Piece]) -> None:
+        if self.fast:
+            self._locate_many(pieces)
+            return
         # one task per batch of finished pieces (not per chunk, not per piece): fewer Python
         # task switches competing with the program for the GIL; the bytes are on the host
         future = self.io_pool.submit(self._store_many, pieces)
@@ -351,6 +359,30 @@ class ConcurrentSave:
                 if self.window.trace is not None:
                     name = f"piece {segments[0][0].index}:{segments[0][1]}" + (f" +{len(segments) - 1}" if len(segments) > 1 else "")
                     self.window.trace.span("store", name, started, time.perf_counter())
+
+    def _locate_many(self, pieces: list[Piece]) -> None:
+        """Fast tier, on the copier thread: the pieces' bytes are where they will stay, so
+        storing is recording each chunk's slab location (named in :meth:`finish`)."""
+        cs = self.chunk_size
+        for segments, region in pieces:
+            for ws, start, n, offset in segments:
+                if (self.after is not None and ws.span.device.type == "cpu"
+                        and ws.index not in self.window.snapshotted):
+                    self.after.fill(ws.index, region.data[offset : offset + n], start // cs)  # the stored bytes
+                base = self._first[ws.index] + start // cs
+                at = region.start + offset
+                for k, off in enumerate(range(0, n, cs)):
+                    self.digests[base + k] = f"{region.slab}:{at + off}:{min(cs, n - off)}"
+                with self._lock:
+                    self.bytes_written += n
+
+    def _fast_names(self, hashes: list[tuple[str, ...]]) -> None:
+        """Each copied chunk's name: its device hash, then its location (storage/fast_tier.py)."""
+        for i, (first, count) in enumerate(zip(self._first, self._counts)):
+            for k in range(count):
+                loc = self.digests[first + k]
+                if loc is not None and "@" not in loc:
+                    self.digests[first + k] = f"{hashes[i][k]}@{loc}"
 
     def _store(self, index: int, start: int, data: torch.Tensor) -> None:
         """Hash and store the chunks of span ``index`` that start at byte ``start`` (``data``
@@ -397,6 +429,8 @@ class ConcurrentSave:
             raise
         self.validation = self._validate()
         hashes = self.before_hex() if self.before is not None else [None] * len(self.flat.spans)
+        if self.fast:
+            self._fast_names(hashes)  # type: ignore[arg-type]  (fast: every span is hashed)
         if self.previous and not self.compared:
             self.bytes_unchanged = self._unchanged_bytes(hashes)
         return tuple(

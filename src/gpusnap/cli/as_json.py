@@ -24,9 +24,10 @@ def _utc(ts: float) -> str:
     return _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def _checkpoint(m: Manifest) -> dict[str, Any]:
+def _checkpoint(m: Manifest, tier: str) -> dict[str, Any]:
     return {
         "id": m.id,
+        "tier": tier,
         "tag": m.tag,
         "created": m.created,
         "created_utc": _utc(m.created),
@@ -41,21 +42,23 @@ def _unreadable(problems: list[tuple[str, str]]) -> list[dict[str, str]]:
     return [{"manifest": where, "error": error} for where, error in problems]
 
 
-def ls_doc(root: str, manifests: list[Manifest], problems: list[tuple[str, str]]) -> dict[str, Any]:
+def ls_doc(
+    root: str, manifests: list[Manifest], problems: list[tuple[str, str]], tier: str = "durable"
+) -> dict[str, Any]:
     return {
         "schema": f"gpusnap.ls/{SCHEMA}",
         "root": root,
-        "checkpoints": [_checkpoint(m) for m in manifests],
+        "checkpoints": [_checkpoint(m, tier) for m in manifests],
         "unreadable": _unreadable(problems),
     }
 
 
-def show_doc(root: str, m: Manifest, problems: list[tuple[str, str]]) -> dict[str, Any]:
+def show_doc(root: str, m: Manifest, problems: list[tuple[str, str]], tier: str = "durable") -> dict[str, Any]:
     tensors, values = summarize(m)
     return {
         "schema": f"gpusnap.show/{SCHEMA}",
         "root": root,
-        **_checkpoint(m),
+        **_checkpoint(m, tier),
         "chunk_size": m.chunk_size,
         "storages": [
             {"nbytes": s.nbytes, "device": s.device, "chunks": list(s.chunks)} for s in m.storages

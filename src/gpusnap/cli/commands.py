@@ -13,6 +13,8 @@ from gpusnap.cli.progress import byte_progress
 from gpusnap.cli.render import checkpoint_table, human_bytes, manifest_reason, unreadable_lines
 from gpusnap.cli.show_text import show_lines
 from gpusnap.errors import CheckpointNotFoundError
+from gpusnap.storage.fast_tier import FastTier
+from gpusnap.storage.repository import Repository
 
 __all__ = ["cmd_bench", "cmd_demo", "cmd_gc", "cmd_ls", "cmd_show", "cmd_verify"]
 
@@ -26,14 +28,19 @@ def _warn_unreadable(problems: list[tuple[str, str]], root: str, what: str) -> N
         )
 
 
+def _tier(repo: Repository) -> str:
+    """``"fast"`` for a fast tier's root (``Checkpointer(fast_root=...)``), else ``"durable"``."""
+    return "fast" if isinstance(repo, FastTier) else "durable"
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     repo = open_root(args.root)
     manifests = repo.list()
     problems = repo.problems()
     if args.json:
-        print(dumps(ls_doc(repo.root, manifests, problems)))
+        print(dumps(ls_doc(repo.root, manifests, problems, _tier(repo))))
     elif manifests:
-        for line in checkpoint_table(manifests):
+        for line in checkpoint_table(manifests, _tier(repo)):
             print(line)
     elif not problems:
         print(f"no committed checkpoints in {args.root}")
@@ -58,9 +65,9 @@ def cmd_show(args: argparse.Namespace) -> int:
             return _report_unreadable(problems)
         raise
     if args.json:
-        print(dumps(show_doc(repo.root, m, problems)))
+        print(dumps(show_doc(repo.root, m, problems, _tier(repo))))
     else:
-        for line in show_lines(m, all_stats=args.stats):
+        for line in show_lines(m, all_stats=args.stats, tier=_tier(repo)):
             print(line)
     if ref is None:
         _warn_unreadable(problems, args.root, "the newest readable checkpoint is shown")
@@ -118,6 +125,14 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if report.skipped:
         print(f"gpusnap: error: gc skipped: {'; '.join(report.notes)}", file=sys.stderr)
         return EXIT_ERROR
+    if isinstance(repo, FastTier):
+        print(
+            f"deleted {len(report.deleted_checkpoints)} checkpoint(s) from the fast tier; their slab bytes are "
+            "free for the next saves (slab files are kept for reuse, not deleted)"
+        )
+        for note in report.notes:
+            print(f"note: {note}")
+        return EXIT_OK
     print(
         f"deleted {len(report.deleted_checkpoints)} checkpoint(s) and "
         f"{len(report.deleted_packs)} pack(s), freed {human_bytes(report.freed_bytes)}"

@@ -28,8 +28,10 @@ def columns(rows: Sequence[Sequence[str]], indent: str = "") -> list[str]:
     return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
-def checkpoint_table(manifests: list[Manifest]) -> list[str]:
-    rows = [("ID", "TAG", "CREATED", "SIZE", "STALL", "DURABLE")]
+def checkpoint_table(manifests: list[Manifest], tier: str = "durable") -> list[str]:
+    """One row per checkpoint; ``tier`` is the root's (``"fast"``: a fast tier's root)."""
+    # (a fast tier's checkpoint is committed there, in host memory: not durable yet)
+    rows = [("ID", "TAG", "CREATED", "SIZE", "STALL", "DURABLE" if tier == "durable" else "COMMITTED", "TIER")]
     for m in manifests:
         stall = m.stats.get("stall_s")
         duration = m.stats.get("duration_s")
@@ -41,6 +43,7 @@ def checkpoint_table(manifests: list[Manifest]) -> list[str]:
                 human_bytes(m.nbytes),
                 f"{stall * 1e3:.1f} ms" if isinstance(stall, (int, float)) else "-",
                 f"{duration:.2f} s" if isinstance(duration, (int, float)) else "-",
+                tier,
             )
         )
     return columns(rows)

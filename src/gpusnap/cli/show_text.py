@@ -12,10 +12,10 @@ from gpusnap.storage.manifest import Manifest
 __all__ = ["flat_stats", "show_lines"]
 
 
-def show_lines(m: Manifest, *, all_stats: bool) -> Iterator[str]:
+def show_lines(m: Manifest, *, all_stats: bool, tier: str = "durable") -> Iterator[str]:
     tensors, values = summarize(m)
     yield f"checkpoint {m.id}"
-    head = [("tag", m.tag or "-"), ("created", format_time(m.created))]
+    head = [("tag", m.tag or "-"), ("created", format_time(m.created)), ("tier", tier)]
     size = f"{human_bytes(m.nbytes)} in {len(m.storages)} storage(s), chunk size {human_bytes(m.chunk_size)}"
     head.append(("size", size))
     if not all_stats:

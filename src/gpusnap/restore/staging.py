@@ -8,72 +8,33 @@ is slow to allocate, so the pool is made once per ``Restorer`` and kept (DESIGN.
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import queue
-import sys
-import weakref
 
 import torch
 
 from gpusnap.device import host_buffer
+from gpusnap.host_map import MappedMemory
 
 __all__ = ["SlotPool", "SharedMemory"]
 
 
-class SharedMemory:
+class SharedMemory(MappedMemory):
     """``nbytes`` of memory other processes can map (a ``memfd``), page-locked for CUDA
     copies when ``pinned``: reader processes (``restore/read_procs.py``) fill it, this
-    process copies out of it through ``tensor`` (and views of it).
-
-    The mapping belongs to a ctypes array that every tensor over it keeps alive
-    (``torch.frombuffer``): it is unlocked and unmapped only when the last of them is gone,
-    never under a live view. Raises ``OSError`` (no memfd, no memory) or ``RuntimeError``
-    (page-locking failed); the caller then uses ordinary memory.
+    process copies out of it through ``tensor`` (and views of it). Raises ``OSError`` (no
+    memfd, no memory) or ``RuntimeError`` (page-locking failed); the caller then uses
+    ordinary memory.
     """
 
     def __init__(self, nbytes: int, *, pinned: bool) -> None:
-        self.nbytes = nbytes
-        self.fd = os.memfd_create("gpusnap-restore", os.MFD_CLOEXEC)
+        fd = os.memfd_create("gpusnap-restore", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(self.fd, nbytes)
-            addr = _LIBC.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_POPULATE,
-                              self.fd, 0)
-            if addr in (None, ctypes.c_void_p(-1).value):
-                raise OSError(ctypes.get_errno(), f"mmap of {nbytes} bytes of shared memory failed")
+            os.ftruncate(fd, nbytes)
         except BaseException:
-            os.close(self.fd)
+            os.close(fd)
             raise
-        memory = type("_Mapping", (ctypes.c_uint8 * nbytes,), {}).from_address(addr)
-        state = {"pinned": False}
-        weakref.finalize(memory, _unmap, addr, nbytes, self.fd, state)
-        self.tensor = torch.frombuffer(memory, dtype=torch.uint8)  # keeps ``memory`` alive
-        del memory
-        self.pinned = False
-        if pinned:
-            cudart = torch.cuda.cudart()
-            err = int(getattr(cudart.cudaHostRegister(addr, nbytes, 0), "value", 0) or 0)
-            if err:
-                cudart.cudaGetLastError()  # (the error would stay pending for the next CUDA call)
-                del self.tensor
-                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of shared memory failed: error {err}")
-            state["pinned"] = self.pinned = True
-
-
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_LIBC.mmap.restype = ctypes.c_void_p
-_LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000 if sys.platform.startswith("linux") else 0)
-
-
-def _unmap(addr: int, nbytes: int, fd: int, state: dict[str, bool]) -> None:
-    """The last tensor over the mapping is gone: unlock, unmap, close."""
-    if state["pinned"]:
-        torch.cuda.cudart().cudaHostUnregister(addr)
-    _LIBC.munmap(addr, nbytes)
-    os.close(fd)
+        super().__init__(fd, nbytes, pinned=pinned)
 
 
 def can_share() -> bool:

@@ -112,8 +112,13 @@ class Repository:
         storage_options: dict[str, Any] | None = None,
         config: Config | None = None,
         backend: Backend | None = None,
+        root_doc: dict[str, Any] | None = None,
     ) -> Repository:
-        """Open (or with ``create=True`` initialise) the checkpoint root at ``root``."""
+        """Open (or with ``create=True`` initialise) the checkpoint root at ``root``.
+
+        A fast tier's root (``storage/fast_tier.py``) opens as a :class:`FastTier`; a root
+        created here is durable unless ``root_doc`` (extra root-file fields) says otherwise.
+        """
         backend = backend if backend is not None else open_backend(root, storage_options)
         config = config if config is not None else Config.from_env()
         where = backend.root
@@ -121,19 +126,24 @@ class Repository:
             if not backend.exists(""):
                 if not create:
                     raise CheckpointNotFoundError(f"no checkpoint root at {where} (nothing has been saved there yet: a Checkpointer creates it at its first save; check the path)")
-                cls._initialise(backend)
+                cls._initialise(backend, doc=root_doc)
             elif not backend.isdir(""):
                 raise CheckpointError(f"{where} is a file, not a checkpoint root directory")
             elif ROOT_FILE in (names := set(backend.listdir(""))):
-                cls._check_root_file(backend)
+                tier = cls._check_root_file(backend).get("tier", "durable")
                 if create:
+                    if tier != (root_doc or {}).get("tier", "durable"):
+                        raise CheckpointError(
+                            f"{where} is a {tier} tier's root: a Checkpointer's root and fast_root need "
+                            "directories of their own"
+                        )
                     cls._initialise(backend, root_file=False)
             elif names <= LAYOUT:
                 # Empty, or a root another process is creating right now (gpusnap.json comes
                 # last): either way creating it here is safe and idempotent.
                 if not create:
                     raise CheckpointNotFoundError(f"no checkpoint root at {where} (the directory is empty)")
-                cls._initialise(backend)
+                cls._initialise(backend, doc=root_doc)
             else:
                 raise CheckpointError(
                     f"{where} exists but is not a gpusnap checkpoint root (no {ROOT_FILE}); "
@@ -141,17 +151,21 @@ class Repository:
                 )
         except OSError as exc:
             raise storage_error(exc, "opening checkpoint root", where, writing=False) from exc
+        if cls is Repository and backend.exists(ROOT_FILE) and cls._check_root_file(backend).get("tier") == "fast":
+            from gpusnap.storage.fast_tier import FastTier
+
+            return FastTier(backend, config)
         return cls(backend, config)
 
     @staticmethod
-    def _initialise(backend: Backend, *, root_file: bool = True) -> None:
+    def _initialise(backend: Backend, *, root_file: bool = True, doc: dict[str, Any] | None = None) -> None:
         for d in (PACKS, MANIFESTS, TMP):
             backend.makedirs(d)
         if root_file:
             tmp = f"{TMP}/{ROOT_FILE}.{os.getpid()}-{secrets.token_hex(4)}"
             handle = backend.open_write(tmp)
             try:
-                handle.write(canonical_json({"format": FORMAT, "version": VERSION}))
+                handle.write(canonical_json({"format": FORMAT, "version": VERSION, **(doc or {})}))
             finally:
                 handle.close(sync=True)
             backend.rename(tmp, ROOT_FILE)
@@ -165,7 +179,7 @@ class Repository:
             backend.open_write(LEASE_NAME).close(sync=False)
 
     @staticmethod
-    def _check_root_file(backend: Backend) -> None:
+    def _check_root_file(backend: Backend) -> dict[str, Any]:
         where = backend.describe(ROOT_FILE)
         try:
             doc = json.loads(backend.read_range(ROOT_FILE).decode("utf-8"))
@@ -175,6 +189,7 @@ class Repository:
             raise CheckpointError(
                 f"{where} describes an unsupported layout {doc!r}; this gpusnap reads version {VERSION}"
             )
+        return doc
 
     def __repr__(self) -> str:
         return f"Repository({self.root!r})"
@@ -691,12 +706,16 @@ class Repository:
             self._lease.drop()
             raise
         try:
-            self._refresh_packs()
-            return WriteTxn(self, lock)
+            return self._new_txn(lock)
         except BaseException:
             lock.release()
             self._lease.drop()
             raise
+
+    def _new_txn(self, lock: BackendLock) -> WriteTxn:
+        """The transaction, once the lease and the shared lock are held (a fast tier makes its own)."""
+        self._refresh_packs()
+        return WriteTxn(self, lock)
 
     def _pin_known(self, txn: WriteTxn, digest: str) -> bool:
         """Whether ``digest`` is stored; if so, pinned for ``txn`` (gc keeps its pack), in one

@@ -1,4 +1,8 @@
-"""``verify``: re-hash stored chunks and check pack trailers, from freshly read indexes."""
+"""``verify``: re-hash stored chunks and check pack trailers, from freshly read indexes.
+
+A fast tier's root (``storage/fast_tier.py``) has no packs: each chunk is re-read from its
+slab through the tier's own read path and checked against the device hash its name holds.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ from gpusnap.storage.layout import MANIFESTS, map_chunks, storage_error
 from gpusnap.storage.pack import PACK_MAGIC, PackIndex, pack_path, read_pack_index
 
 if TYPE_CHECKING:
+    from gpusnap.storage.fast_tier import FastTier
+    from gpusnap.storage.manifest import Manifest
     from gpusnap.storage.repository import Repository
 
 __all__ = ["VerifyReport", "verify"]
@@ -31,11 +37,20 @@ class VerifyReport:
 def verify(
     repo: Repository, checkpoint_id: str | None = None, *, progress: Callable[[int], None] | None = None
 ) -> VerifyReport:
-    """Re-hash every chunk of one checkpoint (id or tag) or of all, and check pack trailers.
+    """Re-hash every chunk of one checkpoint (id or tag) or of all, and check pack trailers
+    (a fast tier: re-read every chunk from its slab and check its device hash).
 
     Works from freshly read pack indexes, not from what this object remembers. Holds the
-    shared lock (best effort) so a concurrent gc cannot pull packs away mid-check.
+    shared lock (best effort) so a concurrent gc cannot pull packs away mid-check; a fast
+    tier's verify holds none, so its writer's retention never waits for it.
     """
+    # (imported here: fast_tier imports repository.py, which imports this module)
+    from gpusnap.storage.fast_tier import FastTier
+
+    if isinstance(repo, FastTier):
+        # No lock: the writer's retention must not wait for a reader (its saves would find
+        # no room); a checkpoint it retires meanwhile is left out (_deleted_meanwhile).
+        return _verify_fast(repo, checkpoint_id, progress)
     try:
         lock: BackendLock | None = repo._lock(exclusive=False, timeout=30.0)
     except StorageError:
@@ -47,19 +62,24 @@ def verify(
             lock.release()
 
 
-def _verify(repo: Repository, checkpoint_id: str | None, progress: Callable[[int], None] | None) -> VerifyReport:
-    problems: list[str] = []
+def _selected(repo: Repository, checkpoint_id: str | None, problems: list[str]) -> list[Manifest]:
+    """The manifests to check (read afresh); an unreadable one is a problem, not an error."""
     if checkpoint_id is None:
         manifests, bad = repo._scan(fresh=True)
         problems.extend(f"manifest {u.path}: {u.reason}" for u in bad)
-    else:
-        try:
-            manifests = [repo.load_manifest(checkpoint_id)]
-        except CheckpointNotFoundError:
-            manifests = [repo.resolve(checkpoint_id)]  # a tag, or CheckpointNotFoundError
-        except CheckpointError as exc:
-            manifests = []
-            problems.append(str(exc))
+        return manifests
+    try:
+        return [repo.load_manifest(checkpoint_id)]
+    except CheckpointNotFoundError:
+        return [repo.resolve(checkpoint_id)]  # a tag, or CheckpointNotFoundError
+    except CheckpointError as exc:
+        problems.append(str(exc))
+        return []
+
+
+def _verify(repo: Repository, checkpoint_id: str | None, progress: Callable[[int], None] | None) -> VerifyReport:
+    problems: list[str] = []
+    manifests = _selected(repo, checkpoint_id, problems)
 
     packs: dict[str, PackIndex] = {}
     pack_errors: list[str] = []
@@ -113,6 +133,70 @@ def _verify(repo: Repository, checkpoint_id: str | None, progress: Callable[[int
     for path in sorted(packs if checkpoint_id is None else used_packs):
         problems.extend(_verify_pack_header(repo, packs[path]))
     return VerifyReport(not problems, tuple(problems), len(manifests), checked_chunks, checked_bytes)
+
+
+def _verify_fast(
+    tier: FastTier, checkpoint_id: str | None, progress: Callable[[int], None] | None
+) -> VerifyReport:
+    """:func:`verify` of a fast tier: every chunk of the selected manifests read from its
+    slab (``FastTier.read_chunk``, which checks its 128-bit device hash); a chunk whose slab
+    is gone or too short is missing. Slab bytes no manifest names are free space, not
+    problems (a crashed save's, or a deleted checkpoint's)."""
+    from gpusnap.storage.fast_tier import chunk_location
+
+    problems: list[str] = []
+    manifests = _selected(tier, checkpoint_id, problems)
+    try:
+        slabs = tier._slab_list()  # slab -> bytes, listed now
+    except CheckpointError as exc:  # slabs/ cannot be listed: every chunk is reported below
+        problems.append(str(exc))
+        slabs = {}
+    results: dict[str, str | None] = {}
+    checked_chunks = checked_bytes = 0
+    for m in manifests:
+        found = len(problems)
+        for si, storage in enumerate(m.storages):
+            total: int | None = 0
+            for ci, name in enumerate(storage.chunks):
+                try:
+                    _h, slab, offset, length = chunk_location(name)
+                except IntegrityError as exc:
+                    results[name], total = str(exc), None
+                else:
+                    total = None if total is None else total + length
+                    if name not in results:
+                        results[name] = _fast_chunk_problem(tier, name, slab, offset + length, slabs.get(slab))
+                        if slabs.get(slab, 0) >= offset + length:  # (read and hashed, whatever it found)
+                            checked_chunks += 1
+                            checked_bytes += length
+                            if progress is not None:
+                                progress(length)
+                if results[name] is not None:
+                    problems.append(f"checkpoint {m.id}: storage {si} chunk {ci}: {results[name]}")
+            if total is not None and total != storage.nbytes:
+                problems.append(
+                    f"checkpoint {m.id}: storage {si} chunks hold {total} bytes, the manifest says {storage.nbytes}"
+                )
+        if len(problems) > found and _deleted_meanwhile(tier, m.id):
+            del problems[found:]  # the writer's retention retired it (its bytes may be reused)
+    return VerifyReport(not problems, tuple(problems), len(manifests), checked_chunks, checked_bytes)
+
+
+def _fast_chunk_problem(tier: FastTier, name: str, slab: int, end: int, slab_size: int | None) -> str | None:
+    """The problem with fast chunk ``name`` (ending at byte ``end`` of slab ``slab``, whose
+    file holds ``slab_size`` bytes or is absent), or None."""
+    from gpusnap.storage.fast_tier import slab_path
+
+    where = tier.backend.describe(slab_path(slab))
+    if slab_size is None:
+        return f"chunk {name} is missing: no slab {where}"
+    if end > slab_size:
+        return f"chunk {name} is missing: slab {where} holds {slab_size} bytes, the chunk ends at {end}"
+    try:
+        tier.read_chunk(name)
+    except CheckpointError as exc:  # IntegrityError (hash, length), StorageError (I/O)
+        return str(exc)
+    return None
 
 
 def _deleted_meanwhile(repo: Repository, checkpoint_id: str) -> bool:

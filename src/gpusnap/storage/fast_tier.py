@@ -1,0 +1,535 @@
+"""The fast tier: checkpoints in host memory that outlives the process, written in place.
+
+A fast root (``/dev/shm/run1``, or a local directory) holds the usual ``manifests/``, the
+writer lease and lock, and ``slabs/``: fixed-size files (``Config.fast_slab_bytes``) that a
+writer maps once, page-locks once (CUDA) and reuses for every save. The copy engine writes a
+save's chunks straight into slab memory, so saving to this tier takes no host copy, no
+write system call and no host hash: a chunk's integrity is its device hash (``nh128``, 128
+bits, computed on the device at the consistent point: ``kernels/chunk_hash.py``).
+
+A chunk's name in a fast manifest says where it lives and what it hashes to:
+``<nh128 hex>@<slab>:<offset>:<length>``. Nothing but committed manifests records which
+slab bytes are used: a writer that opens the tier rebuilds the map from them, so a crash
+at any moment leaves every committed checkpoint intact and the crashed save's bytes free.
+Deduplication is positional, as for incremental saves: a chunk whose device hash the
+latest checkpoint holds is named again, not copied (the device hash is trusted for
+"unchanged", never across unrelated data: :mod:`gpusnap.kernels.chunk_hash`).
+
+Slab bytes are reused as soon as no retained manifest (nor a save or promotion in flight
+here) needs them; a reader in another process that is still reading a checkpoint deleted
+meanwhile gets an :class:`IntegrityError` (its chunks' hashes no longer match), never
+other bytes silently. The tier survives the process (SIGKILL included), not the machine:
+durability is the root it is promoted to.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import re
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpusnap.config import Config
+from gpusnap.errors import CheckpointError, IntegrityError
+from gpusnap.kernels.chunk_hash import chunk_hashes, hex_rows
+from gpusnap.storage.backend import Backend, BackendLock, LocalBackend
+from gpusnap.storage.layout import ID_RE, MANIFESTS, ROOT_FILE, TMP, storage_error
+from gpusnap.storage.manifest import Manifest
+from gpusnap.storage.repository import GcReport, Repository, about
+
+__all__ = ["SLABS", "FastTier", "FastTxn", "chunk_location", "fast_name"]
+
+SLABS = "slabs"
+_SLAB_ROUND = 2 << 20  # slab sizes are whole 2 MiB (huge-page friendly)
+ALIGN = 4096  # each region starts on a page: DMA-friendly, and no two saves share a page
+_NAME = re.compile(r"^([0-9a-f]{32})@(\d+):(\d+):(\d+)$")
+
+
+def fast_name(device_hash: str, slab: int, offset: int, length: int) -> str:
+    """A fast chunk's name: its device hash and where its bytes lie."""
+    return f"{device_hash}@{slab}:{offset}:{length}"
+
+
+def chunk_location(name: str) -> tuple[str, int, int, int]:
+    """``(device hash, slab, offset, length)`` of a fast chunk name; IntegrityError if malformed."""
+    m = _NAME.match(name)
+    if m is None:
+        raise IntegrityError(f"{name!r} is not a fast-tier chunk name")
+    return m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))
+
+
+def slab_path(slab: int) -> str:
+    return f"{SLABS}/{slab:06d}.slab"
+
+
+@dataclass
+class _Extent:
+    """Reserved slab bytes ``[lo, hi)`` a save carves its regions from (``cursor`` onward)."""
+
+    slab: int
+    lo: int
+    hi: int
+    cursor: int
+
+
+class FastTier(Repository):
+    """A fast root (see the module docstring). Thread-safe; the writer maps its slabs.
+
+    >>> import tempfile, os
+    >>> tier = FastTier.open(os.path.join(tempfile.mkdtemp(), "fast"), create=True)
+    >>> tier.list()
+    []
+    """
+
+    tier = "fast"
+
+    def __init__(self, backend: Backend, config: Config) -> None:
+        super().__init__(backend, config)
+        self._alloc = threading.Condition(self._mutex)
+        self._slab_sizes: dict[int, int] = {}  # slab -> bytes (files present)
+        self._maps: dict[int, Any] = {}  # slab -> MappedMemory (the writer's, kept for its life)
+        self._map_lock = threading.Lock()
+        self._used: dict[int, list[tuple[int, int]]] | None = None  # committed ranges, rebuilt lazily
+        self._fast_txns: set[FastTxn] = set()
+        self._pinned_ids: dict[str, int] = {}  # manifest id -> holds (a promotion reading it)
+        self._capacity: int | None = None
+        self.pinned = torch.cuda.is_available()
+        self.register_errors: builtins.list[str] = []  # slabs that could not be page-locked
+
+    # ------------------------------------------------------------------ layout
+
+    @classmethod
+    def open(  # type: ignore[override]
+        cls,
+        root: str | os.PathLike[str],
+        *,
+        create: bool = False,
+        storage_options: dict[str, Any] | None = None,
+        config: Config | None = None,
+        backend: Backend | None = None,
+    ) -> FastTier:
+        """Open (or with ``create=True`` initialise) the fast root at ``root``: a local path."""
+        text = os.fspath(root)
+        if "://" in text and not text.startswith("file://"):
+            raise ValueError(f"fast_root must be a local path (host memory such as /dev/shm/run), not {text!r}")
+        text = text.removeprefix("file://")
+        repo = Repository.open(text, create=create, config=config, backend=backend or LocalBackend(text),
+                               root_doc={"tier": "fast"})
+        if not isinstance(repo, FastTier):
+            raise CheckpointError(f"{text} is a durable checkpoint root, not a fast tier: give fast_root its own directory")
+        if create:
+            with repo._io("creating", SLABS, writing=True):
+                repo.backend.makedirs(SLABS)
+        return repo
+
+    def intact(self) -> bool:
+        """Whether the root is still there (a removed directory: the writer starts a new tier)."""
+        try:
+            return self.backend.exists(ROOT_FILE)
+        except OSError:
+            return False
+
+    def _slab_list(self) -> dict[int, int]:
+        sizes: dict[int, int] = {}
+        for name in self._listdir(SLABS) if self.backend.exists(SLABS) else []:
+            if name.endswith(".slab") and name[:-5].isdigit():
+                sizes[int(name[:-5])] = self.backend.size(f"{SLABS}/{name}")
+        return sizes
+
+    # ------------------------------------------------------------------ chunks
+
+    def _refresh_packs(self, errors: builtins.list[tuple[str, str]] | None = None) -> None:
+        return  # no packs: a chunk's name is its location
+
+    def _known(self, digest: str) -> bool:
+        return self._named(digest)
+
+    def _named(self, name: str) -> bool:
+        """Whether a retained manifest names chunk ``name`` (so its bytes are still there)."""
+        used = self._used_map()
+        try:
+            _h, slab, off, n = chunk_location(name)
+        except IntegrityError:
+            return False
+        return any(lo <= off and off + n <= hi for lo, hi in used.get(slab, ()))
+
+    def _locate(self, digest: str, what: str) -> tuple[str, int, int]:
+        _h, slab, off, n = chunk_location(digest)
+        return slab_path(slab), off, n
+
+    def _check(self, digest: str, data: bytes | memoryview, path: str, offset: int, length: int, what: str) -> None:
+        where = self.backend.describe(path)
+        if len(data) != length:
+            raise IntegrityError(f"chunk {digest}{about(what)} in slab {where} is truncated: {len(data)} of {length} bytes")
+        want = chunk_location(digest)[0]
+        with warnings.catch_warnings():  # (a read-only buffer: the hash only reads it)
+            warnings.simplefilter("ignore", UserWarning)
+            tensor = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+        got = hex_rows(chunk_hashes(tensor, max(16, -(-length // 16) * 16)).numpy())
+        if got != [want]:
+            raise IntegrityError(
+                f"chunk {digest}{about(what)} in slab {where} at offset {offset} does not match its hash "
+                "(corrupt, or reused after its checkpoint was deleted)"
+            )
+
+    # ------------------------------------------------------------------ space
+
+    def _used_map(self) -> dict[int, builtins.list[tuple[int, int]]]:
+        """Slab ranges named by retained manifests (merged, sorted), from a fresh scan once."""
+        with self._mutex:
+            if self._used is not None:
+                return self._used
+        manifests, bad = self._scan()
+        if bad:
+            raise CheckpointError(
+                f"the fast tier {self.root} has {len(bad)} unreadable manifest(s) ({bad[0].path}: {bad[0].reason}): "
+                "which slab bytes they use is unknown, so nothing is written there; delete them"
+            )
+        used: dict[int, builtins.list[tuple[int, int]]] = {}
+        for m in manifests:
+            _add_ranges(used, m)
+        merged = {s: _merge(r) for s, r in used.items()}
+        with self._mutex:
+            self._used = merged
+            return merged
+
+    def _forget_used(self) -> None:
+        with self._alloc:
+            self._used = None
+            self._alloc.notify_all()
+
+    def capacity(self) -> int:
+        """Slab bytes this tier may hold (``Config.fast_tier_bytes`` or 90% of free space)."""
+        with self._mutex:
+            if self._capacity is None:
+                have = sum(self._slab_list().values())
+                if self.config.fast_tier_bytes:
+                    self._capacity = self.config.fast_tier_bytes
+                else:
+                    st = os.statvfs(self.backend.local_path(""))  # type: ignore[attr-defined]
+                    self._capacity = have + int(st.f_bavail * st.f_frsize * 0.9)
+            return self._capacity
+
+    def _busy_ranges(self) -> dict[int, builtins.list[tuple[int, int]]]:
+        busy = {s: list(r) for s, r in self._used_map().items()}
+        for txn in self._fast_txns:
+            for e in txn.extents:
+                busy.setdefault(e.slab, []).append((e.lo, e.hi))
+            for slab, lo, hi in txn.held:
+                busy.setdefault(slab, []).append((lo, hi))
+        return {s: _merge(r) for s, r in busy.items()}
+
+    def _reserve(self, txn: FastTxn, nbytes: int, piece: int) -> bool:
+        """Reserve room for ``nbytes`` in pieces of at most ``piece`` bytes; all or nothing."""
+        with self._alloc:
+            if self._slab_sizes == {}:
+                self._slab_sizes = self._slab_list()
+            busy = self._busy_ranges()
+            free: builtins.list[tuple[int, int, int]] = []
+            for slab, size in sorted(self._slab_sizes.items()):
+                at = 0
+                for lo, hi in [*busy.get(slab, []), (size, size)]:
+                    start = -(-at // ALIGN) * ALIGN
+                    if lo - start >= min(piece, ALIGN):
+                        free.append((slab, start, lo))
+                    at = max(at, hi)
+            taken: builtins.list[_Extent] = []
+            room = 0
+            for slab, lo, hi in sorted(free, key=lambda f: f[1] - f[2]):  # largest first
+                if room >= nbytes:
+                    break
+                taken.append(_Extent(slab, lo, hi, lo))
+                room += max(0, hi - lo - piece)  # a piece that does not fit wastes the tail
+            slab_bytes = self.config.fast_slab_bytes
+            total = sum(self._slab_sizes.values())
+            sizes: dict[int, int] = {}
+            while room < nbytes:
+                # whole slabs, and a last one no larger than the rest needs (a small state
+                # must not cost a GiB of memory and its page-locking)
+                size = min(slab_bytes, -(-(nbytes - room + piece) // _SLAB_ROUND) * _SLAB_ROUND)
+                if total + size > self.capacity():
+                    return False
+                slab = max([*self._slab_sizes, *sizes, -1]) + 1
+                sizes[slab] = size
+                total += size
+                taken.append(_Extent(slab, 0, size, 0))
+                room += size - piece
+            self._slab_sizes.update(sizes)  # the files are made by the copier (FastTxn.take)
+            txn.extents = taken
+            return True
+
+    def _wait_for_room(self, timeout: float | None) -> bool:
+        """Wait until a transaction or promotion here ends (room may have come back)."""
+        with self._alloc:
+            if not self._fast_txns and not self._pinned_ids:
+                return False
+            return self._alloc.wait(timeout)
+
+    def _slab_memory(self, slab: int) -> torch.Tensor:
+        """Slab ``slab`` mapped (created first if new), page-locked where CUDA is available."""
+        from gpusnap.host_map import MappedMemory
+
+        with self._map_lock:
+            mapped = self._maps.get(slab)
+            if mapped is not None:
+                return mapped.tensor
+            size = self._slab_sizes[slab]
+            path = self.backend.local_path(slab_path(slab))  # type: ignore[attr-defined]
+            with self._io("creating slab", slab_path(slab), writing=True):
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                try:
+                    if os.fstat(fd).st_size < size:
+                        # allocates every page now: a full tmpfs is ENOSPC here, not SIGBUS at a copy
+                        os.posix_fallocate(fd, 0, size)
+                except BaseException:
+                    os.close(fd)
+                    raise
+            try:
+                mapped = MappedMemory(fd, size, pinned=self.pinned)
+            except RuntimeError as exc:  # page-locking refused: copies go through pageable memory
+                self.register_errors.append(f"slab {slab}: {exc}")
+                mapped = MappedMemory(os.open(path, os.O_RDWR | os.O_CLOEXEC), size, pinned=False)
+            except OSError as exc:
+                raise storage_error(exc, "mapping slab", self.backend.describe(slab_path(slab)), writing=True) from exc
+            self._maps[slab] = mapped
+            return mapped.tensor
+
+    def prepared_bytes(self) -> int:
+        """Slab bytes this process has mapped (page-locked where CUDA is available)."""
+        with self._map_lock:
+            return sum(m.nbytes for m in self._maps.values())
+
+    # ------------------------------------------------------------------ pins (promotion)
+
+    def pin_checkpoint(self, checkpoint_id: str) -> None:
+        """Keep ``checkpoint_id`` (and its slab bytes) through retention until unpinned."""
+        with self._alloc:
+            self._pinned_ids[checkpoint_id] = self._pinned_ids.get(checkpoint_id, 0) + 1
+
+    def unpin_checkpoint(self, checkpoint_id: str) -> None:
+        with self._alloc:
+            left = self._pinned_ids.get(checkpoint_id, 0) - 1
+            if left > 0:
+                self._pinned_ids[checkpoint_id] = left
+            else:
+                self._pinned_ids.pop(checkpoint_id, None)
+            self._alloc.notify_all()
+
+    def read_view(self, name: str) -> memoryview:
+        """The bytes of chunk ``name`` in this process's map of its slab (no copy); the
+        caller keeps its checkpoint pinned while it reads."""
+        _h, slab, off, n = chunk_location(name)
+        with self._map_lock:
+            mapped = self._maps.get(slab)
+        if mapped is None:
+            with self._mutex:
+                if slab not in self._slab_sizes:
+                    self._slab_sizes.update(self._slab_list())
+            mapped_tensor = self._slab_memory(slab)
+        else:
+            mapped_tensor = mapped.tensor
+        return memoryview(mapped_tensor[off : off + n].numpy()).cast("B")
+
+    # ------------------------------------------------------------------ writing
+
+    def begin_write(self, *, timeout: float = 60.0) -> FastTxn:  # type: ignore[override]
+        return super().begin_write(timeout=timeout)  # type: ignore[return-value]
+
+    def _new_txn(self, lock: BackendLock) -> FastTxn:  # type: ignore[override]
+        self._used_map()  # (raises while a manifest is unreadable: its bytes' use is unknown)
+        return FastTxn(self, lock)
+
+    def _gc_locked(self, keep_last: int | None, fresh: bool = True) -> GcReport:
+        """Delete the oldest checkpoints beyond ``keep_last`` (not those a promotion reads);
+        their slab bytes become free. Slab files are kept: the next save reuses them."""
+        manifests, bad = self._scan(fresh=fresh)
+        deleted: builtins.list[str] = []
+        freed = 0
+        if keep_last is not None and len(manifests) > keep_last:
+            with self._mutex:
+                pinned = set(self._pinned_ids)
+            for m in manifests[: len(manifests) - keep_last]:
+                if m.id in pinned:
+                    continue
+                path = f"{MANIFESTS}/{m.id}.json"
+                with self._io("gc: deleting manifest", path):
+                    try:
+                        self.backend.remove(path)
+                    except FileNotFoundError:
+                        continue
+                deleted.append(m.id)
+                freed += m.nbytes
+            with self._mutex:
+                for cid in deleted:
+                    self._manifest_cache.pop(f"{cid}.json", None)
+        self._forget_used()
+        for name in self._listdir(TMP):
+            with self._mutex:
+                live = tuple(f"{t.token}-" for t in self._fast_txns)
+            if not name.startswith(live):
+                try:
+                    self.backend.remove(f"{TMP}/{name}")
+                except OSError:
+                    pass
+        notes = (f"{len(bad)} unreadable manifest(s) kept",) if bad else ()
+        return GcReport(tuple(deleted), (), freed, False, notes, tuple(bad))
+
+    def delete(self, checkpoint_id: str, *, timeout: float = 30.0) -> None:
+        super().delete(checkpoint_id, timeout=timeout)
+        self._forget_used()
+
+
+class FastTxn:
+    """One save into the fast tier: room reserved at save() (:meth:`reserve`), regions carved
+    from it by the copier (:meth:`take`), the manifest published by :meth:`commit`."""
+
+    def __init__(self, tier: FastTier, lock: BackendLock) -> None:
+        import secrets
+
+        self.tier = tier
+        self.token = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self._lock: BackendLock | None = lock
+        self.state = "open"
+        self.extents: list[_Extent] = []
+        self.held: list[tuple[int, int, int]] = []  # (slab, lo, hi) of reused chunks
+        self._reused: set[str] = set()
+        self.map_s = 0.0  # seconds spent creating and mapping slabs (take)
+        with tier._alloc:
+            tier._fast_txns.add(self)
+
+    def __enter__(self) -> FastTxn:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.state == "open":
+            self.abort()
+
+    def reserve(self, nbytes: int, piece: int) -> bool:
+        """Room for ``nbytes`` (in copies of at most ``piece`` bytes), or False: the tier is full."""
+        return self.tier._reserve(self, nbytes, piece)
+
+    def take(self, n: int) -> tuple[int, int, torch.Tensor] | None:
+        """The next ``n`` reserved bytes: ``(slab, offset, host tensor)``, or None when the
+        reservation is used up. Maps (and on first use creates) the slab."""
+        for e in self.extents:
+            start = -(-e.cursor // ALIGN) * ALIGN
+            if start + n <= e.hi:
+                e.cursor = start + n
+                started = time.perf_counter()
+                memory = self.tier._slab_memory(e.slab)
+                self.map_s += time.perf_counter() - started
+                return e.slab, start, memory[start : start + n]
+        return None
+
+    def give_back(self, slab: int, offset: int, n: int) -> None:
+        """Return the last region taken from its extent (a failed copy); others wait for the end."""
+        for e in self.extents:
+            if e.slab == slab and e.cursor == offset + n:
+                e.cursor = offset
+                return
+
+    def reuse(self, chunks: dict[int, str]) -> dict[int, str]:
+        """Of ``chunks`` (index -> fast name), those still stored, held until commit or abort."""
+        if self.state != "open":
+            raise CheckpointError(f"write transaction is {self.state}")
+        out: dict[int, str] = {}
+        with self.tier._alloc:
+            for k, name in chunks.items():
+                if name in self._reused or self.tier._named(name):
+                    _h, slab, off, n = chunk_location(name)
+                    self.held.append((slab, off, off + n))
+                    self._reused.add(name)
+                    out[k] = name
+        return out
+
+    def commit(self, manifest: Manifest) -> None:
+        """Publish ``manifest`` (its chunks' bytes are in the slabs already); its ranges become used."""
+        tier, backend = self.tier, self.tier.backend
+        if self.state != "open":
+            raise CheckpointError(f"write transaction is {self.state}")
+        self.state = "committing"
+        try:
+            if not ID_RE.match(manifest.id):
+                raise CheckpointError(f"checkpoint id {manifest.id!r} is not a safe file name")
+            with tier._commit_lock:
+                tier._confirm_lease("confirming the writer lease")
+                if manifest.tag is not None:
+                    owner = tier.tag_owner(manifest.tag, other_than=manifest.id)
+                    if owner is not None:
+                        raise CheckpointError(
+                            f"tag {manifest.tag!r} already names checkpoint {owner} in {tier.root}; a tag names "
+                            f"one checkpoint: {manifest.id} was not committed"
+                        )
+                final = f"{MANIFESTS}/{manifest.id}.json"
+                tmp = f"{TMP}/{self.token}-{manifest.id}.json"
+                with tier._io("writing manifest", tmp, writing=True):
+                    handle = backend.open_write(tmp)
+                    try:
+                        handle.write(manifest.to_json())
+                    finally:
+                        handle.close(sync=tier.config.fsync)
+                with tier._io("publishing manifest", final, writing=True):
+                    backend.rename(tmp, final)
+                with tier._alloc:
+                    tier._manifest_cache[f"{manifest.id}.json"] = manifest
+                    if tier._used is not None:
+                        _add_ranges(tier._used, manifest)
+                        tier._used = {s: _merge(r) for s, r in tier._used.items()}
+        except BaseException:
+            self.abort()
+            raise
+        self.state = "committed"
+        self._release()
+
+    def abort(self) -> None:
+        """Give the reserved room back and drop temporary files. Idempotent."""
+        if self.state in ("aborted", "committed"):
+            return
+        self.state = "aborted"
+        try:
+            for name in self.tier.backend.listdir(TMP):
+                if name.startswith(f"{self.token}-"):
+                    self.tier.backend.remove(f"{TMP}/{name}")
+        except OSError:
+            pass
+        self._release()
+
+    def _release(self) -> None:
+        tier = self.tier
+        with tier._alloc:
+            registered = self in tier._fast_txns
+            tier._fast_txns.discard(self)
+            self.extents, self.held = [], []
+            tier._alloc.notify_all()
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
+        if registered:
+            tier._lease.drop()
+
+
+def _add_ranges(used: dict[int, builtins.list[tuple[int, int]]], manifest: Manifest) -> None:
+    for entry in manifest.storages:
+        for name in entry.chunks:
+            try:
+                _h, slab, off, n = chunk_location(name)
+            except IntegrityError:
+                continue
+            used.setdefault(slab, []).append((off, off + n))
+
+
+def _merge(ranges: builtins.list[tuple[int, int]]) -> builtins.list[tuple[int, int]]:
+    out: builtins.list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+

@@ -1,0 +1,56 @@
+"""Promotion: one committed fast-tier checkpoint copied into a durable root.
+
+The durable copy is an ordinary checkpoint of that root (packs named by BLAKE2b, the same
+atomic commit, the same id, tag, tree and stats), so everything that reads a durable root
+reads it. The fast checkpoint stays pinned while its chunks are read from this process's
+maps of the slabs (no copy); a failure aborts the durable transaction, leaving both roots
+as they were.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from gpusnap.kernels.hashing import chunk_digest
+from gpusnap.storage.fast_tier import FastTier
+from gpusnap.storage.manifest import Manifest, StorageEntry
+from gpusnap.storage.repository import Repository
+
+__all__ = ["promote"]
+
+
+def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: ThreadPoolExecutor | None = None,
+            extra_stats: dict[str, object] | None = None) -> Manifest:
+    """Commit ``manifest``'s checkpoint (from ``fast``) to ``durable``; returns the durable manifest."""
+    started = time.perf_counter()
+    fast.pin_checkpoint(manifest.id)
+    try:
+        with durable.begin_write() as txn:
+            def store(name: str) -> str:
+                view = fast.read_view(name)
+                path, offset, length = fast._locate(name, "")
+                # its device hash first: corrupt fast bytes must not become a clean durable checkpoint
+                fast._check(name, view, path, offset, length, "")
+                digest = chunk_digest(view)  # (hashlib lets the GIL go for large buffers)
+                if not txn.has_chunk(digest):
+                    txn.put_chunk(digest, view)
+                return digest
+
+            names = [n for e in manifest.storages for n in e.chunks]
+            digests = list(pool.map(store, names)) if pool is not None else [store(n) for n in names]
+            entries, at = [], 0
+            for e in manifest.storages:
+                k = len(e.chunks)
+                entries.append(StorageEntry(e.nbytes, e.device, tuple(digests[at : at + k]), e.hashes))
+                at += k
+            stats = dict(manifest.stats)
+            stats["promotion_s"] = time.perf_counter() - started
+            stats.update(extra_stats or {})
+            promoted = Manifest(id=manifest.id, tag=manifest.tag, created=manifest.created,
+                                chunk_size=manifest.chunk_size, storages=tuple(entries), tree=manifest.tree,
+                                stats=stats)
+            txn.commit(promoted)
+            return promoted
+    finally:
+        fast.unpin_checkpoint(manifest.id)

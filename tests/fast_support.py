@@ -1,0 +1,173 @@
+"""Fast-tier test support: small configs, deterministic training state, bit-exact comparison,
+and a gate that holds promotions inside the durable store until the test releases them.
+
+Every test of the fast tier (``tests/test_fast_tier_*.py``) runs on CPU: the slabs are files
+under pytest's ``tmp_path`` (host memory or not, the code paths are the same), the device
+hashes are the torch fallback of ``kernels/chunk_hash.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from faults import HANG_S
+from torch import nn
+
+from gpusnap import Config
+from gpusnap.storage import txn as _txn
+from gpusnap.storage.fast_tier import chunk_location
+
+__all__ = [
+    "CFG",
+    "HANG_S",
+    "DurableGate",
+    "blank_state",
+    "cfg",
+    "hold_durable_writes",
+    "locations",
+    "make_state",
+    "overlapping",
+    "roots",
+    "same",
+    "snapshot",
+    "train",
+]
+
+# 64 KiB chunks, 256 KiB copy pieces, 2 MiB slabs: a state of ~1 MB spans a few of each
+CFG = Config(chunk_size=64 * 1024, copy_piece_bytes=256 * 1024, fast_slab_bytes=2 << 20)
+
+
+def cfg(**overrides: Any) -> Config:
+    """:data:`CFG` with ``overrides``."""
+    return dataclasses.replace(CFG, **overrides)
+
+
+def make_state(seed: int, *, width: int = 64, extra: int = 100_000) -> dict[str, Any]:
+    """A model, its AdamW optimizer (one step taken: it has state), a plain tensor and plain
+    values, all a function of ``seed``."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 2 * width))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = {"model": model, "optim": optim, "x": torch.randn(extra), "step": seed, "name": f"run-{seed}",
+             "blob": bytes(range(seed % 7, seed % 7 + 40)), "lr": 0.5 / (seed + 1)}
+    train(state, seed)
+    return state
+
+
+def train(state: dict[str, Any], seed: int) -> None:
+    """One deterministic optimizer step, and new plain values: everything changes."""
+    model, optim = state["model"], state["optim"]
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    width = model[0].in_features
+    model(torch.randn(8, width, generator=gen)).square().sum().backward()
+    optim.step()
+    optim.zero_grad()
+    state["x"].add_(torch.randn(state["x"].shape, generator=gen))
+    state["step"] = seed
+    state["name"] = f"run-{seed}"
+
+
+def blank_state(like: dict[str, Any]) -> dict[str, Any]:
+    """A state of the same structure as ``like`` whose every value differs (a fresh process's)."""
+    torch.manual_seed(999_999)
+    width = like["model"][0].in_features
+    model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 2 * width))
+    return {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=1e-3),
+            "x": torch.full_like(like["x"], 7.0), "step": -1, "name": "", "blob": b"", "lr": -1.0}
+
+
+def snapshot(state: dict[str, Any]) -> dict[str, Any]:
+    """Every value of ``state`` by key path, tensors cloned (what a save at this moment holds)."""
+    out: dict[str, Any] = {}
+
+    def walk(path: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            out[path] = value.detach().clone()
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{path}/{k}", v)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(f"{path}/{i}", v)
+        else:
+            out[path] = value
+
+    for key, value in state.items():
+        walk(key, value.state_dict() if isinstance(value, (nn.Module, torch.optim.Optimizer)) else value)
+    return out
+
+
+def same(got: dict[str, Any], expected: dict[str, Any]) -> list[str]:
+    """Key paths whose values differ, bit for bit (empty: identical)."""
+    wrong = sorted(set(got) ^ set(expected))
+    for path in sorted(set(got) & set(expected)):
+        a, b = got[path], expected[path]
+        if isinstance(b, torch.Tensor):
+            ok = (isinstance(a, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                  and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+        else:
+            ok = type(a) is type(b) and a == b
+        if not ok:
+            wrong.append(path)
+    return wrong
+
+
+def locations(manifest: Any) -> list[tuple[int, int, int]]:
+    """``(slab, offset, length)`` of every chunk a fast manifest names."""
+    return [chunk_location(name)[1:] for s in manifest.storages for name in s.chunks]
+
+
+def overlapping(manifest: Any, others: list[Any]) -> list[str]:
+    """Chunks of ``manifest`` whose slab bytes a chunk of ``others`` also covers (reused)."""
+    used = [(s, o, o + n) for m in others for s, o, n in locations(m)]
+    out = []
+    for name in (n for st in manifest.storages for n in st.chunks):
+        _h, slab, off, n = chunk_location(name)
+        if any(s == slab and lo < off + n and off < hi for s, lo, hi in used):
+            out.append(name)
+    return out
+
+
+class DurableGate:
+    """Holds every chunk a durable write transaction stores (a promotion, with a fast root)
+    until :meth:`release`; :attr:`entered` is set when the first one arrives."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.opened = threading.Event()
+        self.held = 0
+
+    def release(self) -> None:
+        self.opened.set()
+
+    def wait_entered(self) -> None:
+        assert self.entered.wait(HANG_S), "no durable write started (was a promotion due?)"
+
+
+def hold_durable_writes(monkeypatch: pytest.MonkeyPatch) -> Iterator[DurableGate]:
+    """A :class:`DurableGate` on ``WriteTxn.put_chunk``, released at the end whatever happens
+    (a test module's fixture yields from it)."""
+    g = DurableGate()
+    put_chunk = _txn.WriteTxn.put_chunk
+
+    def gated(self: Any, digest: str, data: Any) -> bool:
+        g.held += 1
+        g.entered.set()
+        if not g.opened.wait(HANG_S):
+            raise TimeoutError("the durable gate was never released")
+        return put_chunk(self, digest, data)
+
+    monkeypatch.setattr(_txn.WriteTxn, "put_chunk", gated)
+    yield g
+    g.release()
+
+
+def roots(tmp_path: Path) -> tuple[Path, Path]:
+    """A durable root and a fast root under ``tmp_path`` (neither exists yet)."""
+    return tmp_path / "durable", tmp_path / "fast"
