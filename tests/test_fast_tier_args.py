@@ -30,9 +30,9 @@ def test_a_fast_root_that_is_a_durable_root_is_refused_at_the_first_save(tmp_pat
     other = tmp_path / "other"
     with gpusnap.Checkpointer(other) as ck:
         kept = ck.save(_small()).wait().id
-    with gpusnap.Checkpointer(durable, fast_root=other, config=CFG) as ck:
-        with pytest.raises(gpusnap.CheckpointError, match="is a durable tier's root"):
-            ck.save(_small())
+    with (gpusnap.Checkpointer(durable, fast_root=other, config=CFG) as ck,
+          pytest.raises(gpusnap.CheckpointError, match="is a durable tier's root")):
+        ck.save(_small())
     assert [m.id for m in Repository.open(other).list()] == [kept]
     assert not (other / "slabs").exists()
 
@@ -41,9 +41,9 @@ def test_a_root_that_is_a_fast_tier_is_refused_by_a_plain_checkpointer(tmp_path:
     durable, fast = roots(tmp_path)
     with gpusnap.Checkpointer(durable, fast_root=fast, config=CFG) as ck:
         ck.save(_small()).wait()
-    with gpusnap.Checkpointer(fast, config=CFG) as ck:
-        with pytest.raises(gpusnap.CheckpointError, match="is a fast tier's root"):
-            ck.save(_small())
+    with (gpusnap.Checkpointer(fast, config=CFG) as ck,
+          pytest.raises(gpusnap.CheckpointError, match="is a fast tier's root")):
+        ck.save(_small())
 
 
 def test_a_root_that_is_a_fast_tier_is_refused_for_saves_after_it_was_listed(tmp_path: Path) -> None:
@@ -97,6 +97,6 @@ def test_a_slab_smaller_than_a_copy_piece_and_a_bad_when_busy_are_refused(tmp_pa
 
 
 def test_a_fast_root_that_is_not_a_local_path_is_refused(tmp_path: Path) -> None:
-    with gpusnap.Checkpointer(tmp_path / "ck", fast_root="memory://fast-tier-args", config=CFG) as ck:
-        with pytest.raises(ValueError, match="fast_root must be a local path"):
-            ck.save(_small())
+    with (gpusnap.Checkpointer(tmp_path / "ck", fast_root="memory://fast-tier-args", config=CFG) as ck,
+          pytest.raises(ValueError, match="fast_root must be a local path")):
+        ck.save(_small())

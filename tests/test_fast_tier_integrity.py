@@ -57,9 +57,9 @@ def test_a_flipped_slab_byte_fails_restore_naming_the_tensor_and_verify_finds_it
     _flip(fast, bad)
     target = blank_state(state)
     untouched = snapshot(target)
-    with gpusnap.Checkpointer(durable, fast_root=fast, config=CFG) as ck:
-        with pytest.raises(gpusnap.IntegrityError, match=r"\(tensor x\)") as err:
-            ck.restore(target, verify="upfront")
+    with (gpusnap.Checkpointer(durable, fast_root=fast, config=CFG) as ck,
+          pytest.raises(gpusnap.IntegrityError, match=r"\(tensor x\)") as err):
+        ck.restore(target, verify="upfront")
     assert bad in str(err.value) and "does not match its hash" in str(err.value)
     assert same(snapshot(target), untouched) == []  # upfront: nothing was written
 
