@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +71,21 @@ class SaveHandle:
             self.captured_at = now
         if self.durable_at is None and self.is_durable():
             self.durable_at = now
+
+
+def writer_handle(started: float, write: Future[float]) -> SaveHandle:
+    """A save captured by the time it returned, durable when ``write`` (a background
+    writer's future, whose result is the perf_counter time it finished) is done."""
+    handle = SaveHandle(started=started, returned=time.perf_counter(), is_captured=lambda: True,
+                        is_durable=write.done)
+    handle.captured_at = handle.returned
+
+    def wait() -> dict[str, Any]:
+        handle.durable_at = write.result()
+        return {}
+
+    handle.wait = wait
+    return handle
 
 
 def blocking_handle(started: float, stats: dict[str, Any] | None = None, *, durable: bool = True) -> SaveHandle:

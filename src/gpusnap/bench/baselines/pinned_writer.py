@@ -18,11 +18,11 @@ import os
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import torch
 
-from gpusnap.bench.system import SaveHandle, System, dir_bytes, sync
+from gpusnap.bench.system import SaveHandle, System, dir_bytes, sync, writer_handle
 from gpusnap.bench.verify import compare
 from gpusnap.bench.workloads import Workload
 
@@ -117,16 +117,7 @@ class PinnedWriter(System):
         sync(wl.device)
         write = self._writer.submit(_timed_write, self.path, self._buffers)
         self._write = write
-        handle = SaveHandle(started=started, returned=time.perf_counter(), is_captured=lambda: True,
-                            is_durable=write.done)
-        handle.captured_at = handle.returned
-
-        def wait() -> dict[str, Any]:
-            handle.durable_at = write.result()
-            return {}
-
-        handle.wait = wait
-        return handle
+        return writer_handle(started, write)
 
     def verify(self, wl: Workload, target: Workload, index: int, expected: dict[str, torch.Tensor]) -> tuple[bool, str]:
         if self._write is not None:

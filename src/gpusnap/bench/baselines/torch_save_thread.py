@@ -16,12 +16,11 @@ import os
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 import torch
 
 from gpusnap.bench.baselines.pinned_writer import fsync_dir
-from gpusnap.bench.system import SaveHandle, System, sync
+from gpusnap.bench.system import SaveHandle, System, sync, writer_handle
 from gpusnap.bench.verify import compare
 from gpusnap.bench.workloads import Workload
 
@@ -66,16 +65,7 @@ class TorchSaveThread(System):
         write = self._writer.submit(_save, self.path, snapshot)
         del snapshot  # the write owns it: freed when written
         self._write = write
-        handle = SaveHandle(started=started, returned=time.perf_counter(), is_captured=lambda: True,
-                            is_durable=write.done)
-        handle.captured_at = handle.returned
-
-        def wait() -> dict[str, Any]:
-            handle.durable_at = write.result()
-            return {}
-
-        handle.wait = wait
-        return handle
+        return writer_handle(started, write)
 
     def verify(self, wl: Workload, target: Workload, index: int, expected: dict[str, torch.Tensor]) -> tuple[bool, str]:
         if self._write is not None:
