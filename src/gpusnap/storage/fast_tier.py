@@ -325,16 +325,10 @@ class FastTier(Repository):
         """The bytes of chunk ``name`` in this process's map of its slab (no copy); the
         caller keeps its checkpoint pinned while it reads."""
         _h, slab, off, n = chunk_location(name)
-        with self._map_lock:
-            mapped = self._maps.get(slab)
-        if mapped is None:
-            with self._mutex:
-                if slab not in self._slab_sizes:
-                    self._slab_sizes.update(self._slab_list())
-            mapped_tensor = self._slab_memory(slab)
-        else:
-            mapped_tensor = mapped.tensor
-        return memoryview(mapped_tensor[off : off + n].numpy()).cast("B")
+        with self._mutex:
+            if slab not in self._slab_sizes:  # (a slab another writer made)
+                self._slab_sizes.update(self._slab_list())
+        return memoryview(self._slab_memory(slab)[off : off + n].numpy()).cast("B")
 
     # ------------------------------------------------------------------ writing
 
