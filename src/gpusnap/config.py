@@ -64,8 +64,12 @@ class Config:
     copy_piece_bytes: int = field(
         default=32 * MiB, metadata={"doc": "bytes per device-to-host copy (whole chunks)"}
     )
+    # One: while a second copy waits behind the first, the copy engine never runs dry, and
+    # the program's own small device-to-host copies (a loss read, an optimizer's check) wait
+    # behind the whole burst: on the H200, training stood still for the whole capture with two
+    # or more pieces in flight, and lost nothing with one (BENCHMARKS.md, sixteenth session).
     copy_ahead: int = field(
-        default=4, metadata={"doc": "copies in flight per window, at most this many pieces' bytes"}
+        default=1, metadata={"doc": "copies in flight per window, at most this many pieces' bytes"}
     )
     max_pending_saves: int = field(default=2, metadata={"doc": "durable writes queued at most"})
     fsync: bool = field(default=True, metadata={"doc": "fsync files and directories on commit"})

@@ -7,10 +7,12 @@ store, on writer threads), which releases it. Only this thread waits on CUDA eve
 
 On CUDA each piece is an async copy on a low-priority stream (ordered after the consistent
 point's event) followed by an event. At most ``ahead`` pieces' worth of bytes
-(``ahead * piece_bytes``) are in flight at once: a program write to a span only ever waits (on
-the device) for copies already issued, so a bounded queue keeps that wait short (~2 ms at the
-defaults), while a few pieces keep the copy engine busy. Finished pieces are taken in batches
-(wait for the oldest, then take every one already done) and handed to the sink in one call:
+(``ahead * piece_bytes``; one piece by default) are in flight at once: the copy engine serves
+a queue back to back, so with a second piece waiting it never runs dry and the program's own
+small device-to-host copies wait behind the whole capture (``Config.copy_ahead``; so the
+count of copies is bounded too, not only their bytes). A program write to a span likewise
+only ever waits (on the device) for copies already issued. Finished pieces are taken in
+batches (wait for the oldest, then take every one already done) and handed to the sink in one call:
 a model has hundreds of small spans, and a thread waking per piece, with a writer task per
 piece, competes with the program's own thread for the GIL thousands of times a second. The
 window closes only when every copy has completed. While the program has its own
@@ -185,7 +187,7 @@ class Copier:
             if start > ws.issued:  # (only this thread advances ``issued``)
                 self.window.skip_to(ws, start)  # chunks unchanged since the last checkpoint
             if stream is not None:
-                self._drain(self.max_inflight - n)
+                self._make_room(n)
                 self._yield_to_program_copy()
             region = self._allocate(n)
             try:
@@ -233,7 +235,7 @@ class Copier:
                 if self.window.error is not None:
                     raise self.window.error
                 if stream is not None:
-                    self._drain(self.max_inflight - n)
+                    self._make_room(n)
                     self._yield_to_program_copy()
                 region = self._allocate(n)
                 issued_at = time.perf_counter()
@@ -298,6 +300,14 @@ class Copier:
                 ws.waited = None  # a newer event: writers must wait again
             ws.issued = start + n
         return event
+
+    def _make_room(self, n: int) -> None:
+        """Before issuing ``n`` more bytes: at most ``ahead - 1`` copies and
+        ``max_inflight - n`` bytes may stay in flight (see the module docstring: with one
+        piece ahead the copy stream runs dry before each issue)."""
+        while len(self._inflight) >= self.ahead:  # the oldest, at least (max: even if empty)
+            self._drain(self._inflight_bytes - max(1, self._inflight[0][4]))
+        self._drain(self.max_inflight - n)
 
     def _drain(self, keep_bytes: int) -> None:
         """Wait until at most ``keep_bytes`` are in flight, then also take every piece whose
