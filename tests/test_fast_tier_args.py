@@ -92,6 +92,9 @@ def test_a_slab_smaller_than_a_copy_piece_and_a_bad_when_busy_are_refused(tmp_pa
     with pytest.raises(ValueError, match="fast_slab_bytes"):
         gpusnap.Checkpointer(tmp_path / "ck", fast_root=tmp_path / "fast",
                              config=cfg(fast_slab_bytes=64 * 1024, copy_piece_bytes=256 * 1024))
+    with pytest.raises(ValueError, match="fast_slab_bytes"):  # one piece: a slab would have no room at all
+        gpusnap.Checkpointer(tmp_path / "ck", fast_root=tmp_path / "fast",
+                             config=cfg(fast_slab_bytes=256 * 1024, copy_piece_bytes=256 * 1024))
     with pytest.raises(ValueError, match="when_busy"):
         cfg(when_busy="queue")
 

@@ -31,6 +31,7 @@ from gpusnap.capture.fast_arena import FastArena, room_needed
 from gpusnap.capture.staging import StagingArena
 from gpusnap.capture.trace import Trace
 from gpusnap.capture.validation import known_chunks
+from gpusnap.capture.warmup import start_capture_warmup
 from gpusnap.collector import collector_paused
 from gpusnap.config import Config
 from gpusnap.device import outside_graph_captures
@@ -155,9 +156,9 @@ class Checkpointer:
         self.keep_last = keep_last
         self.config = config if config is not None else Config.from_env()
         if self.fast_root is not None:
-            if self.config.fast_slab_bytes < self.config.piece_bytes():
-                raise ValueError(f"Config.fast_slab_bytes ({self.config.fast_slab_bytes}) must hold one copy piece "
-                                 f"({self.config.piece_bytes()} bytes)")
+            if self.config.fast_slab_bytes <= self.config.piece_bytes():
+                raise ValueError(f"Config.fast_slab_bytes ({self.config.fast_slab_bytes}) must be larger than one "
+                                 f"copy piece ({self.config.piece_bytes()} bytes)")
             if os.path.abspath(self.fast_root) == os.path.abspath(self.root):
                 raise ValueError("fast_root must be a directory of its own, not the Checkpointer's root")
         self.allow_pickle = allow_pickle
@@ -208,6 +209,8 @@ class Checkpointer:
         self._unobserved = Unobserved()  # failed saves whose error nothing has seen yet
         # threads inside a gpusnap wait, which runs their due retries (see _wait_for)
         self._waiting: dict[threading.Thread, int] = {}
+        # the save kernels load beside the program's set-up, not in the first save()
+        self._warmup = start_capture_warmup(self.config.chunk_size) if self.config.concurrent else None
         exit_hooks.track(self)
         self._opened: list[Repository] = []  # (for _let_go, which must not hold self)
         weakref.finalize(self, _let_go, self._queue, self._opened).atexit = False
@@ -494,6 +497,13 @@ class Checkpointer:
                     )
                 with fast._alloc:  # notified when a save commits or aborts, retention or a promotion ends
                     fast._alloc.wait(0.05)
+            # room for every checkpoint the tier holds at once plus this one's successor,
+            # made ready in the background (storage/slab_prep.py): later saves wait for no slab
+            per_save = need + -(-need // (self.config.fast_slab_bytes - piece)) * piece  # (a piece never
+            try:  # straddles a slab's end)
+                fast.prepare_ahead((self.fast_keep_last + 1) * per_save)
+            except Exception as exc:  # (no thread to start, say): later saves prepare their own slabs
+                log.warning("gpusnap: could not prepare fast-tier slabs ahead of use: %s", exc)
         except BaseException:
             txn.abort()
             raise
@@ -526,6 +536,11 @@ class Checkpointer:
             if device_bytes and fast_txn is None:
                 with torch.inference_mode(False):  # the copier writes it (see below)
                     phases["reserve_staging"] = arena.reserve(device_bytes + self.config.piece_bytes())
+            if self._warmup is not None and cuda:  # (what is left of it: see capture/warmup.py)
+                warming = time.perf_counter()
+                self._warmup.join()
+                self._warmup = None
+                phases["kernels"] = time.perf_counter() - warming
             opened = time.perf_counter()
             cow_budget, snapshot_budget = self._device_budgets(cuda)
             phases["open_window.budgets"] = time.perf_counter() - opened
@@ -1199,6 +1214,7 @@ def _window_stats(capture: ConcurrentSave) -> dict[str, Any]:
         "stream_waits": w.stats.stream_waits,
         "staging_bytes": capture.staging.nbytes,
         "staging_grow_s": capture.staging.grow_s,
+        **_fast_stats(capture),
         "ops_seen": w.stats.ops_seen,
         "opaque_launches": w.stats.opaque_launches,
         "program_copies": w.stats.program_copies,
@@ -1209,3 +1225,11 @@ def _window_stats(capture: ConcurrentSave) -> dict[str, Any]:
         "copier_s": {k: round(t - w.opened, 6) for k, t in capture.copier.marks.items()}
         | {"waiting": round(capture.copier.wait_s, 6)},
     }
+
+
+def _fast_stats(capture: ConcurrentSave) -> dict[str, Any]:
+    """A fast save's view of its tier's slab preparation (storage/slab_prep.py)."""
+    if not capture.fast:
+        return {}
+    tier = capture.staging.txn.tier
+    return {"fast_prepared_bytes": tier.prepared_bytes(), "fast_prepare_errors": list(tier._preparer.errors)}

@@ -12,9 +12,9 @@ never under a live view.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
-import sys
 import weakref
 
 import torch
@@ -25,13 +25,18 @@ _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.mmap.restype = ctypes.c_void_p
 _LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000 if sys.platform.startswith("linux") else 0)
+_LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels answer EINVAL
 
 
 class MappedMemory:
     """``nbytes`` of ``fd`` (which this object then owns and closes) mapped shared and
     writable as ``tensor`` (uint8); page-locked when ``pinned``. ``populate`` faults every
-    page in now (the kernel's work, without the GIL) rather than at the first copy.
+    page in now (the kernel's work, without the GIL) rather than at the first copy, with
+    ``madvise(MADV_POPULATE_WRITE)``: ``mmap(MAP_POPULATE)`` of a tmpfs file stopped a
+    training thread for ~1 s per GiB on the H200, the madvise ~70 ms per GiB
+    (``experiments/fast_tier_probe.py``), and it reports memory it cannot allocate (a full
+    tmpfs) as an ``OSError`` here instead of a SIGBUS at the first copy.
 
     Raises ``OSError`` (the map failed) or ``RuntimeError`` (page-locking failed; nothing
     stays mapped); the caller then decides what to fall back to.
@@ -40,12 +45,17 @@ class MappedMemory:
     def __init__(self, fd: int, nbytes: int, *, pinned: bool, populate: bool = True) -> None:
         self.nbytes = nbytes
         self.fd = fd
-        flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
-        addr = _LIBC.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+        addr = _LIBC.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
         if addr in (None, ctypes.c_void_p(-1).value):
             err = ctypes.get_errno()
             os.close(fd)
             raise OSError(err, f"mmap of {nbytes} bytes failed: {os.strerror(err)}")
+        if populate and nbytes and _LIBC.madvise(addr, nbytes, _MADV_POPULATE_WRITE) != 0:
+            err = ctypes.get_errno()
+            if err != errno.EINVAL:  # (EINVAL: a kernel without it; pages then fault in at use)
+                _LIBC.munmap(addr, nbytes)
+                os.close(fd)
+                raise OSError(err, f"could not allocate {nbytes} bytes of mapped memory: {os.strerror(err)}")
         self.address = addr
         memory = type("_Mapping", (ctypes.c_uint8 * nbytes,), {}).from_address(addr)
         state = {"pinned": False}

@@ -94,7 +94,10 @@ class ConcurrentSave:
         t1 = time.perf_counter()
         self.phases["window"] = t1 - t0  # of which the snapshot copy:
         self.phases["snapshot"] = self.window.snapshot_s
-        self.tracked = not self.window.all_snapshotted or log_reads  # (not for a trace alone)
+        # (not for a trace alone). A fast save copied whole at save() logs no reads: the
+        # tracker would slow every op of its window to learn an order a lazy restore can do
+        # without (it then loads in the checkpoint's own order, the model's for most models)
+        self.tracked = not self.window.all_snapshotted or (log_reads and not fast)
         validate = (validate or fast) and not self.window.all_snapshotted  # fast: names are hashes
         # Stored digests of every span's chunks, in one list: span i's chunk k is
         # digests[first[i] + k] (one list per span made ~1745 more objects per save for

@@ -42,6 +42,7 @@ from gpusnap.storage.backend import Backend, BackendLock, LocalBackend
 from gpusnap.storage.layout import ID_RE, MANIFESTS, ROOT_FILE, TMP, storage_error
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.repository import GcReport, Repository, about
+from gpusnap.storage.slab_prep import SlabPreparer
 
 __all__ = ["SLABS", "FastTier", "FastTxn", "chunk_location", "fast_name"]
 
@@ -95,6 +96,8 @@ class FastTier(Repository):
         self._slab_sizes: dict[int, int] = {}  # slab -> bytes (files present)
         self._maps: dict[int, Any] = {}  # slab -> MappedMemory (the writer's, kept for its life)
         self._map_lock = threading.Lock()
+        self._preparing: dict[int, threading.Event] = {}  # slab -> set once its preparation ends
+        self._preparer = SlabPreparer(self._slab_memory)
         self._used: dict[int, list[tuple[int, int]]] | None = None  # committed ranges, rebuilt lazily
         self._fast_txns: set[FastTxn] = set()
         self._pinned_ids: dict[str, int] = {}  # manifest id -> holds (a promotion reading it)
@@ -272,38 +275,94 @@ class FastTier(Repository):
             return self._alloc.wait(timeout)
 
     def _slab_memory(self, slab: int) -> torch.Tensor:
-        """Slab ``slab`` mapped (created first if new), page-locked where CUDA is available."""
+        """Slab ``slab`` mapped (created first if new), page-locked where CUDA is available.
+
+        One thread prepares a slab; a thread that wants one being prepared (the copier, a
+        slab the background preparer has in hand) waits for it, and tries itself if that
+        preparation failed (its own error is then the one raised)."""
+        while True:
+            with self._map_lock:
+                mapped = self._maps.get(slab)
+                if mapped is not None:
+                    return mapped.tensor
+                busy = self._preparing.get(slab)
+                if busy is None:
+                    busy = self._preparing[slab] = threading.Event()
+                    break
+            busy.wait()
+        try:
+            mapped = self._make_slab(slab)
+            with self._map_lock:
+                self._maps[slab] = mapped
+            return mapped.tensor
+        finally:
+            with self._map_lock:
+                self._preparing.pop(slab, None)
+            busy.set()
+
+    def _make_slab(self, slab: int) -> Any:
         from gpusnap.host_map import MappedMemory
 
-        with self._map_lock:
-            mapped = self._maps.get(slab)
-            if mapped is not None:
-                return mapped.tensor
+        with self._mutex:
             size = self._slab_sizes[slab]
-            path = self.backend.local_path(slab_path(slab))  # type: ignore[attr-defined]
-            with self._io("creating slab", slab_path(slab), writing=True):
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-                try:
-                    if os.fstat(fd).st_size < size:
-                        # allocates every page now: a full tmpfs is ENOSPC here, not SIGBUS at a copy
-                        os.posix_fallocate(fd, 0, size)
-                except BaseException:
-                    os.close(fd)
-                    raise
+        path = self.backend.local_path(slab_path(slab))  # type: ignore[attr-defined]
+        with self._io("creating slab", slab_path(slab), writing=True):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
-                mapped = MappedMemory(fd, size, pinned=self.pinned)
-            except RuntimeError as exc:  # page-locking refused: copies go through pageable memory
-                self.register_errors.append(f"slab {slab}: {exc}")
-                mapped = MappedMemory(os.open(path, os.O_RDWR | os.O_CLOEXEC), size, pinned=False)
-            except OSError as exc:
-                raise storage_error(exc, "mapping slab", self.backend.describe(slab_path(slab)), writing=True) from exc
-            self._maps[slab] = mapped
-            return mapped.tensor
+                if os.fstat(fd).st_size < size:
+                    # allocates every page now: a full tmpfs is ENOSPC here, not SIGBUS at a copy
+                    os.posix_fallocate(fd, 0, size)
+            except BaseException:
+                os.close(fd)
+                raise
+        try:
+            return MappedMemory(fd, size, pinned=self.pinned)
+        except RuntimeError as exc:  # page-locking refused: copies go through pageable memory
+            self.register_errors.append(f"slab {slab}: {exc}")
+            return MappedMemory(os.open(path, os.O_RDWR | os.O_CLOEXEC), size, pinned=False)
+        except OSError as exc:
+            raise storage_error(exc, "mapping slab", self.backend.describe(slab_path(slab)), writing=True) from exc
+
+    def prepare_ahead(self, nbytes: int) -> int:
+        """Have slabs of ``nbytes`` in all (within :meth:`capacity`), and prepare every slab
+        not mapped yet on a background thread, lowest first: the saves that follow find their
+        memory created, mapped and page-locked. Returns the bytes of slabs it set aside.
+
+        Creating and page-locking costs the program ~70 ms of training per GiB whenever it
+        is done (the kernel populating tmpfs pages); done ahead, no save waits for it."""
+        with self._alloc:
+            if not self._slab_sizes:
+                self._slab_sizes = self._slab_list()
+            total = sum(self._slab_sizes.values())
+            added = 0
+            while total < nbytes:
+                size = min(self.config.fast_slab_bytes, -(-(nbytes - total) // _SLAB_ROUND) * _SLAB_ROUND)
+                if total + size > self.capacity():
+                    break
+                slab = max([*self._slab_sizes, -1]) + 1
+                self._slab_sizes[slab] = size
+                total += size
+                added += size
+            slabs = sorted(self._slab_sizes)
+        with self._map_lock:
+            todo = [s for s in slabs if s not in self._maps]
+        if todo:
+            self._preparer.want(todo)
+        return added
 
     def prepared_bytes(self) -> int:
         """Slab bytes this process has mapped (page-locked where CUDA is available)."""
         with self._map_lock:
             return sum(m.nbytes for m in self._maps.values())
+
+    def unprepared(self, slabs: builtins.list[int]) -> bool:
+        """Whether any of ``slabs`` is not mapped yet (a save taking it would wait for it)."""
+        with self._map_lock:
+            return any(s not in self._maps for s in slabs)
+
+    def close(self) -> None:
+        self._preparer.stop()
+        super().close()
 
     # ------------------------------------------------------------------ pins (promotion)
 
@@ -363,6 +422,10 @@ class FastTier(Repository):
                 for cid in deleted:
                     self._manifest_cache.pop(f"{cid}.json", None)
         self._forget_used()
+        try:  # rebuilt here, on the thread that retains, rather than in the next save()'s stall
+            self._used_map()
+        except CheckpointError:
+            pass  # (an unreadable manifest: the next save's reservation raises it)
         for name in self._listdir(TMP):
             with self._mutex:
                 live = tuple(f"{t.token}-" for t in self._fast_txns)
