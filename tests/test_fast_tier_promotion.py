@@ -97,6 +97,7 @@ def test_a_promoted_checkpoint_restores_bit_exactly_without_the_fast_root(tmp_pa
     assert report.ok and report.checked_checkpoints == 1, report
     promoted = Repository.open(durable).load_manifest(info.id)
     assert promoted.stats["promoted_from"] == "fast" and promoted.tag == "keep"
+    assert promoted.stats["promotion_s"] >= 0 and promoted.stats["promotion_cpu_s"] >= 0  # (reported apart from the save's)
 
 
 def test_keep_last_and_fast_keep_last_apply_per_tier(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from gpusnap.errors import CheckpointError
 from gpusnap.storage.fast_tier import FastTier
 from gpusnap.storage.manifest import Manifest
-from gpusnap.storage.promote import promote
+from gpusnap.storage.promote import pool_cpu_s, promote
 from gpusnap.storage.repository import Repository
 
 __all__ = ["Promoter"]
@@ -108,7 +108,7 @@ class Promoter:
 
     def _promote(self, manifest: Manifest, superseded: list[str], pool: ThreadPoolExecutor) -> None:
         cpu = time.thread_time()
-        cpu_pool = _pool_cpu(pool)
+        cpu_pool = pool_cpu_s(pool)
         try:
             durable = self._durable()
             extra = {"promoted_from": "fast", "promotions_skipped": superseded}
@@ -119,27 +119,10 @@ class Promoter:
                         manifest.id, exc)
             return
         finally:
-            self.cpu_s += time.thread_time() - cpu + _pool_cpu(pool) - cpu_pool
+            self.cpu_s += time.thread_time() - cpu + pool_cpu_s(pool) - cpu_pool
         self.failure = None
         self.promoted += 1
         try:
             self._on_promoted(durable, promoted)
         except Exception as exc:  # retention after the commit: the promotion stands
             log.warning("gpusnap: after promoting %s: %s", manifest.id, exc)
-
-
-def _pool_cpu(pool: ThreadPoolExecutor) -> float:
-    """CPU seconds of ``pool``'s threads so far (Linux: /proc thread stats), else 0."""
-    import os
-
-    total = 0.0
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    for t in list(getattr(pool, "_threads", ())):
-        tid = getattr(t, "native_id", None)
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-        except (OSError, IndexError, ValueError):
-            continue
-    return total

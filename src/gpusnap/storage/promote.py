@@ -9,6 +9,7 @@ as they were.
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,13 +18,13 @@ from gpusnap.storage.fast_tier import FastTier
 from gpusnap.storage.manifest import Manifest, StorageEntry
 from gpusnap.storage.repository import Repository
 
-__all__ = ["promote"]
+__all__ = ["pool_cpu_s", "promote"]
 
 
 def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: ThreadPoolExecutor | None = None,
             extra_stats: dict[str, object] | None = None) -> Manifest:
     """Commit ``manifest``'s checkpoint (from ``fast``) to ``durable``; returns the durable manifest."""
-    started = time.perf_counter()
+    started, cpu, cpu_pool = time.perf_counter(), time.thread_time(), pool_cpu_s(pool)
     fast.pin_checkpoint(manifest.id)
     try:
         with durable.begin_write() as txn:
@@ -46,6 +47,8 @@ def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: Threa
                 at += k
             stats = dict(manifest.stats)
             stats["promotion_s"] = time.perf_counter() - started
+            # this thread's and the pool's CPU until now (the commit's own fsyncs are not in it)
+            stats["promotion_cpu_s"] = time.thread_time() - cpu + pool_cpu_s(pool) - cpu_pool
             stats.update(extra_stats or {})
             promoted = Manifest(id=manifest.id, tag=manifest.tag, created=manifest.created,
                                 chunk_size=manifest.chunk_size, storages=tuple(entries), tree=manifest.tree,
@@ -54,3 +57,18 @@ def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: Threa
             return promoted
     finally:
         fast.unpin_checkpoint(manifest.id)
+
+
+def pool_cpu_s(pool: ThreadPoolExecutor | None) -> float:
+    """CPU seconds of ``pool``'s threads so far (Linux: /proc thread stats), else 0."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for t in list(getattr(pool, "_threads", ())) if pool is not None else []:
+        tid = getattr(t, "native_id", None)
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
