@@ -275,10 +275,13 @@ def test_cost_suite_end_to_end_on_cpu(tmp_path: Path) -> None:
         assert row["status"] == "ok", (row["key"], row["status"], row.get("traceback"))
         plain = Window(row["plain"]["steps"], row["plain"]["wall_s"], row["plain"]["cpu_s"])
         assert plain.steps == n
-        assert len(row["saves"]) == 2
-        for s in row["saves"]:
+        assert len(row["saves"]) == 2 and len(row["plains"]) == 2
+        assert row["plains"][0] == row["plain"]  # later saves: a plain window of their own
+        for s, before in zip(row["saves"], row["plains"]):
+            plain = Window(before["steps"], before["wall_s"], before["cpu_s"])
+            assert plain.steps == n
             assert s["steps"] >= n and len(s["step_s"]) == s["steps"]
-            # each figure from its own window: the save's, less as many plain steps
+            # each figure from its own window: the save's, less as many plain steps run just before it
             assert s["cost_s"] == pytest.approx(s["wall_s"] - s["steps"] * plain.step_wall_s)
             assert s["cpu_cost_s"] == pytest.approx(s["cpu_s"] - s["steps"] * plain.step_cpu_s)
             assert s["durable_s"] > 0 and s["durable_GBps"] > 0

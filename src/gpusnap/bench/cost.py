@@ -6,7 +6,8 @@ of the process, so checkpointers' background threads count; child processes woul
 no row here uses any). Every step reads its loss (``loss.item()``) as a real loop does, so a
 step ends when its GPU work is done and no other synchronization is added.
 
-- *plain window*: ``n`` steps, no save.
+- *plain window*: ``n`` steps, no save; the runner times one right before each save window
+  and charges that save against it (the step time drifts a few ms over a run).
 - *save window*: opens right before ``save()``, runs the step containing the save and at
   least ``n - 1`` more, and goes on a whole step at a time until the save is durable (what
   ``pending.wait()`` waits for: committed to its target, the fast tier for a fast-tier save):

@@ -62,6 +62,12 @@ class GpusnapFast(GpusnapConcurrent):
         kwargs: dict[str, Any] = {"fast_root": self.fast_dir, "fast_keep_last": 2, "promote_every": self.promote_every}
         self.ckpt = gpusnap.Checkpointer(self.dir, keep_last=2, config=self.config, **kwargs)
 
+    def settle(self) -> None:
+        tier = getattr(self.ckpt, "_fast", None)
+        preparer = getattr(tier, "_preparer", None)
+        if preparer is not None:
+            preparer.join()
+
     def promoted_save(self, wl: Workload, index: int) -> SaveHandle:
         """Save ``index`` with ``promote=True`` (promoted whatever the count)."""
         self._promote = True
