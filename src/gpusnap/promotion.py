@@ -20,6 +20,7 @@ from gpusnap.storage.fast_tier import FastTier
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.promote import pool_cpu_s, promote
 from gpusnap.storage.repository import Repository
+from gpusnap.thread_priority import lower_this_thread
 
 __all__ = ["Promoter"]
 
@@ -85,7 +86,8 @@ class Promoter:
             self._thread.join()
 
     def _loop(self) -> None:
-        pool = ThreadPoolExecutor(self._threads, thread_name_prefix="gpusnap-promote")
+        lower_this_thread()  # (see thread_priority.py: the program's threads go first)
+        pool = ThreadPoolExecutor(self._threads, thread_name_prefix="gpusnap-promote", initializer=lower_this_thread)
         try:
             while True:
                 with self._cond:

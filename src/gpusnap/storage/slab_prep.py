@@ -24,6 +24,8 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from gpusnap.thread_priority import lower_this_thread
+
 __all__ = ["SlabPreparer"]
 
 log = logging.getLogger("gpusnap")
@@ -75,6 +77,7 @@ class SlabPreparer:
             thread.join()
 
     def _run(self) -> None:
+        lower_this_thread()  # the kernel's page work, at the lowest priority (thread_priority.py)
         while True:
             with self._lock:
                 self._current = None
