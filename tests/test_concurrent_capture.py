@@ -95,8 +95,8 @@ def test_copy_order_learns_from_previous_window(tmp_path, gate):
         app["written"].add_(1)  # inside the window: the copier is held in "first"
         gate.release()
         pending.wait()
-        assert ck._write_order[:1] == ["written"]
-        flat_order = ck._copy_order(gpusnap.state.flatten(app))
+        assert ck._history.write_order[:1] == ["written"]
+        flat_order = ck._history.copy_order(gpusnap.state.flatten(app))
         assert flat_order[0] == 1, "the span written soonest is copied first next time"
 
 

@@ -30,7 +30,7 @@ from gpusnap.capture.concurrent import ConcurrentSave
 from gpusnap.capture.fast_arena import FastArena, room_needed
 from gpusnap.capture.staging import StagingArena
 from gpusnap.capture.trace import Trace
-from gpusnap.capture.validation import known_chunks
+from gpusnap.capture.history import SKIP_WORTH, CaptureHistory
 from gpusnap.capture.warmup import start_capture_warmup
 from gpusnap.collector import collector_paused
 from gpusnap.config import Config
@@ -46,7 +46,7 @@ from gpusnap.handles import CheckpointInfo, PendingSave, RestoreHandle
 from gpusnap.promotion import Promoter
 from gpusnap.restore import active as lazy_restores
 from gpusnap.restore.restorer import Restorer, Verify
-from gpusnap.state.flatten import FlatPlan, FlatState, flatten
+from gpusnap.state.flatten import FlatState, flatten
 from gpusnap.storage.fast_tier import FastTier
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.repository import Repository
@@ -56,8 +56,6 @@ __all__ = ["Checkpointer", "info_from_manifest"]
 
 log = logging.getLogger("gpusnap")
 
-# Incremental saves compare with the latest checkpoint only where it pays (_should_compare):
-SKIP_WORTH = 0.05  # when the last save found at least this share of the bytes unchanged
 _RETRY_POLL_S = 0.05  # how often a waiting thread looks for a retry it must start
 
 
@@ -176,16 +174,8 @@ class Checkpointer:
         self._pending_lock = threading.Lock()
         self._writer: threading.Thread | None = None
         self._windows: list[ConcurrentSave] = []
-        self._write_order: list[str] = []  # key paths, soonest-written first (last window)
-        self._flat_plan: FlatPlan | None = None  # the last save's per-tensor work (state/flatten.py)
-        self._order_memo: tuple[FlatPlan | None, list[str], list[int]] | None = None  # plan, write order, copy order
-        self._devices_memo: tuple[Any, list[torch.device], int] | None = None  # see _devices
-        self._access_paths: list[str] | None = None  # key paths in the first window's read order
-        self._previous: dict[str, str] | None = None  # latest checkpoint: device hash -> digest
-        # share of the bytes the last incremental save found unchanged, compared or not
-        # (incremental saves compare only where it pays: _should_compare)
-        self._unchanged_share: float | None = None
-        self._eager_paths: set[str] = set()  # written unseen once: captured at save() from now on
+        # what saves learn from each other: plans, orders, hashes (capture/history.py)
+        self._history = CaptureHistory(self.config.chunk_size)
         self._retries: list[_SaveJob] = []  # failed validation; retried at the owner's next call
         self._staging: StagingArena | None = None
         self._streams: dict[torch.device, Any] = {}
@@ -250,7 +240,7 @@ class Checkpointer:
                 assert self.fast_root is not None
                 self._fast = FastTier.open(self.fast_root, create=True, config=self.config)
                 self._opened.append(self._fast)
-                self._previous = None  # (its chunk names pointed into the old tier)
+                self._history.forget_previous()  # (its chunk names pointed into the old tier)
             self._fast.claim_writer()
             return self._fast
 
@@ -345,8 +335,8 @@ class Checkpointer:
         self._wait_for_open_window()  # one window at a time: counted in this save's stall
         waited = time.perf_counter()
         # the previous save's plan: the per-tensor work is reused when nothing was re-laid out
-        flat = flatten(app_state, allow_pickle=self.allow_pickle, plan=self._flat_plan)
-        self._flat_plan = flat.plan
+        flat = flatten(app_state, allow_pickle=self.allow_pickle, plan=self._history.flat_plan)
+        self._history.learn_plan(flat)
         flattened = time.perf_counter()
         repo = self._repository(create=True) if fast is None else fast
         created = time.time()
@@ -514,13 +504,13 @@ class Checkpointer:
     ) -> ConcurrentSave | None:
         # read before the transaction opens: its view of stored chunks must include every
         # chunk the previous checkpoint committed (a later commit may replace _previous)
-        previous = self._previous_spans(repo) if self.config.incremental else None
-        compare = bool(previous) and self._should_compare()
+        previous = self._history.previous_spans(repo) if self.config.incremental else None
+        compare = bool(previous) and self._history.should_compare()
         capture: ConcurrentSave | None = None
         fast_txn = None
         try:
-            cuda, device_bytes = self._devices(flat)
-            order = self._copy_order(flat)
+            cuda, device_bytes = self._history.devices(flat)
+            order = self._history.copy_order(flat)
             if isinstance(repo, FastTier):
                 reserving = time.perf_counter()
                 fast_txn = self._fast_room(repo, flat, pending)
@@ -563,11 +553,11 @@ class Checkpointer:
                     cow_budget=cow_budget,
                     eager_cpu_bytes=self.config.eager_cpu_bytes,
                     trace=Trace(pending.id) if self.config.trace_dir else None,
-                    log_reads=self._access_paths is None,
+                    log_reads=self._history.logs_reads(),
                     validate=self.config.validate,
                     previous=previous,
                     skip_unchanged=compare,
-                    eager=[sp.index for sp in flat.spans if self._eager_paths.intersection(sp.paths)] if self._eager_paths else (),
+                    eager=self._history.eager_spans(flat),
                     eager_device_bytes=self.config.eager_device_bytes,
                     snapshot_budget=snapshot_budget if self.config.device_snapshot else 0,
                     snapshot_cpu_bytes=self.config.cpu_snapshot_bytes,
@@ -605,69 +595,6 @@ class Checkpointer:
             return f"compared with the latest checkpoint: {share:.1%} of the bytes unchanged"
         return (f"not compared (copied at once, as the previous save found less than {SKIP_WORTH:.0%} "
                 f"unchanged); its hashes found {share:.1%} of the bytes unchanged")
-
-    def _should_compare(self) -> bool:
-        """Whether this incremental save compares its hashes with the latest checkpoint's
-        before copying. Comparing makes the copier wait for the consistent point's hashes,
-        which kept GPT-2 large training windows open twice as long with nothing unchanged
-        (BENCHMARKS.md, seventh session). Every incremental save learns the unchanged share
-        from its hashes, compared or not (an uncompared one after its copies, for a dict
-        lookup per chunk), so a save compares only when the previous one found at least
-        :data:`SKIP_WORTH` of the bytes unchanged: training copies at once every time, and a
-        workload that freezes its weights compares from the save after that."""
-        share = self._unchanged_share
-        return share is None or share >= SKIP_WORTH
-
-    def _previous_spans(self, repo: Repository) -> dict[str, str]:
-        """Device hash -> stored digest of the latest checkpoint's chunks (incremental saves
-        skip chunks found here)."""
-        if self._previous is None:
-            self._previous = {}
-            try:
-                latest = repo.resolve(None)
-            except CheckpointError:
-                latest = None
-            if latest is not None and latest.chunk_size == self.config.chunk_size:
-                self._previous = known_chunks(latest)
-        return self._previous
-
-    def _access_order(self, capture: ConcurrentSave) -> list[int]:
-        """Span indices in the order the program first touched them (lazy restore loads in
-        this order). Logged by the first window only; later saves map its key paths."""
-        window = capture.window
-        if window.log_reads and capture.tracked:
-            order = window.access_order()
-            self._access_paths = [window.spans[i].span.paths[0] for i in order if window.spans[i].span.paths]
-            return order
-        index = {p: s.index for s in capture.flat.spans for p in s.paths}
-        return list(dict.fromkeys(index[p] for p in self._access_paths or () if p in index))
-
-    def _copy_order(self, flat: FlatState) -> list[int]:
-        """Spans the previous window saw written go first, soonest first; then the rest.
-
-        The same as last time when this save reused the last flatten plan and no window
-        learned a new write order since (a few ms of Python per thousand spans, every save)."""
-        memo = self._order_memo
-        if memo is not None and memo[0] is flat.plan and memo[1] is self._write_order:
-            return memo[2]  # (a walk that did not reuse the plan made a new one)
-        rank = {path: i for i, path in enumerate(self._write_order)}
-        far = len(rank)
-        keyed = [(min((rank.get(p, far) for p in s.paths), default=far), s.index) for s in flat.spans]
-        order = [index for _, index in sorted(keyed)]
-        self._order_memo = (flat.plan, self._write_order, order)
-        return order
-
-    def _devices(self, flat: FlatState) -> tuple[list[torch.device], int]:
-        """The CUDA devices of ``flat``'s spans, and its bytes off the CPU: the same as last
-        time when this save reused the last flatten plan (a loop over every span, ~1 ms of
-        save() on GPT-2 large, saved)."""
-        memo = self._devices_memo
-        if memo is not None and memo[0] is flat.plan:
-            return memo[1], memo[2]
-        cuda = sorted({s.device for s in flat.spans if s.device.type == "cuda"}, key=str)
-        device_bytes = sum(s.nbytes for s in flat.spans if s.device.type != "cpu")
-        self._devices_memo = (flat.plan, cuda, device_bytes)
-        return cuda, device_bytes
 
     def _device_budgets(self, cuda: list[torch.device]) -> tuple[int, int]:
         """Device bytes for copy-on-write shadows, and for a whole-state snapshot.
@@ -848,16 +775,15 @@ class Checkpointer:
                 if capture is not None:
                     stats.update(_window_stats(capture))
                     share = None
-                    if capture.previous:  # the share the next save goes by (_should_compare)
+                    if capture.previous:  # the share the next save goes by (CaptureHistory.should_compare)
                         total = job.counters.bytes_total
-                        share = self._unchanged_share = capture.bytes_unchanged / total if total else 0.0
+                        share = capture.bytes_unchanged / total if total else 0.0
+                        self._history.learn_unchanged(share)
                     stats["incremental"] = self._incremental_note(share, capture.compared)
                     stats["validation"] = capture.validation
                     if job.retry_note is not None:
                         stats["validation"] += f" (a retry: the first attempt failed: {job.retry_note})"
-                    if capture.tracked:  # an untracked window saw no writes: keep the order
-                        self._write_order = capture.window.write_order()
-                    stats["access_order"] = self._access_order(capture)
+                    stats["access_order"] = self._history.learn_window(capture)
                     trace = capture.window.trace
                     if trace is not None:
                         path = os.path.join(self.config.trace_dir, f"{pending.id}.trace.json")
@@ -875,7 +801,7 @@ class Checkpointer:
         except BaseException as exc:  # the save failed: report it on the handle, commit nothing
             if capture is not None:
                 capture.close_out(exc)  # its copier and store tasks stopped, its txn aborted
-                self._eager_paths.update(capture.mismatched)
+                self._history.learn_unseen_writes(capture.mismatched)
                 if isinstance(exc, ValidationError) and self._retry(job, exc):
                     return
             log.warning("gpusnap: checkpoint %s failed: %s", pending.id, exc)
@@ -893,8 +819,7 @@ class Checkpointer:
             info.stats["duration_s"] = time.perf_counter() - job.started
             if job.blocking:  # the caller waited through the commit too
                 info.stats["stall_s"] = info.stats["duration_s"]
-            if any(e.hashes is not None for e in entries):
-                self._previous = known_chunks(manifest)
+            self._history.learn_commit(manifest)
             if isinstance(repo, FastTier):
                 self._fast_commits += 1
                 due = job.promote or (self.promote_every is not None and self._fast_commits % self.promote_every == 0)

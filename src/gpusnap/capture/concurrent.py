@@ -462,7 +462,7 @@ class ConcurrentSave:
     def _unchanged_bytes(self, hashes: list[list[str]]) -> int:
         """Bytes whose chunk hash the previous checkpoint holds: what comparing would have
         skipped. A save that copied at once learns it after the fact, for a few dict lookups,
-        so the next save can decide whether comparing pays (``Checkpointer._should_compare``)."""
+        so the next save can decide whether comparing pays (``CaptureHistory.should_compare``)."""
         cs, known, total = self.chunk_size, self.previous, 0
         for span, h in zip(self.flat.spans, hashes):
             same = sum(1 for x in h if x in known)
