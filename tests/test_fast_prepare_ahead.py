@@ -92,23 +92,26 @@ def test_closing_the_checkpointer_stops_the_preparer(tmp_path: Path) -> None:
     assert _slabs(fast) == before
 
 
+REFUSED = 1  # the first slab the first save's prepare_ahead adds beside its own
+
+
 def test_a_slab_the_preparer_could_not_make_is_made_by_the_save_that_takes_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     real = FastTier._make_slab
     refused: list[int] = []
 
-    def refuse_the_last_in_the_background(self: FastTier, slab: int) -> Any:
+    def refuse_one_in_the_background(self: FastTier, slab: int) -> Any:
         import threading
 
-        # the highest slab prepare_ahead added after the first save (the first save's own
-        # slab 0 is never refused)
-        if threading.current_thread().name == "gpusnap-slab-prep" and slab == max(self._slab_sizes) and slab > 0:
+        # one fixed slab that prepare_ahead sets aside after the first save (never the first
+        # save's own slab 0), refused whenever the background thread tries it
+        if threading.current_thread().name == "gpusnap-slab-prep" and slab == REFUSED:
             refused.append(slab)
             raise OSError(28, "No space left on device")
         return real(self, slab)
 
-    monkeypatch.setattr(FastTier, "_make_slab", refuse_the_last_in_the_background)
+    monkeypatch.setattr(FastTier, "_make_slab", refuse_one_in_the_background)
     durable, fast = roots(tmp_path)
     state = make_state(0, width=128, extra=200_000)
     with gpusnap.Checkpointer(durable, fast_root=fast, config=CFG) as ck:

@@ -10,6 +10,7 @@ hang reaches); no sleeps, no timing bounds.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -123,12 +124,10 @@ def test_stop_drops_queued_slabs_finishes_the_one_in_hand_and_refuses_later_want
     prep = SlabPreparer(rec)
     prep.want([0, 1, 2])
     rec.wait_entered()
-    seen: list[list[int]] = []
-    stopper = threading.Thread(target=lambda: (prep.stop(), seen.append(list(rec.done))))
-    stopper.start()  # stop() waits for slab 0, still in hand
+    prep.stop()  # returns at once (close() may run on any thread: it never waits), slab 0 in hand
+    assert prep.busy() and rec.done == []
     rec.release()
-    stopper.join()
-    assert seen == [[0]]  # it returned only once slab 0 was done
+    prep.join()
     assert rec.done == [0]
     assert not prep.busy()
     prep.want([5, 6])
@@ -435,14 +434,48 @@ def test_close_stops_the_preparer_mid_way(tier: FastTier, monkeypatch: pytest.Mo
     try:
         tier.prepare_ahead(3 * SLAB)
         assert maker.entered.wait(HANG_S)
-        closer = threading.Thread(target=tier.close)  # waits for slab 0, still in hand
-        closer.start()
+        tier.close()  # returns at once, slab 0 still in hand
+        assert tier._preparer.busy()
     finally:
         maker.release()
-    closer.join()
-    assert not tier._preparer.busy()
+    tier._preparer.join()
+    assert tier._maps == {}  # made after close(): not kept (its caller's tensor would hold it)
     assert [c[0] for c in maker.calls] == [0]  # slabs 1 and 2 were dropped
     assert tier.unprepared([1, 2])
     tier.prepare_ahead(4 * SLAB)  # a closed tier prepares nothing more
     assert not tier._preparer.busy()
     assert [c[0] for c in maker.calls] == [0]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_an_interrupt_in_a_preparation_ends_the_thread_cleanly_and_later_wants_start_a_new_one(
+    recorders: list[Recorder],
+) -> None:
+    calls: list[int] = []
+
+    def prepare(slab: int) -> None:
+        calls.append(slab)
+        if slab == 0:
+            raise KeyboardInterrupt
+
+    prep = SlabPreparer(prepare)
+    prep.want([0, 1])
+    prep.join()
+    assert not prep.busy()
+    prep.want([2])
+    prep.join()
+    assert calls[0] == 0 and calls[-1] == 2
+
+
+def test_prepare_ahead_makes_ready_only_the_lowest_slabs_that_hold_the_bytes_and_skips_empty_files(
+    tier: FastTier,
+) -> None:
+    slabs = tier.backend.local_path("slabs")
+    for k, size in enumerate((0, SLAB, SLAB, SLAB)):  # slab 0: a writer killed before allocating it
+        with open(os.path.join(slabs, f"{k:06d}.slab"), "wb") as f:
+            f.truncate(size)
+    tier._slab_sizes = {}
+    tier.prepare_ahead(SLAB)
+    tier._preparer.join()
+    assert tier._preparer.errors == []
+    assert sorted(tier._maps) == [1]  # not the empty slab 0, not slabs 2 and 3 (left by a larger state)

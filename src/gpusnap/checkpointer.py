@@ -31,7 +31,7 @@ from gpusnap.capture.fast_arena import FastArena, room_needed
 from gpusnap.capture.staging import StagingArena
 from gpusnap.capture.trace import Trace
 from gpusnap.capture.history import SKIP_WORTH, CaptureHistory
-from gpusnap.capture.warmup import start_capture_warmup
+from gpusnap.capture.warmup import WARMUP_JOIN_S, start_capture_warmup
 from gpusnap.collector import collector_paused
 from gpusnap.config import Config
 from gpusnap.device import outside_graph_captures
@@ -200,7 +200,8 @@ class Checkpointer:
         # threads inside a gpusnap wait, which runs their due retries (see _wait_for)
         self._waiting: dict[threading.Thread, int] = {}
         # the save kernels load beside the program's set-up, not in the first save()
-        self._warmup = start_capture_warmup(self.config.chunk_size) if self.config.concurrent else None
+        self._warmup = (start_capture_warmup(self.config.chunk_size, self._copy_stream)
+                        if self.config.concurrent and self.config.warm_up_kernels else None)
         exit_hooks.track(self)
         self._opened: list[Repository] = []  # (for _let_go, which must not hold self)
         weakref.finalize(self, _let_go, self._queue, self._opened).atexit = False
@@ -235,6 +236,7 @@ class Checkpointer:
                 # lease and maps go (saves still holding its transactions fail on their own)
                 log.warning("gpusnap: the fast tier %s was removed; a new one is made there", self.fast_root)
                 self._fast.close()
+                self._opened.remove(self._fast)
                 self._fast = None
             if self._fast is None:
                 assert self.fast_root is not None
@@ -1042,6 +1044,8 @@ class Checkpointer:
                 _release_state(job)
                 job.pending._fail(ValidationError(f"{job.retry_note} (not retried: the Checkpointer closed)"))
             self._restorer.close()
+            if self._warmup is not None:  # (never used by a save: not left loading at exit)
+                self._warmup.join(WARMUP_JOIN_S)
             self._copier_runner.shutdown(wait=True)
             self._pool.shutdown(wait=True)
             for repo in (self._repo, self._fast):
@@ -1157,4 +1161,5 @@ def _fast_stats(capture: ConcurrentSave) -> dict[str, Any]:
     if not capture.fast:
         return {}
     tier = capture.staging.txn.tier
-    return {"fast_prepared_bytes": tier.prepared_bytes(), "fast_prepare_errors": list(tier._preparer.errors)}
+    return {"fast_prepared_bytes": tier.prepared_bytes(), "fast_prepare_errors": list(tier._preparer.errors),
+            "fast_register_errors": list(tier.register_errors)}  # slabs copied through pageable memory

@@ -91,6 +91,11 @@ class Config:
     incremental: bool = field(
         default=True, metadata={"doc": "skip chunks unchanged since this root's latest checkpoint"}
     )
+    warm_up_kernels: bool = field(
+        default=True,
+        metadata={"doc": "a Checkpointer made once CUDA is up loads the save kernels on a side thread "
+                  "(else the first save() loads them, 0.5-1.6 s on an H200)"},
+    )
     device_snapshot: bool = field(
         default=True,
         metadata={"doc": "when each device's state fits in the copy-on-write budget (and in half of the "

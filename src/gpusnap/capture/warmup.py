@@ -11,26 +11,32 @@ Each ``(device, chunk size)`` is warmed once per process.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from gpusnap import launch_hooks
+from gpusnap.device import outside_graph_captures
 from gpusnap.kernels.chunk_hash import HASH_WORDS
 from gpusnap.kernels.chunk_hash_many import chunk_hashes_packed
 from gpusnap.kernels.gather_copy import gather_copy, gather_copy_available
 
-__all__ = ["CaptureWarmUp", "start_capture_warmup"]
+__all__ = ["WARMUP_JOIN_S", "CaptureWarmUp", "start_capture_warmup"]
 
 _warmed: set[tuple[torch.device, int]] = set()
 _lock = threading.Lock()
+
+
+WARMUP_JOIN_S = 30.0  # close() waits at most this for a warm-up no save waited for
 
 
 class CaptureWarmUp:
     """A started warm-up; ``join()`` waits for it. Its failure is kept in ``error``, never
     raised: the save's own first launch then meets and reports it."""
 
-    def __init__(self, device: torch.device, chunk_size: int) -> None:
-        self.device, self.chunk_size = device, chunk_size
+    def __init__(self, device: torch.device, chunk_size: int, stream: Any) -> None:
+        self.device, self.chunk_size, self.stream = device, chunk_size, stream
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="gpusnap-save-warmup", daemon=True)
         self.thread.start()
@@ -41,28 +47,31 @@ class CaptureWarmUp:
 
     def _run(self) -> None:
         try:
-            stream = torch.cuda.Stream(self.device)  # never a stream the program captures on
-            with torch.cuda.device(self.device), torch.cuda.stream(stream), launch_hooks.internal():
+            # a program capturing a CUDA graph meanwhile must not see this thread's calls; the
+            # Checkpointer's own copy stream, never one from torch's pool that the program may
+            # capture on; no synchronization: the kernels load at launch, on the host
+            outside_graph_captures()
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream), launch_hooks.internal():
                 src = torch.zeros(2 * self.chunk_size, dtype=torch.uint8, device=self.device)
                 dst = torch.empty_like(src)
                 if gather_copy_available(self.device):
                     gather_copy(dst, [0], [src.data_ptr()], [src.numel()])
                 out = torch.empty((2, HASH_WORDS), dtype=torch.int64, device=self.device)
                 chunk_hashes_packed(dst, [0], [dst.numel()], self.chunk_size, out=out)
-                stream.synchronize()
             with _lock:
                 _warmed.add((self.device, self.chunk_size))
         except BaseException as exc:  # noqa: BLE001 (kept; the save's own launch reports it)
             self.error = exc
 
 
-def start_capture_warmup(chunk_size: int) -> CaptureWarmUp | None:
-    """Warm the current CUDA device's save kernels, if CUDA is already initialized (a
-    Checkpointer never initializes CUDA itself) and they are not warm; else None."""
+def start_capture_warmup(chunk_size: int, stream_of: Callable[[torch.device], Any]) -> CaptureWarmUp | None:
+    """Warm the current CUDA device's save kernels on ``stream_of(device)`` (the copy stream,
+    made here on the caller's thread), if CUDA is already initialized (a Checkpointer never
+    initializes CUDA itself) and they are not warm; else None."""
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
     device = torch.device("cuda", torch.cuda.current_device())
     with _lock:
         if (device, chunk_size) in _warmed:
             return None
-    return CaptureWarmUp(device, chunk_size)
+    return CaptureWarmUp(device, chunk_size, stream_of(device))

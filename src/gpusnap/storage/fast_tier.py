@@ -97,6 +97,7 @@ class FastTier(Repository):
         self._maps: dict[int, Any] = {}  # slab -> MappedMemory (the writer's, kept for its life)
         self._map_lock = threading.Lock()
         self._preparing: dict[int, threading.Event] = {}  # slab -> set once its preparation ends
+        self._closed = False  # close() let the maps go: a slab made after it is not kept
         self._preparer = SlabPreparer(self._slab_memory)
         self._used: dict[int, list[tuple[int, int]]] | None = None  # committed ranges, rebuilt lazily
         self._fast_txns: set[FastTxn] = set()
@@ -293,7 +294,8 @@ class FastTier(Repository):
         try:
             mapped = self._make_slab(slab)
             with self._map_lock:
-                self._maps[slab] = mapped
+                if not self._closed:  # (closed meanwhile: the caller's tensor keeps it while used)
+                    self._maps[slab] = mapped
             return mapped.tensor
         finally:
             with self._map_lock:
@@ -316,10 +318,11 @@ class FastTier(Repository):
                 os.close(fd)
                 raise
         try:
-            return MappedMemory(fd, size, pinned=self.pinned)
-        except RuntimeError as exc:  # page-locking refused: copies go through pageable memory
-            self.register_errors.append(f"slab {slab}: {exc}")
-            return MappedMemory(os.open(path, os.O_RDWR | os.O_CLOEXEC), size, pinned=False)
+            try:
+                return MappedMemory(fd, size, pinned=self.pinned)
+            except RuntimeError as exc:  # page-locking refused: copies go through pageable memory
+                self.register_errors.append(f"slab {slab}: {exc}")
+                return MappedMemory(os.open(path, os.O_RDWR | os.O_CLOEXEC), size, pinned=False)
         except OSError as exc:
             raise storage_error(exc, "mapping slab", self.backend.describe(slab_path(slab)), writing=True) from exc
 
@@ -343,9 +346,18 @@ class FastTier(Repository):
                 self._slab_sizes[slab] = size
                 total += size
                 added += size
-            slabs = sorted(self._slab_sizes)
+            # the lowest slabs that hold ``nbytes``, no more (a larger state's slabs, left by an
+            # earlier run, are made ready only when a reservation takes them); an empty file
+            # (a writer killed between creating and allocating it) holds nothing
+            wanted, held = [], 0
+            for slab, size in sorted(self._slab_sizes.items()):
+                if held >= nbytes:
+                    break
+                if size:
+                    wanted.append(slab)
+                    held += size
         with self._map_lock:
-            todo = [s for s in slabs if s not in self._maps]
+            todo = [s for s in wanted if s not in self._maps]
         if todo:
             self._preparer.want(todo)
         return added
@@ -361,7 +373,12 @@ class FastTier(Repository):
             return any(s not in self._maps for s in slabs)
 
     def close(self) -> None:
+        """Release the lease and let go of the slab maps (each is unmapped once no tensor over
+        it is left: a save or reader still using one keeps it); the preparer stops."""
         self._preparer.stop()
+        with self._map_lock:
+            self._closed = True
+            self._maps.clear()
         super().close()
 
     # ------------------------------------------------------------------ pins (promotion)

@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from gpusnap.device import outside_graph_captures
 from gpusnap.thread_priority import lower_this_thread
 
 __all__ = ["SlabPreparer"]
@@ -67,22 +68,28 @@ class SlabPreparer:
             thread.join(timeout)
 
     def stop(self) -> None:
-        """Prepare nothing more; returns once the slab in hand (if any) is finished, so that
-        nothing of this preparer touches the tier's files afterwards."""
+        """Prepare nothing more; returns at once (the slab in hand is finished, and its
+        owner, told it is closed, lets it go: ``FastTier._slab_memory``). Never waits: it
+        runs from ``close()``, which a garbage collection may call on any thread, the
+        preparer's own or one holding what the slab in hand needs."""
         with self._lock:
             self._stopped = True
             self._todo.clear()
-            thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
 
     def _run(self) -> None:
+        try:
+            self._prepare_all()
+        finally:  # (an interrupt included: a later want() starts a new thread)
+            with self._lock:
+                self._thread = self._current = None
+
+    def _prepare_all(self) -> None:
         lower_this_thread()  # the kernel's page work, at the lowest priority (thread_priority.py)
+        outside_graph_captures()  # page-locking while the program captures a graph must not break it
         while True:
             with self._lock:
                 self._current = None
                 if not self._todo:
-                    self._thread = None
                     return
                 slab = self._current = self._todo.pop(0)
             head = f"slab {slab}: "
