@@ -31,6 +31,7 @@ from gpusnap.capture.fast_arena import FastArena, room_needed
 from gpusnap.capture.staging import StagingArena
 from gpusnap.capture.trace import Trace
 from gpusnap.capture.history import SKIP_WORTH, CaptureHistory
+from gpusnap.capture.options import CaptureOptions
 from gpusnap.capture.warmup import WARMUP_JOIN_S, start_capture_warmup
 from gpusnap.collector import collector_paused
 from gpusnap.config import Config
@@ -541,30 +542,33 @@ class Checkpointer:
             # serving loop), they would refuse those writes. Only the construction: a
             # tracker pushed inside this block would lose its dispatch key when it exits.
             with torch.inference_mode(False):
-                capture = ConcurrentSave(
-                    flat,
-                    # opened by the writers, off save()'s time (the fast tier's at once: it reserves)
-                    repo.begin_write if fast_txn is None else (lambda: fast_txn),
-                    staging=arena,
-                    io_pool=self._pool,
-                    streams={d: self._copy_stream(d) for d in cuda},
+                options = CaptureOptions(
                     chunk_size=self.config.chunk_size,
                     piece_bytes=self.config.piece_bytes(),
                     ahead=self.config.copy_ahead,
-                    order=order,
+                    order=tuple(order),
                     cow_budget=cow_budget,
                     eager_cpu_bytes=self.config.eager_cpu_bytes,
-                    trace=Trace(pending.id) if self.config.trace_dir else None,
                     log_reads=self._history.logs_reads(),
                     validate=self.config.validate,
                     previous=previous,
                     skip_unchanged=compare,
-                    eager=self._history.eager_spans(flat),
+                    eager=tuple(self._history.eager_spans(flat)),
                     eager_device_bytes=self.config.eager_device_bytes,
                     snapshot_budget=snapshot_budget if self.config.device_snapshot else 0,
                     snapshot_cpu_bytes=self.config.cpu_snapshot_bytes,
-                    copier_runner=self._copier_runner,
                     fast=fast_txn is not None,
+                )
+                capture = ConcurrentSave(
+                    flat,
+                    # opened by the writers, off save()'s time (the fast tier's at once: it reserves)
+                    repo.begin_write if fast_txn is None else (lambda: fast_txn),
+                    options,
+                    staging=arena,
+                    io_pool=self._pool,
+                    streams={d: self._copy_stream(d) for d in cuda},
+                    trace=Trace(pending.id) if self.config.trace_dir else None,
+                    copier_runner=self._copier_runner,
                 )
             if fast_txn is not None:
                 capture.txn  # noqa: B018  (bound now: a failed save aborts it with the capture's)

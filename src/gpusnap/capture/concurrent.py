@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -25,6 +25,7 @@ import torch
 from gpusnap import launch_hooks
 from gpusnap.capture import resize_guard
 from gpusnap.capture.copier import Copier, Piece
+from gpusnap.capture.options import CaptureOptions
 from gpusnap.capture.staging import StagingArena
 from gpusnap.capture.trace import Trace
 from gpusnap.capture.tracker import TrackerMode
@@ -46,28 +47,17 @@ class ConcurrentSave:
         self,
         flat: FlatState,
         open_txn: Callable[[], WriteTxn],
+        options: CaptureOptions,
         *,
         staging: StagingArena,
         io_pool: ThreadPoolExecutor,
         streams: dict[torch.device, Any],
-        chunk_size: int,
-        piece_bytes: int,
-        ahead: int,
-        order: list[int],
-        cow_budget: int,
-        eager_cpu_bytes: int,
         trace: Trace | None = None,
-        log_reads: bool = True,
-        validate: bool = True,
-        previous: dict[str, str] | None = None,
-        skip_unchanged: bool = True,
-        eager: Collection[int] = (),
-        eager_device_bytes: int = 0,
-        snapshot_budget: int = 0,
-        snapshot_cpu_bytes: int = 0,
         copier_runner: Executor | None = None,
-        fast: bool = False,
     ) -> None:
+        self.options = opt = options
+        chunk_size, piece_bytes, validate, previous, fast = (
+            opt.chunk_size, opt.piece_bytes, opt.validate, opt.previous, opt.fast)
         self.flat = flat
         # fast: ``staging`` is the fast tier's slab memory (capture/fast_arena.py); a chunk's
         # name is its device hash and location, so every chunk is hashed on its device and
@@ -84,9 +74,9 @@ class ConcurrentSave:
         # where the constructor's host time goes (save()'s stall: stats["save_phases_s"])
         self.phases: dict[str, float] = {}
         self.window = CaptureWindow(
-            flat, order=order, cow_budget=cow_budget, eager_cpu_bytes=eager_cpu_bytes, trace=trace,
-            log_reads=log_reads, eager=eager, eager_device_bytes=eager_device_bytes,
-            snapshot_budget=snapshot_budget, snapshot_cpu_bytes=snapshot_cpu_bytes,
+            flat, order=list(opt.order), cow_budget=opt.cow_budget, eager_cpu_bytes=opt.eager_cpu_bytes,
+            trace=trace, log_reads=opt.log_reads, eager=opt.eager, eager_device_bytes=opt.eager_device_bytes,
+            snapshot_budget=opt.snapshot_budget, snapshot_cpu_bytes=opt.snapshot_cpu_bytes,
         )
         # Snapshots were copied at save() in the program's stream order: no write can reach
         # them, so they need neither validation hashes nor a tracker. The tracker still runs
@@ -97,7 +87,7 @@ class ConcurrentSave:
         # (not for a trace alone). A fast save copied whole at save() logs no reads: the
         # tracker would slow every op of its window to learn an order a lazy restore can do
         # without (it then loads in the checkpoint's own order, the model's for most models)
-        self.tracked = not self.window.all_snapshotted or (log_reads and not fast)
+        self.tracked = not self.window.all_snapshotted or (opt.log_reads and not fast)
         validate = (validate or fast) and not self.window.all_snapshotted  # fast: names are hashes
         # Stored digests of every span's chunks, in one list: span i's chunk k is
         # digests[first[i] + k] (one list per span made ~1745 more objects per save for
@@ -113,14 +103,14 @@ class ConcurrentSave:
         self._lock = threading.Lock()
         # The consistent point's hashes, enqueued in the program's stream order (validation.py)
         incremental = previous is not None  # even with nothing stored yet: the hashes go
-        self.previous = previous if previous is not None else {}  # into the manifest
+        self.previous: Mapping[str, str] = previous if previous is not None else {}  # into the manifest
         self.before: HashTable | None = None
         self.after: HashTable | None = None
         self.skipped: dict[int, Collection[int]] = {}  # span index -> chunks not copied (incremental)
         # compared with ``previous`` before copying: the copier waits for the consistent-point
         # hashes first. Off (skip_unchanged=False) when comparing is not expected to pay: the
         # hashes still go into the manifest, and every chunk is copied at once.
-        self.compared = bool(previous) and skip_unchanged
+        self.compared = bool(previous) and opt.skip_unchanged
         self.bytes_unchanged = 0  # found unchanged by the comparison (not by the store's dedup)
         self.mismatched: list[str] = []
         hashing = validate or incremental or fast
@@ -151,7 +141,7 @@ class ConcurrentSave:
             self._sink,
             chunk_size=chunk_size,
             piece_bytes=piece_bytes,
-            ahead=ahead,
+            ahead=opt.ahead,
             consistent_events=events,
             streams=streams,
             # compared: the hashes first, the copies skip what is unchanged; otherwise the
