@@ -188,3 +188,50 @@ def test_with_when_busy_skip_a_save_while_the_previous_one_copies_is_skipped(
     with gpusnap.Checkpointer(durable, fast_root=fast, config=CFG) as again:
         again.restore(target)
     assert same(snapshot(target), expected) == []
+
+
+def test_with_when_busy_wait_a_save_waits_for_the_promotion_that_holds_the_room_then_commits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fast_support import hold_durable_writes
+
+    gates = hold_durable_writes(monkeypatch)
+    gate = next(gates)
+    refused = threading.Event()
+    reserve = fast_tier.FastTxn.reserve
+
+    def watched(self: Any, nbytes: int, piece: int) -> bool:
+        ok = reserve(self, nbytes, piece)
+        if not ok:
+            refused.set()
+        return ok
+
+    monkeypatch.setattr(fast_tier.FastTxn, "reserve", watched)
+    durable, fast = roots(tmp_path)
+    state = _big(1)
+    # a 4 MiB tier holds two saves; fast_keep_last=1, but the promoted one is pinned meanwhile
+    ck = gpusnap.Checkpointer(durable, fast_root=fast, fast_keep_last=1, config=cfg(fast_tier_bytes=4 << 20))
+    try:
+        first = ck.save(state, promote=True).wait()
+        gate.wait_entered()  # its promotion holds it in the tier
+        state["x"].add_(1)
+        ck.save(state).wait()
+        state["x"].add_(1)
+        expected = snapshot(state)
+        outcome: list[Any] = []
+        saver = threading.Thread(target=lambda: outcome.append(ck.save(state).wait()))
+        saver.start()
+        assert refused.wait(HANG_S), "the third save found room at once"
+        assert outcome == []  # it waits (when_busy="wait"): the promotion in flight may make room
+        gate.release()  # the promotion ends; retention drops the first save; the third commits
+        saver.join(HANG_S)
+        assert not saver.is_alive() and len(outcome) == 1 and outcome[0].tier == "fast"
+        target = {"x": torch.zeros(_BIG), "step": -1}
+        ck.restore(target, outcome[0].id)
+        assert same(snapshot(target), expected) == []
+        assert first.id in [i.id for i in ck.list() if i.tier == "durable"]
+    finally:
+        gate.release()
+        ck.close()
+        next(gates, None)
+    assert Repository.open(fast).verify().ok and Repository.open(durable).verify().ok

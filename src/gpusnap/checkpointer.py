@@ -250,7 +250,8 @@ class Checkpointer:
     def _promoter_for(self, fast: FastTier) -> Promoter:
         if self._promoter is None:
             self._promoter = Promoter(fast, lambda: self._repository(create=True), threads=self.config.io_threads,
-                                      on_promoted=lambda repo, _m: self._retain(repo, self.keep_last))
+                                      on_promoted=lambda repo, _m: self._retain(repo, self.keep_last),
+                                      on_released=lambda: self._retain(fast, self.fast_keep_last))
         return self._promoter
 
     # -- save ---------------------------------------------------------------------------------
@@ -473,23 +474,34 @@ class Checkpointer:
         make room; with none in flight, no room is a StorageError that says what to change."""
         piece = self.config.piece_bytes()
         need = room_needed([s.nbytes for s in flat.spans], piece)
-        txn = fast.begin_write()
+        retained = False
+        while True:
+            txn = fast.begin_write()
+            try:
+                if txn.reserve(need, piece):
+                    break
+            except BaseException:
+                txn.abort()
+                raise
+            txn.abort()  # (waiting without it: retention needs the root's lock exclusively)
+            if self.config.when_busy == "skip":
+                return None
+            with self._pending_lock:
+                others = [p for p in self._pending if p is not pending and not p.done()]
+            if not others and not (self._promoter is not None and self._promoter.busy()):
+                if not retained:  # a promotion that ended meanwhile may have left its checkpoint
+                    retained = True  # past fast_keep_last (its retention met this save's lock)
+                    self._retain(fast, self.fast_keep_last)
+                    continue
+                raise StorageError(
+                    f"the fast tier {self.fast_root} has no room for this save ({need} bytes) beside the "
+                    f"{self.fast_keep_last} checkpoint(s) it keeps (it may hold {fast.capacity()} bytes): "
+                    "free space there, raise Config.fast_tier_bytes or lower fast_keep_last; nothing was saved"
+                )
+            retained = False
+            with fast._alloc:  # notified when a save commits or aborts, retention or a promotion ends
+                fast._alloc.wait(0.05)
         try:
-            while not txn.reserve(need, piece):
-                with self._pending_lock:
-                    others = [p for p in self._pending if p is not pending and not p.done()]
-                promoting = self._promoter is not None and self._promoter.busy()
-                if self.config.when_busy == "skip":
-                    txn.abort()
-                    return None
-                if not others and not promoting:
-                    raise StorageError(
-                        f"the fast tier {self.fast_root} has no room for this save ({need} bytes) beside the "
-                        f"{self.fast_keep_last} checkpoint(s) it keeps (it may hold {fast.capacity()} bytes): "
-                        "free space there, raise Config.fast_tier_bytes or lower fast_keep_last; nothing was saved"
-                    )
-                with fast._alloc:  # notified when a save commits or aborts, retention or a promotion ends
-                    fast._alloc.wait(0.05)
             # room for every checkpoint the tier holds at once plus this one's successor,
             # made ready in the background (storage/slab_prep.py): later saves wait for no slab
             per_save = need + -(-need // (self.config.fast_slab_bytes - piece)) * piece  # (a piece never

@@ -31,10 +31,14 @@ class Promoter:
     """Promotes from ``fast`` to the durable root ``durable()`` gives (opened on first use)."""
 
     def __init__(self, fast: FastTier, durable: Callable[[], Repository], *, threads: int,
-                 on_promoted: Callable[[Repository, Manifest], None]) -> None:
+                 on_promoted: Callable[[Repository, Manifest], None],
+                 on_released: Callable[[], None] | None = None) -> None:
         self._fast = fast
         self._durable = durable
         self._on_promoted = on_promoted
+        # after a promotion lets go of its fast checkpoint, before it counts as done: the fast
+        # tier's retention, so that a save waiting for room (when_busy="wait") finds it
+        self._on_released = on_released
         self._threads = threads
         self._cond = threading.Condition()
         self._waiting: Manifest | None = None
@@ -102,11 +106,19 @@ class Promoter:
                     self._promote(manifest, superseded, pool)
                 finally:
                     self._fast.unpin_checkpoint(manifest.id)
+                    self._released()
                     with self._cond:
                         self._running = None
                         self._cond.notify_all()
         finally:
             pool.shutdown(wait=True)
+
+    def _released(self) -> None:
+        if self._on_released is not None:
+            try:
+                self._on_released()
+            except Exception as exc:  # (retention: the next commit tries again)
+                log.warning("gpusnap: after a promotion: %s", exc)
 
     def _promote(self, manifest: Manifest, superseded: list[str], pool: ThreadPoolExecutor) -> None:
         cpu = time.thread_time()
