@@ -22,6 +22,7 @@ from gpusnap.errors import (
 )
 from gpusnap.handles import CheckpointInfo, PendingSave, RestoreHandle
 from gpusnap.restore.cold import cold_start, empty_model
+from gpusnap.restore.template_free import load
 from gpusnap.state.rng import RNGState
 
 __version__ = "0.1.0"
@@ -35,6 +36,7 @@ __all__ = [
     "RNGState",
     "cold_start",
     "empty_model",
+    "load",
     "CheckpointError",
     "CheckpointNotFoundError",
     "IntegrityError",

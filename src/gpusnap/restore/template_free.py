@@ -1,0 +1,247 @@
+"""Load a checkpoint without a template: :func:`load` (``gpusnap.load``).
+
+Restore pairs the manifest's tree with a live ``app_state``; here nothing is live, so the
+checkpoint's structure alone decides what comes back: a nested dict in which every module
+and Stateful entry is its state_dict, as ``Checkpointer.save`` flattened it (module entries
+as ``model.state_dict()`` would give them, detached; an optimizer's ``state`` and
+``param_groups``; an RNGState's generator states), tensors and plain values as saved.
+
+Call order::
+
+    repo.resolve_reporting(ref)          # the manifest: id, tag or None (latest)
+    _Planner walk (TemplateFree)         # tree decoded by state.apply; keys selected; no byte read
+    restore.eager.load_spans(cut, plan)  # the selected spans' chunks only, each one verified
+    root.build()                         # tensors as views of their spans' bytes
+
+It reuses the restore machinery rather than its own decoding: the tree is walked by
+:class:`~gpusnap.state.apply._Planner` (its ``in_state`` path, where the checkpoint's
+structure wins), plain values are decoded by it (``pickle`` nodes refused unless
+``allow_pickle``), and chunks are read and checked by :func:`~gpusnap.restore.eager.load_spans`
+(every chunk of a selected span verified before anything is returned: a corrupt one is an
+:class:`~gpusnap.IntegrityError`). What differs: instead of one new tensor per node
+(``state.apply._allocate``), each stored span becomes one buffer on ``device`` and every
+tensor node a view of it, so views and tied weights come back sharing storage, with their
+strides, offsets and dtypes exactly as saved.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from gpusnap.config import Config
+from gpusnap.errors import CheckpointError
+from gpusnap.restore.eager import load_spans
+from gpusnap.restore.restorer import reader_threads
+from gpusnap.state.apply import (
+    RestorePlan,
+    SpanInfo,
+    _child,
+    _Dict,
+    _kind,
+    _Planner,
+    _Slot,
+    _Spec,
+)
+from gpusnap.state.plain import join_path
+from gpusnap.storage.manifest import StorageEntry
+from gpusnap.storage.repository import Repository
+
+__all__ = ["UnknownKeyError", "load"]
+
+
+class UnknownKeyError(CheckpointError, KeyError):
+    """A ``keys`` prefix names nothing in the checkpoint (the message lists its top-level keys)."""
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return str(self.args[0]) if self.args else ""
+
+
+def load(
+    root: str | os.PathLike[str],
+    checkpoint: str | None = None,
+    *,
+    keys: Sequence[str] | str | None = None,
+    device: torch.device | str = "cpu",
+    allow_pickle: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    config: Config | None = None,
+) -> dict[str, Any]:
+    """The checkpoint's nested dict of tensors and plain values, without a template.
+
+    ``root``: a durable root or a fast tier's root. ``checkpoint``: an id, a tag, or None for
+    the newest committed one (:class:`~gpusnap.CheckpointNotFoundError` if there is none).
+    ``keys``: key prefixes, top-level (``"model"``) or dotted (``"optim.state"``,
+    ``"model.0.weight"``; ``/`` works too); only those entries are returned and only their
+    chunks are read; a prefix naming nothing raises :class:`UnknownKeyError` (a KeyError and
+    a CheckpointError) listing the top-level keys. ``device``: where tensors are allocated.
+    ``allow_pickle``: plain values stored with pickle are refused without it (unpickling can
+    run code from the checkpoint). Every chunk read is checked against its digest
+    (:class:`~gpusnap.IntegrityError`).
+
+    >>> import tempfile, torch, gpusnap
+    >>> root = tempfile.mkdtemp()
+    >>> model = torch.nn.Linear(4, 2)
+    >>> app_state = {"model": model, "optim": torch.optim.AdamW(model.parameters()), "step": 3}
+    >>> with gpusnap.Checkpointer(root) as ckpt:
+    ...     _ = ckpt.save(app_state, tag="first").wait()
+    >>> sd = gpusnap.load(root)
+    >>> sorted(sd), sd["step"], sorted(sd["model"])
+    (['model', 'optim', 'step'], 3, ['bias', 'weight'])
+    >>> torch.equal(sd["model"]["weight"], model.weight)
+    True
+    >>> list(gpusnap.load(root, "first", keys=["model"]))
+    ['model']
+    """
+    target = torch.device(device)
+    selectors = _selectors(keys)
+    repo = Repository.open(root, storage_options=storage_options, config=config)
+    try:
+        manifest, skipped = repo.resolve_reporting(checkpoint)
+        repo.warn_unreadable(skipped, f"load() used the older checkpoint {manifest.id} instead")
+        planner = _TemplateFree([SpanInfo(nbytes=e.nbytes, device=e.device) for e in manifest.storages], allow_pickle)
+        top = planner.top_keys(manifest.tree)
+        slot = planner.select(manifest.tree, selectors)
+        unknown = [s for s in selectors or () if s not in planner.matched]
+        if unknown:
+            raise UnknownKeyError(
+                f"keys {unknown!r} name nothing in checkpoint {manifest.id} of {repo.root}; "
+                f"its top-level keys are {top!r}"
+            )
+        wanted = planner.wanted
+        # Spans nobody selected are cut to nothing: load_spans then reads no chunk of theirs.
+        cut = replace(manifest, storages=tuple(
+            e if i in wanted else StorageEntry(nbytes=0, device=e.device, chunks=())
+            for i, e in enumerate(manifest.storages)
+        ))
+        landing = _Landing(slot, planner, [e.nbytes for e in cut.storages], target)
+        with ThreadPoolExecutor(reader_threads(repo.config.io_threads), thread_name_prefix="gpusnap-load-io") as pool:
+            load_spans(repo, cut, landing, pool=pool)
+        result = slot.build()
+    finally:
+        repo.close()
+    assert isinstance(result, dict)
+    return result
+
+
+def _selectors(keys: Sequence[str] | str | None) -> tuple[str, ...] | None:
+    if keys is None:
+        return None
+    chosen = (keys,) if isinstance(keys, str) else tuple(keys)
+    for key in chosen:
+        if not isinstance(key, str) or not key.strip("./"):
+            raise ValueError(f"keys must be non-empty strings (key prefixes such as 'model'), got {key!r}")
+    return tuple(k.replace("/", ".").strip(".") for k in chosen)
+
+
+def _dotted(path: str, key: object) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _covers(selector: str, dotted: str) -> bool:
+    """``dotted`` is the selected entry or inside it (prefixes end at a key boundary)."""
+    return dotted == selector or dotted.startswith(selector + ".")
+
+
+class _TemplateFree(_Planner):
+    """The restore planner with nothing live: modules and Stateful values become their state
+    dicts, tensors views of their span's buffer (``spans``, filled once the chunks are read)."""
+
+    def __init__(self, spans: Sequence[SpanInfo], allow_pickle: bool) -> None:
+        super().__init__(spans, allow_pickle)
+        self.buffers: dict[int, torch.Tensor] = {}  # span -> its bytes on the target device
+        self.wanted: set[int] = set()  # spans some selected tensor views
+        self.matched: set[str] = set()  # selectors that selected something
+        self._in_module = 0  # inside a module's entries: detached, as state_dict() gives them
+
+    def top_keys(self, tree: dict[str, Any]) -> list[Any]:
+        if _kind(tree, "") != "dict":
+            raise CheckpointError("the checkpoint tree must be a 'dict' node at its root")
+        return [key for key, _ in self.keyed(tree, "")]
+
+    def select(self, tree: dict[str, Any], selectors: tuple[str, ...] | None) -> _Slot:
+        if selectors is None:
+            return _Dict(None, [(k, self.in_state(None, n, join_path("", k))) for k, n in self.keyed(tree, "")])
+        return self.pick(tree, "", "", selectors) or _Dict(None, [])
+
+    def pick(self, node: dict[str, Any], path: str, dotted: str, selectors: tuple[str, ...]) -> _Slot | None:
+        """The slot of what ``selectors`` select at or below ``node``, or None."""
+        hits = [s for s in selectors if dotted and _covers(s, dotted)]
+        if hits:
+            self.matched.update(hits)
+            return self.in_state(None, node, path)
+        if dotted and not any(s.startswith(dotted + ".") for s in selectors):
+            return None
+        kind = _kind(node, path)  # only a mapping's entries can be selected piecewise
+        if kind == "dict":
+            inner = node
+        elif kind in ("module", "stateful"):
+            inner = _child(node, "entries" if kind == "module" else "state", path)
+        else:
+            return None
+        if _kind(inner, path) != "dict":
+            return None
+        module = kind == "module"
+        self._in_module += module
+        try:
+            items = [(key, self.pick(child, join_path(path, key), _dotted(dotted, key), selectors))
+                     for key, child in self.keyed(inner, path)]
+        finally:
+            self._in_module -= module
+        chosen = [(key, slot) for key, slot in items if slot is not None]
+        return _Dict(None, chosen) if chosen else None
+
+    def object(self, live: Any, node: dict[str, Any], path: str) -> _Slot:
+        if node["t"] == "module":
+            self._in_module += 1
+            try:
+                return self.in_state(None, _child(node, "entries", path), path)
+            finally:
+                self._in_module -= 1
+        return self.in_state(None, _child(node, "state", path), path)
+
+    def tensor_in_state(self, current: Any, node: dict[str, Any], path: str) -> _Slot:
+        spec = self.spec(node, path)
+        self.span_paths[spec.storage].append(path)
+        self.wanted.add(spec.storage)
+        return _View(self.buffers, spec, spec.requires_grad and not self._in_module)
+
+
+@dataclass
+class _View:
+    """A tensor node: a view of its span's buffer, made once the buffer is filled."""
+
+    buffers: dict[int, torch.Tensor]
+    spec: _Spec
+    requires_grad: bool
+
+    def build(self) -> torch.Tensor:
+        spec = self.spec
+        buffer = self.buffers[spec.storage]
+        offset = spec.byte_offset + buffer.storage_offset()  # (uint8: the buffer's own start, in bytes)
+        if offset % spec.itemsize:  # (views of mixed dtypes) an offset this dtype cannot address: copied out
+            buffer, offset = buffer[spec.byte_offset : spec.byte_offset + spec.extent].clone(), 0
+        tensor = torch.empty(0, dtype=spec.dtype, device=buffer.device)
+        tensor.set_(buffer.untyped_storage(), offset // spec.itemsize, spec.shape, spec.stride)
+        if self.requires_grad and (spec.dtype.is_floating_point or spec.dtype.is_complex):
+            tensor.requires_grad_(True)
+        return tensor
+
+
+class _Landing(RestorePlan):
+    """What :func:`load_spans` applies the verified spans to: each span's bytes are kept as
+    the buffer its tensors view (CPU: the very buffer read into, no copy)."""
+
+    def __init__(self, root: _Slot, planner: _TemplateFree, span_nbytes: list[int], device: torch.device) -> None:
+        super().__init__(root, {}, span_nbytes, planner.span_paths, set())
+        self._buffers = planner.buffers
+        self._device = device
+
+    def apply_span(self, index: int, data: torch.Tensor) -> None:
+        self._claim(index, data)
+        self._buffers[index] = data if data.device == self._device else data.to(self._device)
