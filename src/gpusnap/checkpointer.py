@@ -983,6 +983,7 @@ class Checkpointer:
         *,
         lazy: bool = False,
         verify: Verify = "auto",
+        strict: bool = True,
     ) -> RestoreHandle:
         """Restore ``app_state`` in place from ``checkpoint`` (an id, a tag, or None: latest).
 
@@ -1002,6 +1003,20 @@ class Checkpointer:
         was already written); ``"off"`` skips the hashes; ``"auto"``: upfront up to 256 MiB,
         else stream. Both raise :class:`~gpusnap.IntegrityError` naming the tensor.
 
+        ``strict=False`` restores only the keys both sides have and reports the rest as dotted
+        paths: ``handle.stats["missing"]`` (in ``app_state``, not in the checkpoint) and
+        ``handle.stats["unexpected"]`` (in the checkpoint, not in ``app_state``). Keys are
+        those of app_state's mappings (top level and nested dicts) and of each module's
+        ``state_dict()`` (a buffer the model lacks, a parameter the checkpoint lacks, as
+        ``load_state_dict(strict=False)`` reports them); a key names its whole subtree
+        (``"optim"``), and a Stateful value's own state (an optimizer's) is restored whole or
+        not at all. Shapes and dtypes of shared keys are still checked before any byte is
+        written, and no chunk that only skipped keys use is read. ``strict=True`` (default):
+        any such key is a :class:`~gpusnap.RestoreMismatchError`.
+
+        >>> h = ckpt.restore({"model": model}, strict=False)  # a training checkpoint  # doctest: +SKIP
+        >>> h.stats["unexpected"]                             # doctest: +SKIP
+        ['optim', 'step']
         >>> h = ckpt.restore(app_state, lazy=True)   # doctest: +SKIP
         >>> loss = model(batch)                       # waits only for what it touches  # doctest: +SKIP
         """
@@ -1014,7 +1029,8 @@ class Checkpointer:
         repo, manifest, skipped = self._resolve(checkpoint)  # "latest" must not fall back silently
         repo.warn_unreadable(skipped, f"restore() used the older checkpoint {manifest.id} instead")
         handle = self._restorer.restore(
-            repo, manifest, app_state, allow_pickle=self.allow_pickle, lazy=lazy, verify=verify, started=started
+            repo, manifest, app_state, allow_pickle=self.allow_pickle, lazy=lazy, verify=verify, started=started,
+            strict=strict,
         )
         handle.stats["skipped_newer"] = [{"id": u.id, "reason": u.reason} for u in skipped]
         return handle

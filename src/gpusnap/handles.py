@@ -209,7 +209,9 @@ class RestoreHandle:
     (unreadable manifests newer than the checkpoint restored: ``[{"id", "reason"}]``, each
     also named in a WARNING), ``lazy_refused`` (why a ``lazy=True`` restore ran eagerly, e.g.
     inside ``torch.inference_mode()``), ``gate_dropped`` (times a guard no gpusnap hook saw
-    dropped the lazy gate's dispatch key, put back at the next gpusnap call).
+    dropped the lazy gate's dispatch key, put back at the next gpusnap call), ``missing`` /
+    ``unexpected`` (``restore(strict=False)``: dotted key paths only ``app_state``, or only
+    the checkpoint, has, which were skipped; empty for a strict restore).
 
     >>> h = ckpt.restore(app_state, lazy=True)   # doctest: +SKIP
     >>> out = model(x)                            # doctest: +SKIP

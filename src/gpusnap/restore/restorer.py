@@ -2,7 +2,8 @@
 
 Call order, from ``Checkpointer.restore``: ``settle()`` (a lazy restore still loading ends
 first) -> ``restore(repo, manifest, app_state, ...)`` -> ``plan_restore`` (every check, no
-byte written) -> one of
+byte written; with ``strict=False`` the spans only skipped keys use are emptied from the
+manifest, ``Manifest.without_data``, so no path reads them) -> one of
 
 - ``upfront``: read and verify everything, then apply (``restore.eager``); targets untouched
   if any chunk is corrupt. ``verify="auto"`` picks it for checkpoints up to
@@ -161,6 +162,7 @@ class Restorer:
         lazy: bool,
         verify: str,
         started: float,
+        strict: bool = True,
     ) -> RestoreHandle:
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
@@ -177,14 +179,17 @@ class Restorer:
             self._warmup.join(WARMUP_JOIN_S)
             self._warmup = None
         spans = [SpanInfo(nbytes=e.nbytes, device=e.device) for e in manifest.storages]
-        plan = plan_restore(app_state, manifest.tree, spans, allow_pickle=allow_pickle)
+        plan = plan_restore(app_state, manifest.tree, spans, allow_pickle=allow_pickle, strict=strict)
+        if plan.unused_spans:  # (strict=False) what only skipped keys use is read by no path below
+            manifest = manifest.without_data(plan.unused_spans)
         setup = _Setup(started)  # where a restore's time before the first read goes (handle.stats["setup"])
         setup.mark("plan_s")
         if verify == "auto":
             verify = "stream" if lazy or manifest.nbytes > AUTO_UPFRONT_BYTES else "upfront"
         handle = RestoreHandle(manifest.id)
         handle._on_wait = self.reap
-        handle.stats.update(mode="lazy" if lazy else "eager", verify=verify, threads=self.threads)
+        handle.stats.update(mode="lazy" if lazy else "eager", verify=verify, threads=self.threads,
+                            missing=list(plan.missing), unexpected=list(plan.unexpected))
         if refused is not None:
             handle.stats["lazy_refused"] = refused
         if verify == "upfront":

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,8 +48,7 @@ from gpusnap.state.apply import (
     _Slot,
     _Spec,
 )
-from gpusnap.state.plain import join_path
-from gpusnap.storage.manifest import StorageEntry
+from gpusnap.state.plain import dotted_path, join_path
 from gpusnap.storage.repository import Repository
 
 __all__ = ["UnknownKeyError", "load"]
@@ -113,12 +112,8 @@ def load(
                 f"keys {unknown!r} name nothing in checkpoint {manifest.id} of {repo.root}; "
                 f"its top-level keys are {top!r}"
             )
-        wanted = planner.wanted
         # Spans nobody selected are cut to nothing: load_spans then reads no chunk of theirs.
-        cut = replace(manifest, storages=tuple(
-            e if i in wanted else StorageEntry(nbytes=0, device=e.device, chunks=())
-            for i, e in enumerate(manifest.storages)
-        ))
+        cut = manifest.without_data(set(range(len(manifest.storages))) - planner.wanted)
         landing = _Landing(slot, planner, [e.nbytes for e in cut.storages], target)
         with ThreadPoolExecutor(reader_threads(repo.config.io_threads), thread_name_prefix="gpusnap-load-io") as pool:
             load_spans(repo, cut, landing, pool=pool)
@@ -137,10 +132,6 @@ def _selectors(keys: Sequence[str] | str | None) -> tuple[str, ...] | None:
         if not isinstance(key, str) or not key.strip("./"):
             raise ValueError(f"keys must be non-empty strings (key prefixes such as 'model'), got {key!r}")
     return tuple(k.replace("/", ".").strip(".") for k in chosen)
-
-
-def _dotted(path: str, key: object) -> str:
-    return f"{path}.{key}" if path else str(key)
 
 
 def _covers(selector: str, dotted: str) -> bool:
@@ -189,7 +180,7 @@ class _TemplateFree(_Planner):
         module = kind == "module"
         self._in_module += module
         try:
-            items = [(key, self.pick(child, join_path(path, key), _dotted(dotted, key), selectors))
+            items = [(key, self.pick(child, join_path(path, key), dotted_path(dotted, key), selectors))
                      for key, child in self.keyed(inner, path)]
         finally:
             self._in_module -= module

@@ -9,6 +9,15 @@ Call order::
 
 ``plan_restore`` pairs every checkpoint node with its target and raises one
 RestoreMismatchError listing every key that does not fit before a single byte is written.
+With ``strict=False`` keys on one side only are not mismatches: they are skipped and listed
+(``plan.missing``: in app_state, not in the checkpoint; ``plan.unexpected``: the reverse), as
+dotted paths naming the whole subtree the other side lacks (``optim``, ``model.extra_buf``).
+Keys are compared where app_state's structure decides: the mappings of app_state (top level
+and nested dicts holding tensors or objects; a dict of plain values only is one value) and
+each module's ``state_dict()`` entries. Inside a Stateful value's
+state_dict (an optimizer's, say) the checkpoint's structure wins, as with strict=True. Spans
+that only skipped keys use are in ``plan.unused_spans``: the plan takes 0 bytes of them.
+Shapes, dtypes and kinds of the keys on both sides are checked as with strict=True.
 Tensors are filled bitwise through an integer view of the same item size, so every dtype
 (float8, bits, bool, complex...) and every NaN payload survives exactly.
 
@@ -44,6 +53,7 @@ from .flatten import is_stateful, tensor_problem
 from .plain import (
     PLAIN_KINDS,
     decode_plain,
+    dotted_path,
     dtype_from_name,
     dtype_name,
     join_path,
@@ -74,13 +84,15 @@ def plan_restore(
     spans: Sequence[SpanInfo],
     *,
     allow_pickle: bool = False,
+    strict: bool = True,
 ) -> RestorePlan:
     """Pair ``tree`` with ``app_state``; RestoreMismatchError (all problems at once) if it does not fit.
 
     Missing Stateful tensors are allocated here. Nothing in ``app_state`` changes until
-    :meth:`RestorePlan.apply_span` / :meth:`RestorePlan.finish`.
+    :meth:`RestorePlan.apply_span` / :meth:`RestorePlan.finish`. ``strict=False``: keys on one
+    side only are skipped and reported instead (see the module docstring).
     """
-    planner = _Planner(spans, allow_pickle)
+    planner = _Planner(spans, allow_pickle, strict=strict)
     root = planner.top(app_state, tree)
     if planner.mismatches:
         problems = "\n".join(f"  - {m}" for m in planner.mismatches)
@@ -88,13 +100,17 @@ def plan_restore(
             f"app_state does not fit the checkpoint ({len(planner.mismatches)} problem(s)); nothing was restored:\n"
             f"{problems}"
         )
+    unused = frozenset() if strict else frozenset(range(len(spans))) - set(planner.copies)
     return RestorePlan(
         root,
         planner.copies,
-        [s.nbytes for s in spans],
+        [0 if i in unused else s.nbytes for i, s in enumerate(spans)],
         planner.span_paths,
         planner.stateful_spans,
         planner.read_at_finish,
+        missing=planner.missing,
+        unexpected=planner.unexpected,
+        unused_spans=unused,
     )
 
 
@@ -260,6 +276,8 @@ class RestorePlan:
     values ``load_state_dict`` may read without an ATen op a dispatch mode would see (RNGState
     does; a module's extra state may). Optimizers are left out: their ``load_state_dict`` only
     keeps the tensor objects, or converts them with ``Tensor.to``, which the lazy gate sees.
+    ``missing``, ``unexpected`` and ``unused_spans``: what a ``strict=False`` plan skipped
+    (empty otherwise); an unused span is applied as 0 bytes, so a reader reads none of it.
     """
 
     def __init__(
@@ -270,8 +288,15 @@ class RestorePlan:
         span_paths: dict[int, list[str]],
         stateful_spans: set[int],
         read_at_finish: set[int] | None = None,
+        *,
+        missing: Sequence[str] = (),
+        unexpected: Sequence[str] = (),
+        unused_spans: frozenset[int] = frozenset(),
     ) -> None:
         self.span_paths = span_paths
+        self.missing = tuple(missing)
+        self.unexpected = tuple(unexpected)
+        self.unused_spans = unused_spans
         self.stateful_spans = frozenset(stateful_spans)
         self.read_at_finish = frozenset(stateful_spans if read_at_finish is None else read_at_finish)
         self._root = root
@@ -493,10 +518,13 @@ class RestorePlan:
 class _Planner:
     """One walk over checkpoint tree and live state; collects copies and every mismatch."""
 
-    def __init__(self, spans: Sequence[SpanInfo], allow_pickle: bool) -> None:
+    def __init__(self, spans: Sequence[SpanInfo], allow_pickle: bool, *, strict: bool = True) -> None:
         self.spans = spans
         self.allow_pickle = allow_pickle
+        self.strict = strict
         self.mismatches: list[str] = []
+        self.missing: list[str] = []  # strict=False: dotted paths of keys only app_state has
+        self.unexpected: list[str] = []  # ...and of keys only the checkpoint has
         self.copies: dict[int, list[_Copy]] = {}
         self.span_paths: dict[int, list[str]] = {i: [] for i in range(len(spans))}
         self.stateful_spans: set[int] = set()
@@ -537,6 +565,10 @@ class _Planner:
         ckpt = set(ckpt_keys)
         missing = [k for k in live_keys if k not in ckpt]
         unexpected = [k for k in ckpt_keys if k not in live]
+        if not self.strict:
+            self.missing += [dotted_path(path, k) for k in missing]
+            self.unexpected += [dotted_path(path, k) for k in unexpected]
+            return
         where = path or "<root>"
         if missing:
             self.mismatches.append(f"{where}: keys in {what} but not in the checkpoint: {missing!r}")

@@ -35,6 +35,7 @@ __all__ = [
     "is_plain",
     "dtype_name",
     "dtype_from_name",
+    "dotted_path",
     "join_path",
     "type_name",
 ]
@@ -51,6 +52,12 @@ _NAN_TEXT = "nan"
 def join_path(path: str, key: object) -> str:
     """Key path of ``key`` under ``path``: keys joined by ``/`` (``optim/state/0/exp_avg``)."""
     return f"{path}/{key}" if path else str(key)
+
+
+def dotted_path(path: str, key: object) -> str:
+    """Dotted key path of ``key`` under ``path`` (``/`` or ``.`` joined), as torch's
+    ``missing_keys`` and ``gpusnap.load(keys=...)`` write them: ``model.0.weight``."""
+    return f"{path.replace('/', '.')}.{key}" if path else str(key)
 
 
 def type_name(value: object) -> str:

@@ -9,7 +9,8 @@ byte or a torn write is an :class:`IntegrityError`, never a silently wrong resto
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gpusnap.errors import CheckpointError, IntegrityError
@@ -60,6 +61,14 @@ class Manifest:
     def nbytes(self) -> int:
         """Bytes of tensor data in the checkpoint (before deduplication)."""
         return sum(s.nbytes for s in self.storages)
+
+    def without_data(self, spans: Collection[int]) -> Manifest:
+        """This manifest with storages ``spans`` holding no bytes and no chunks: a reader of the
+        copy reads nothing of theirs (what a partial restore or a ``load(keys=...)`` skips)."""
+        return replace(self, storages=tuple(
+            StorageEntry(nbytes=0, device=e.device, chunks=()) if i in spans else e
+            for i, e in enumerate(self.storages)
+        ))
 
     def _body(self) -> dict[str, Any]:
         return {
