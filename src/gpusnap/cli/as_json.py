@@ -1,4 +1,4 @@
-"""The ``--json`` documents of ``ls``, ``show`` and ``verify``. Their keys are documented in
+"""The ``--json`` documents of ``ls``, ``show``, ``verify``, ``diff`` and ``du``. Their keys are documented in
 docs/cli.md and only ever gain new ones; ``"schema"`` says which document a reader holds."""
 
 from __future__ import annotations
@@ -7,11 +7,13 @@ import datetime as _dt
 import json
 from typing import Any
 
+from gpusnap.cli.diff import STATUSES, Diff, EntryChange
+from gpusnap.cli.du import RootUsage
 from gpusnap.cli.summary import summarize
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.verify import VerifyReport
 
-__all__ = ["dumps", "ls_doc", "show_doc", "verify_doc"]
+__all__ = ["diff_doc", "du_doc", "dumps", "ls_doc", "show_doc", "verify_doc"]
 
 SCHEMA = 1
 
@@ -90,4 +92,64 @@ def verify_doc(root: str, report: VerifyReport) -> dict[str, Any]:
         "checked_chunks": report.checked_chunks,
         "checked_bytes": report.checked_bytes,
         "problems": list(report.problems),
+    }
+
+
+def _entry(e: EntryChange, tensor: bool) -> dict[str, Any]:
+    if not tensor:
+        return {"key": e.key, "status": e.status}
+    out = {"key": e.key, "status": e.status, "dtype": e.dtype, "shape": list(e.shape), "nbytes": e.nbytes,
+           "changed_bytes": e.changed_bytes}
+    if e.note:
+        out["note"] = e.note
+    return out
+
+
+def _by_status(changes: tuple[EntryChange, ...]) -> dict[str, list[str]]:
+    return {s: [e.key for e in changes if e.status == s] for s in STATUSES}
+
+
+def diff_doc(root: str, d: Diff, tier: str = "durable") -> dict[str, Any]:
+    return {
+        "schema": f"gpusnap.diff/{SCHEMA}",
+        "root": root,
+        "a": _checkpoint(d.a, tier),
+        "b": _checkpoint(d.b, tier),
+        **_by_status(d.tensors),
+        "tensors": [_entry(e, True) for e in d.tensors],
+        "values": [_entry(e, False) for e in d.values],
+        "bytes": {
+            "shared": d.shared_bytes,
+            "shared_chunks": d.shared_chunks,
+            "a_only": d.a_only_bytes,
+            "a_only_chunks": d.a_only_chunks,
+            "b_only": d.b_only_bytes,
+            "b_only_chunks": d.b_only_chunks,
+        },
+    }
+
+
+def du_doc(root: str, u: RootUsage, problems: list[tuple[str, str]]) -> dict[str, Any]:
+    return {
+        "schema": f"gpusnap.du/{SCHEMA}",
+        "root": root,
+        "tier": u.tier,
+        "checkpoints": [
+            {**_checkpoint(c.manifest, u.tier), "logical_bytes": c.logical, "unique_bytes": c.unique,
+             "shared_bytes": c.shared}
+            for c in u.checkpoints
+        ],
+        "total": {
+            "logical_bytes": sum(c.logical for c in u.checkpoints),
+            "unique_bytes": sum(c.unique for c in u.checkpoints),
+            "shared_bytes": u.shared,
+            "referenced_bytes": u.referenced,
+            "files": u.files,
+            "on_disk_bytes": u.on_disk,
+            "stored_bytes": u.stored,
+            "dead_bytes": u.dead,
+            "missing_bytes": u.missing,
+        },
+        "unreadable_data": list(u.unreadable),
+        "unreadable": _unreadable(problems),
     }

@@ -6,17 +6,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gpusnap.cli.as_json import dumps, ls_doc, show_doc, verify_doc
+from gpusnap.cli.as_json import diff_doc, du_doc, dumps, ls_doc, show_doc, verify_doc
 from gpusnap.cli.exits import EXIT_DAMAGE, EXIT_ERROR, EXIT_OK
 from gpusnap.cli.opening import open_root
 from gpusnap.cli.progress import byte_progress
 from gpusnap.cli.render import checkpoint_table, human_bytes, manifest_reason, unreadable_lines
 from gpusnap.cli.show_text import show_lines
+from gpusnap.cli.usage_text import diff_lines, du_lines
 from gpusnap.errors import CheckpointNotFoundError
 from gpusnap.storage.fast_tier import FastTier
 from gpusnap.storage.repository import Repository
 
-__all__ = ["cmd_bench", "cmd_demo", "cmd_gc", "cmd_ls", "cmd_show", "cmd_verify"]
+__all__ = ["cmd_bench", "cmd_demo", "cmd_diff", "cmd_du", "cmd_gc", "cmd_ls", "cmd_show", "cmd_verify"]
 
 
 def _warn_unreadable(problems: list[tuple[str, str]], root: str, what: str) -> None:
@@ -55,7 +56,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     repo = open_root(args.root)
     ref = args.checkpoint
     problems = repo.problems()
-    named = [p for p in problems if ref is not None and _file_id(p[0]) == ref]
+    named = _named(problems, ref)
     if named:  # the checkpoint asked for exists but cannot be read
         return _report_unreadable(named)
     try:
@@ -76,6 +77,11 @@ def cmd_show(args: argparse.Namespace) -> int:
     else:
         _warn_unreadable(problems, args.root, "`latest` and restore() skip them")
     return EXIT_OK
+
+
+def _named(problems: list[tuple[str, str]], *refs: str | None) -> list[tuple[str, str]]:
+    """The unreadable manifests of the checkpoint ids in ``refs``."""
+    return [p for p in problems if _file_id(p[0]) in refs]
 
 
 def _file_id(where: str) -> str:
@@ -115,6 +121,45 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return EXIT_OK
     print(f"corrupt: {len(report.problems)} problem(s); {summary}")
     return EXIT_DAMAGE
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from gpusnap.cli.diff import diff_manifests
+
+    repo = open_root(args.root)
+    problems = repo.problems()
+    named = _named(problems, args.a, args.b)
+    if named:  # a checkpoint asked for exists but cannot be read
+        return _report_unreadable(named)
+    d = diff_manifests(repo.resolve(args.a), repo.resolve(args.b))
+    if args.json:
+        print(dumps(diff_doc(repo.root, d, _tier(repo))))
+    else:
+        for line in diff_lines(d, all_rows=args.all):
+            print(line)
+    if args.a not in (d.a.id, d.b.id) or args.b not in (d.a.id, d.b.id):
+        _warn_unreadable(problems, args.root, "tags were looked up among the readable ones only")
+    return EXIT_OK
+
+
+def cmd_du(args: argparse.Namespace) -> int:
+    from gpusnap.cli.du import usage
+
+    repo = open_root(args.root)
+    manifests = repo.list()
+    problems = repo.problems()
+    u = usage(repo, manifests)
+    if args.json:
+        print(dumps(du_doc(repo.root, u, problems)))
+    else:
+        for line in du_lines(u):
+            print(line)
+        for line in unreadable_lines(problems):
+            print(line)
+    for error in u.unreadable:
+        print(f"gpusnap: warning: {error}; its bytes are counted on disk only", file=sys.stderr)
+    _warn_unreadable(problems, args.root, "the bytes only they name count as dead")
+    return EXIT_DAMAGE if problems or u.unreadable else EXIT_OK
 
 
 def cmd_gc(args: argparse.Namespace) -> int:

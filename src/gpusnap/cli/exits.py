@@ -19,9 +19,9 @@ reports a program killed by it, with no message."""
 EPILOG = """\
 exit status:
   0    success
-  1    damage found: a checkpoint is corrupt or cannot be read back (verify; ls
-       and show when they meet an unreadable manifest; demo and bench when
-       restored state differs)
+  1    damage found: a checkpoint is corrupt or cannot be read back (verify; ls,
+       show, diff and du when they meet an unreadable manifest; demo and bench
+       when restored state differs)
   2    usage or any other error (bad arguments, no checkpoint root, unknown
        checkpoint, permission denied, other I/O errors)
   130  interrupted (Ctrl-C)

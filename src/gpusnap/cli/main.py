@@ -44,6 +44,17 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("checkpoint", nargs="?", help="id or tag (default: every checkpoint)")
     s.add_argument("--json", **as_json)
 
+    s = sub.add_parser("diff", help="which tensors changed between two checkpoints, and the bytes they share")
+    s.add_argument("root")
+    s.add_argument("a", metavar="A", help="id or tag of the first checkpoint")
+    s.add_argument("b", metavar="B", help="id or tag of the second checkpoint")
+    s.add_argument("--all", action="store_true", help="list the equal tensors too")
+    s.add_argument("--json", **as_json)
+
+    s = sub.add_parser("du", help="bytes per checkpoint (unique and shared) and on disk")
+    s.add_argument("root")
+    s.add_argument("--json", **as_json)
+
     s = sub.add_parser("gc", help="delete old checkpoints and unreferenced data")
     s.add_argument("root")
     s.add_argument("--keep-last", type=int, default=None, metavar="N", help="keep the N newest")

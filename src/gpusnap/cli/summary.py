@@ -17,7 +17,7 @@ from gpusnap.errors import CheckpointError
 from gpusnap.state.plain import dtype_from_name, join_path
 from gpusnap.storage.manifest import Manifest
 
-__all__ = ["TensorRow", "ValueRow", "summarize", "tensor_nbytes", "value_text"]
+__all__ = ["TensorRow", "ValueRow", "entries", "summarize", "tensor_itemsize", "tensor_nbytes", "value_text"]
 
 WIDTH = 72
 """Longest value text shown on one line; a longer container is split by key, or summarized."""
@@ -45,12 +45,17 @@ def summarize(manifest: Manifest) -> tuple[list[TensorRow], list[ValueRow]]:
     """Every tensor, and every plain value (split by key where a container is too long)."""
     tensors: list[TensorRow] = []
     values: list[ValueRow] = []
-    for key, node in _entries(manifest.tree, ""):
+    for key, node in entries(manifest):
         if node.get("t") == "tensor":
             tensors.append(_tensor_row(key, node))
         else:
             values.append(ValueRow(key, str(node.get("t")), value_text(node)))
     return tensors, values
+
+
+def entries(manifest: Manifest) -> list[tuple[str, dict[str, Any]]]:
+    """``(key path, node)`` of every tensor and every plain value, as ``show`` lists them."""
+    return list(_entries(manifest.tree, ""))
 
 
 def _entries(node: dict[str, Any], path: str) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -199,11 +204,18 @@ def _b64_length(text: str) -> int:
     return len(text) * 3 // 4 - text[-2:].count("=")
 
 
+def tensor_itemsize(node: dict[str, Any]) -> int | None:
+    """Bytes per element of a tensor node; None for a dtype this torch does not know."""
+    try:
+        return int(dtype_from_name(node.get("dtype")).itemsize)
+    except CheckpointError:
+        return None
+
+
 def tensor_nbytes(node: dict[str, Any]) -> int | None:
     """Bytes of the tensor's elements; None for a dtype this torch does not know."""
-    try:
-        itemsize = dtype_from_name(node.get("dtype")).itemsize
-    except CheckpointError:
+    itemsize = tensor_itemsize(node)
+    if itemsize is None:
         return None
     numel = 1
     for d in node["shape"]:
