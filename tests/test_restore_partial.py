@@ -197,3 +197,34 @@ def test_a_shape_mismatch_on_a_shared_key_still_raises_before_any_byte(tmp_path:
         with pytest.raises(gpusnap.RestoreMismatchError, match=r"model/2\.weight: .*\[8, 16\].*\[4, 16\]"):
             ck.restore(target, strict=False, lazy=lazy)
     assert same(snapshot(target), before) == [] and reads == []
+
+
+def test_an_optimizer_beside_a_model_whose_parameters_differ_is_refused_before_any_byte_moves(tmp_path) -> None:
+    """Optimizer state follows parameters by position: a renamed parameter would get another's moments."""
+    import torch
+    from torch import nn
+
+    import gpusnap
+
+    class Two(nn.Module):
+        def __init__(self, second: str) -> None:
+            super().__init__()
+            self.a = nn.Parameter(torch.ones(4))
+            self.register_parameter(second, nn.Parameter(torch.full((4,), 10.0)))
+
+    saved = Two("b")
+    opt = torch.optim.Adam(saved.parameters())
+    (saved.a.sum() + saved.b.sum()).backward()
+    opt.step()
+    with gpusnap.Checkpointer(tmp_path / "ck") as ck:
+        ck.save({"model": saved, "optim": opt}).wait()
+        live = Two("c")
+        live_opt = torch.optim.Adam(live.parameters())
+        before = [p.detach().clone() for p in live.parameters()]
+        with pytest.raises(gpusnap.RestoreMismatchError, match="by position"):
+            ck.restore({"model": live, "optim": live_opt}, strict=False)
+        assert all(torch.equal(p, q) for p, q in zip(live.parameters(), before))  # nothing written
+        assert live_opt.state_dict()["state"] == {}
+        h = ck.restore({"model": live}, strict=False)  # the model alone: fine
+        assert h.stats["missing"] == ["model.c"] and sorted(h.stats["unexpected"]) == ["model.b", "optim"]
+        assert torch.equal(live.a, saved.a)

@@ -94,6 +94,16 @@ def plan_restore(
     """
     planner = _Planner(spans, allow_pickle, strict=strict)
     root = planner.top(app_state, tree)
+    if planner.modules_differ and planner.optimizers:
+        # an optimizer's state is matched to its parameters by position: with a parameter
+        # renamed, added or removed it would load another parameter's moments, silently
+        planner.mismatches += [
+            f"{opt}: an optimizer's state follows its parameters by position, and the parameters of "
+            f"{', '.join(planner.modules_differ)} differ from the checkpoint's (see the missing and unexpected "
+            "keys): leave the optimizer out of app_state (restore the model alone and make a fresh optimizer) "
+            "or restore with strict=True"
+            for opt in planner.optimizers
+        ]
     if planner.mismatches:
         problems = "\n".join(f"  - {m}" for m in planner.mismatches)
         raise RestoreMismatchError(
@@ -525,6 +535,8 @@ class _Planner:
         self.mismatches: list[str] = []
         self.missing: list[str] = []  # strict=False: dotted paths of keys only app_state has
         self.unexpected: list[str] = []  # ...and of keys only the checkpoint has
+        self.modules_differ: list[str] = []  # strict=False: modules whose state_dict keys differ
+        self.optimizers: list[str] = []  # optimizers in app_state that the checkpoint restores
         self.copies: dict[int, list[_Copy]] = {}
         self.span_paths: dict[int, list[str]] = {i: [] for i in range(len(spans))}
         self.stateful_spans: set[int] = set()
@@ -653,6 +665,8 @@ class _Planner:
             )
         current = _state_dict(live, path)
         reader = not isinstance(live, torch.optim.Optimizer)
+        if not reader:
+            self.optimizers.append(path or "<root>")
         self._stateful_depth += 1
         self._reader_depth += reader
         try:
@@ -668,6 +682,8 @@ class _Planner:
             raise CheckpointError(f"{path or '<root>'}: a module's entries must be a 'dict' node")
         pairs = self.keyed(entries, path)
         current = _state_dict(module, path, keep_vars=True)
+        if not self.strict and {k for k, _ in pairs} != set(current):
+            self.modules_differ.append(path or "<root>")
         self.check_keys([k for k, _ in pairs], list(current), path, "the module")
         own = {id(t) for _, t in module.named_parameters(remove_duplicate=False)}
         own |= {id(t) for _, t in module.named_buffers(remove_duplicate=False)}
