@@ -504,9 +504,8 @@ class Checkpointer:
         try:
             # room for every checkpoint the tier holds at once plus this one's successor,
             # made ready in the background (storage/slab_prep.py): later saves wait for no slab
-            per_save = need + -(-need // (self.config.fast_slab_bytes - piece)) * piece  # (a piece never
-            try:  # straddles a slab's end)
-                fast.prepare_ahead((self.fast_keep_last + 1) * per_save)
+            try:
+                fast.prepare_for(self.fast_keep_last + 1, need, piece)
             except Exception as exc:  # (no thread to start, say): later saves prepare their own slabs
                 log.warning("gpusnap: could not prepare fast-tier slabs ahead of use: %s", exc)
         except BaseException:
@@ -558,7 +557,7 @@ class Checkpointer:
                     chunk_size=self.config.chunk_size,
                     piece_bytes=self.config.piece_bytes(),
                     ahead=self.config.copy_ahead,
-                    order=tuple(order),
+                    order=order,
                     cow_budget=cow_budget,
                     eager_cpu_bytes=self.config.eager_cpu_bytes,
                     log_reads=self._history.logs_reads(),

@@ -74,7 +74,7 @@ class ConcurrentSave:
         # where the constructor's host time goes (save()'s stall: stats["save_phases_s"])
         self.phases: dict[str, float] = {}
         self.window = CaptureWindow(
-            flat, order=list(opt.order), cow_budget=opt.cow_budget, eager_cpu_bytes=opt.eager_cpu_bytes,
+            flat, order=opt.order, cow_budget=opt.cow_budget, eager_cpu_bytes=opt.eager_cpu_bytes,
             trace=trace, log_reads=opt.log_reads, eager=opt.eager, eager_device_bytes=opt.eager_device_bytes,
             snapshot_budget=opt.snapshot_budget, snapshot_cpu_bytes=opt.snapshot_cpu_bytes,
         )

@@ -11,7 +11,7 @@ False
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = ["CaptureOptions"]
@@ -22,7 +22,7 @@ class CaptureOptions:
     chunk_size: int
     piece_bytes: int  # bytes per device-to-host copy (whole chunks)
     ahead: int  # copies in flight at most (docs/capture.md)
-    order: tuple[int, ...]  # span indices, first copied first
+    order: Sequence[int]  # span indices, first copied first (read only: the history's memo, shared)
     cow_budget: int  # device bytes of copy-on-write shadows at most
     eager_cpu_bytes: int  # host spans up to this size are copied at save()
     log_reads: bool = True  # log the program's read order (a lazy restore loads in it)

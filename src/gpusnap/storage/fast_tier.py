@@ -326,6 +326,13 @@ class FastTier(Repository):
         except OSError as exc:
             raise storage_error(exc, "mapping slab", self.backend.describe(slab_path(slab)), writing=True) from exc
 
+    def prepare_for(self, saves: int, need: int, piece: int) -> int:
+        """:meth:`prepare_ahead` for ``saves`` saves of ``need`` bytes copied in pieces of at
+        most ``piece`` bytes: a piece never straddles a slab's end, so each slab a save spans
+        may leave up to a piece unused (as :meth:`_reserve` counts it)."""
+        per_save = need + -(-need // (self.config.fast_slab_bytes - piece)) * piece
+        return self.prepare_ahead(saves * per_save)
+
     def prepare_ahead(self, nbytes: int) -> int:
         """Have slabs of ``nbytes`` in all (within :meth:`capacity`), and prepare every slab
         not mapped yet on a background thread, lowest first: the saves that follow find their
