@@ -87,9 +87,13 @@ class WorkerProcs:
         raises :class:`ReaderDied` when it failed to start or ``start_timeout`` passed."""
         if k < len(self.hello) and self.hello[k] is not None:
             return True
-        proc = self._proc(k)
+        if k >= len(self._procs):
+            raise ReaderDied(f"no {self.kind} process {k} (closed)")
+        proc = self._procs[k]
         assert proc.stdout is not None
-        if select.select([proc.stdout.fileno()], [], [], 0)[0]:
+        # An exited process is read too: its ready message may be in the pipe, and if it is
+        # not, it never started (start_failed), however its end was noticed first.
+        if proc.poll() is not None or select.select([proc.stdout.fileno()], [], [], 0)[0]:
             self._take_ready(k, proc, self.start_timeout)
             return True
         if time.monotonic() - self._born > self.start_timeout:
