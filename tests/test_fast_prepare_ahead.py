@@ -144,3 +144,37 @@ def test_a_slab_the_preparer_could_not_make_is_made_by_the_save_that_takes_it(
         assert len(tier._preparer.errors) <= 1  # one line per slab, however often it was refused
         # (none once a retry found the slab ready: the save made it)
     assert Repository.open(fast).verify().ok
+
+
+def test_prepare_makes_the_first_saves_slabs_before_it(tmp_path: Path) -> None:
+    durable, fast = roots(tmp_path)
+    state = make_state(0, width=128, extra=200_000)
+    with gpusnap.Checkpointer(durable, fast_root=fast, config=CFG, fast_keep_last=2) as ck:
+        made = ck.prepare(state, wait=True)
+        ready = _slabs(fast)
+        assert made == sum(n for _, n in ready) > 0
+        assert ck._fast is not None and ck._fast.prepared_bytes() == made
+        first = ck.save(state).wait()
+        assert made >= 3 * first.nbytes  # the two kept and the next
+        assert _slabs(fast) == ready, "the first save made slab files"
+        target = _restored(ck, state, first.id)
+    assert same(target, snapshot(state)) == []
+
+
+def test_prepare_by_bytes_and_its_bad_input(tmp_path: Path) -> None:
+    durable, fast = roots(tmp_path)
+    with gpusnap.Checkpointer(durable, fast_root=fast, config=CFG, fast_keep_last=1) as ck:
+        with pytest.raises(ValueError, match="app_state or nbytes"):
+            ck.prepare()
+        with pytest.raises(ValueError, match="app_state or nbytes"):
+            ck.prepare({}, nbytes=1)
+        with pytest.raises(ValueError, match="nbytes must be"):
+            ck.prepare(nbytes=-1)
+        assert ck.prepare(nbytes=1 << 20, wait=True) >= 2 << 20
+    with pytest.raises(gpusnap.CheckpointError):
+        ck.prepare(nbytes=1)  # closed
+
+
+def test_prepare_without_a_fast_tier_on_cpu_sets_nothing_aside(tmp_path: Path) -> None:
+    with gpusnap.Checkpointer(tmp_path / "d", config=CFG) as ck:
+        assert ck.prepare(make_state(0, width=32), wait=True) == 0

@@ -94,3 +94,14 @@ def test_edited_field_with_stale_checksum_is_refused() -> None:
 def test_non_json_stats_are_rejected_on_write() -> None:
     with pytest.raises(CheckpointError, match="plain JSON"):
         _manifest(stats={"x": float("nan")}).to_json()
+
+
+def test_the_checksum_spliced_in_front_is_the_canonical_json_of_the_whole() -> None:
+    from gpusnap.storage.manifest import Manifest, StorageEntry, canonical_json, chunk_digest
+
+    m = Manifest(id="20260101T000000000000Z-ab", tag="t", created=1.5, chunk_size=4,
+                 storages=(StorageEntry(nbytes=4, device="cpu", chunks=("a" * 64,)),),
+                 tree={"k": [1, "x"]}, stats={"b": 2.0, "a": None})
+    body = m._body()
+    assert m.to_json() == canonical_json({**body, "checksum": chunk_digest(canonical_json(body))})
+    assert Manifest.from_json(m.to_json(), "here") == m

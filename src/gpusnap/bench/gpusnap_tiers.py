@@ -7,6 +7,8 @@
   ends when the save is committed to the fast tier (what ``pending.wait()`` waits for);
   promotion runs later, and its CPU is reported apart where the Checkpointer reports it
   (``info.stats["promotion_cpu_s"]``; None otherwise). Each save's ``info.tier`` is kept.
+  Set-up calls ``prepare(state, wait=True)``, as docs/tiers.md tells a user to: the
+  slabs are made before the first save, not in its window.
 
 A gpusnap without the fast tier (its ``Checkpointer`` takes no ``fast_root``) makes the
 fast row ``unavailable: this gpusnap has no fast tier``, so the suite runs either way.
@@ -61,6 +63,8 @@ class GpusnapFast(GpusnapConcurrent):
             shutil.rmtree(path, ignore_errors=True)
         kwargs: dict[str, Any] = {"fast_root": self.fast_dir, "fast_keep_last": 2, "promote_every": self.promote_every}
         self.ckpt = gpusnap.Checkpointer(self.dir, keep_last=2, config=self.config, **kwargs)
+        if hasattr(self.ckpt, "prepare"):  # as the docs tell a user: slabs made at set-up, not in save 0
+            self.ckpt.prepare(wl.app_state, wait=True)
 
     def settle(self) -> None:
         tier = getattr(self.ckpt, "_fast", None)

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from gpusnap.config import Config
-from gpusnap.errors import CheckpointError, IntegrityError
+from gpusnap.errors import CheckpointError, IntegrityError, StorageError
 from gpusnap.kernels.chunk_hash import chunk_hashes, hex_rows
 from gpusnap.storage.backend import Backend, BackendLock, LocalBackend
 from gpusnap.storage.layout import ID_RE, MANIFESTS, ROOT_FILE, TMP, storage_error
@@ -100,6 +100,9 @@ class FastTier(Repository):
         self._closed = False  # close() let the maps go: a slab made after it is not kept
         self._preparer = SlabPreparer(self._slab_memory)
         self._used: dict[int, list[tuple[int, int]]] | None = None  # committed ranges, rebuilt lazily
+        # manifest id -> (that manifest, its merged slab ranges): each manifest's chunk names
+        # are parsed once, not at every rebuild of the used map (which follows every retention)
+        self._ranges: dict[str, tuple[Manifest, dict[int, list[tuple[int, int]]]]] = {}
         self._fast_txns: set[FastTxn] = set()
         self._pinned_ids: dict[str, int] = {}  # manifest id -> holds (a promotion reading it)
         self._capacity: int | None = None
@@ -197,11 +200,26 @@ class FastTier(Repository):
             )
         used: dict[int, builtins.list[tuple[int, int]]] = {}
         for m in manifests:
-            _add_ranges(used, m)
+            for slab, ranges in self._ranges_of(m).items():
+                used.setdefault(slab, []).extend(ranges)
         merged = {s: _merge(r) for s, r in used.items()}
         with self._mutex:
             self._used = merged
             return merged
+
+    def _ranges_of(self, manifest: Manifest) -> dict[int, builtins.list[tuple[int, int]]]:
+        """The slab ranges ``manifest``'s chunks lie in (merged: a save's regions are mostly
+        contiguous, so these are few), parsed once per manifest object."""
+        with self._mutex:
+            known = self._ranges.get(manifest.id)
+        if known is not None and known[0] is manifest:
+            return known[1]
+        ranges: dict[int, builtins.list[tuple[int, int]]] = {}
+        _add_ranges(ranges, manifest)
+        merged = {s: _merge(r) for s, r in ranges.items()}
+        with self._mutex:
+            self._ranges[manifest.id] = (manifest, merged)
+        return merged
 
     def _forget_used(self) -> None:
         with self._alloc:
@@ -296,6 +314,7 @@ class FastTier(Repository):
             with self._map_lock:
                 if not self._closed:  # (closed meanwhile: the caller's tensor keeps it while used)
                     self._maps[slab] = mapped
+            self._preparer.made(slab)  # (by whoever: an earlier failure of it is over)
             return mapped.tensor
         finally:
             with self._map_lock:
@@ -374,6 +393,14 @@ class FastTier(Repository):
         with self._map_lock:
             return sum(m.nbytes for m in self._maps.values())
 
+    def wait_prepared(self, timeout: float | None = None) -> None:
+        """Wait for the slabs set aside to be made; a StorageError lists those that failed
+        (a save that needs one makes it itself, and fails with the cause if it recurs)."""
+        self._preparer.join(timeout)
+        errors = list(self._preparer.errors)
+        if errors:
+            raise StorageError(f"the fast tier {self.root} could not prepare {len(errors)} slab(s): {'; '.join(errors)}")
+
     def unprepared(self, slabs: builtins.list[int]) -> bool:
         """Whether any of ``slabs`` is not mapped yet (a save taking it would wait for it)."""
         with self._map_lock:
@@ -445,6 +472,7 @@ class FastTier(Repository):
             with self._mutex:
                 for cid in deleted:
                     self._manifest_cache.pop(f"{cid}.json", None)
+                    self._ranges.pop(cid, None)
         self._forget_used()
         try:  # rebuilt here, on the thread that retains, rather than in the next save()'s stall
             self._used_map()
@@ -463,6 +491,8 @@ class FastTier(Repository):
 
     def delete(self, checkpoint_id: str, *, timeout: float = 30.0) -> None:
         super().delete(checkpoint_id, timeout=timeout)
+        with self._mutex:
+            self._ranges.pop(checkpoint_id, None)
         self._forget_used()
 
 
@@ -557,11 +587,14 @@ class FastTxn:
                         handle.close(sync=tier.config.fsync)
                 with tier._io("publishing manifest", final, writing=True):
                     backend.rename(tmp, final)
+                ranges = tier._ranges_of(manifest)  # (outside the lock: parsing takes a while)
                 with tier._alloc:
                     tier._manifest_cache[f"{manifest.id}.json"] = manifest
                     if tier._used is not None:
-                        _add_ranges(tier._used, manifest)
-                        tier._used = {s: _merge(r) for s, r in tier._used.items()}
+                        used = dict(tier._used)
+                        for slab, more in ranges.items():
+                            used[slab] = _merge(used.get(slab, []) + more)
+                        tier._used = used
         except BaseException:
             self.abort()
             raise
@@ -598,10 +631,11 @@ class FastTxn:
 def _add_ranges(used: dict[int, builtins.list[tuple[int, int]]], manifest: Manifest) -> None:
     for entry in manifest.storages:
         for name in entry.chunks:
-            try:
-                _h, slab, off, n = chunk_location(name)
-            except IntegrityError:
-                continue
+            try:  # (split, not chunk_location's regex: a manifest has thousands of chunks)
+                slab_s, off_s, n_s = name[name.index("@") + 1 :].split(":")
+                slab, off, n = int(slab_s), int(off_s), int(n_s)
+            except ValueError:
+                continue  # (not a fast chunk's name: it names no slab bytes)
             used.setdefault(slab, []).append((off, off + n))
 
 

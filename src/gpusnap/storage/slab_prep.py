@@ -9,7 +9,8 @@ The preparer does it between saves instead: the first save sets aside room for t
 its memory ready.
 
 It never raises: a slab it cannot prepare (a full tmpfs) is logged and left to the save
-that takes it, which then meets the error itself and raises it where the program sees it.
+that takes it, which then meets the error itself and raises it where the program sees it;
+the slabs after it are left too (slabs are wanted lowest first, the order saves take them).
 
 >>> done = []
 >>> prep = SlabPreparer(done.append)
@@ -57,6 +58,12 @@ class SlabPreparer:
                 self._thread = threading.Thread(target=self._run, name="gpusnap-slab-prep", daemon=True)
                 self._thread.start()
 
+    def made(self, slab: int) -> None:
+        """``slab`` is ready (whoever made it): its error line, if any, goes."""
+        head = f"slab {slab}: "
+        with self._lock:
+            self.errors = [e for e in self.errors if not e.startswith(head)]
+
     def busy(self) -> bool:
         with self._lock:
             return self._thread is not None
@@ -97,9 +104,12 @@ class SlabPreparer:
             try:
                 self._prepare(slab)
                 self.prepared += 1
-                if failed_before:
-                    self.errors = [e for e in self.errors if not e.startswith(head)]
+                self.made(slab)
             except Exception as exc:  # noqa: BLE001 (the save that takes this slab meets it again)
                 if not failed_before:  # (said once)
                     log.warning("gpusnap: could not prepare fast-tier slab %d ahead of use: %s", slab, exc)
-                self.errors = [*(e for e in self.errors if not e.startswith(head)), head + str(exc)]
+                with self._lock:
+                    self.errors = [*(e for e in self.errors if not e.startswith(head)), head + str(exc)]
+                    # the slabs after it wait for the next save's want(): made now (space freed
+                    # meanwhile), a later one would take the room this one, needed sooner, lacks
+                    self._todo.clear()
