@@ -29,7 +29,6 @@ import os
 import re
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,8 +36,8 @@ import torch
 
 from gpusnap.config import Config
 from gpusnap.errors import CheckpointError, IntegrityError, StorageError
-from gpusnap.kernels.chunk_hash import chunk_hashes, hex_rows
 from gpusnap.storage.backend import Backend, BackendLock, LocalBackend
+from gpusnap.storage.host_bytes_hash import hash_device, hash_host_bytes
 from gpusnap.storage.layout import ID_RE, MANIFESTS, ROOT_FILE, TMP, storage_error
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.repository import GcReport, Repository, about
@@ -108,6 +107,7 @@ class FastTier(Repository):
         self._capacity: int | None = None
         self.pinned = torch.cuda.is_available()
         self.register_errors: builtins.list[str] = []  # slabs that could not be page-locked
+        self.check_device: torch.device | None = None  # where chunks are checked (None: a GPU if up, else the host)
 
     # ------------------------------------------------------------------ layout
 
@@ -175,10 +175,14 @@ class FastTier(Repository):
         if len(data) != length:
             raise IntegrityError(f"chunk {digest}{about(what)} in slab {where} is truncated: {len(data)} of {length} bytes")
         want = chunk_location(digest)[0]
-        with warnings.catch_warnings():  # (a read-only buffer: the hash only reads it)
-            warnings.simplefilter("ignore", UserWarning)
-            tensor = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
-        got = hex_rows(chunk_hashes(tensor, max(16, -(-length // 16) * 16)).numpy())
+        padded = max(16, -(-length // 16) * 16)
+        device = self.check_device if self.check_device is not None else hash_device()
+        try:
+            got = hash_host_bytes(data, padded, device)
+        except RuntimeError:  # (the device is out of memory, say): the host computes the same bits
+            if device is None:
+                raise
+            got = hash_host_bytes(data, padded, None)
         if got != [want]:
             raise IntegrityError(
                 f"chunk {digest}{about(what)} in slab {where} at offset {offset} does not match its hash "
