@@ -595,6 +595,9 @@ class _Planner:
         if kind in ("module", "stateful"):
             return self.object(live, node, path)
         if kind in PLAIN_KINDS and _is_plain_node(node):
+            held = _live_object(live)
+            if held is not None:  # replacing it would drop the program's tensors silently
+                return self.mismatch(path, f"the checkpoint has a plain value ({kind!r} node), app_state has {held}")
             return self.plain(node, path, live)
         if kind == "dict":
             return self.owned_dict(live, node, path)
@@ -811,6 +814,18 @@ def _is_plain_node(node: Any) -> bool:
             items = [p[1] for p in items if isinstance(p, (list, tuple)) and len(p) == 2]
         return all(_is_plain_node(v) for v in items)
     return kind in PLAIN_KINDS
+
+
+def _live_object(live: Any, seen: frozenset[int] = frozenset()) -> str | None:
+    """What in ``live`` a plain value must not replace (a tensor, module or Stateful object,
+    also inside a dict, list or tuple), described for the error; None when it is plain."""
+    if isinstance(live, (torch.Tensor, nn.Module)) or (is_stateful(live) and not isinstance(live, Mapping)):
+        return f"a {type_name(live)}"
+    if isinstance(live, (Mapping, list, tuple)) and id(live) not in seen:  # (a live cycle is walked once)
+        items = live.values() if isinstance(live, Mapping) else live
+        if any(_live_object(item, seen | {id(live)}) is not None for item in items):
+            return f"a {type_name(live)} holding tensors or objects"
+    return None
 
 
 def _state_dict(obj: Any, path: str, **kwargs: Any) -> Any:

@@ -1,0 +1,52 @@
+"""A plain value in the checkpoint never replaces a live tensor, module or Stateful object of
+app_state: that is a RestoreMismatchError naming the key, raised before any byte moves, in
+strict and non-strict restores alike (the checkpoint's plain values still replace plain ones)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from restore_support import tiny_config
+from state_support import snapshot
+from test_state_mismatch import fails
+from torch import nn
+
+import gpusnap
+from gpusnap.errors import RestoreMismatchError
+from gpusnap.state import plan_restore
+
+
+@pytest.mark.parametrize("live", [torch.ones(2), nn.Linear(2, 2), gpusnap.RNGState()],
+                         ids=["tensor", "module", "stateful"])
+def test_a_plain_value_does_not_overwrite_a_live_object(live: object) -> None:
+    snap = snapshot({"w": 3, "x": torch.zeros(1)})
+    message = fails({"w": live, "x": torch.ones(1)}, snap)
+    assert "w:" in message and "plain value" in message
+
+
+def test_a_plain_container_does_not_empty_a_live_dict_of_tensors() -> None:
+    snap = snapshot({"bufs": {"n": 1}})
+    live = {"bufs": {"n": torch.ones(1)}}
+    tree, infos, _ = snap
+    with pytest.raises(RestoreMismatchError, match="bufs"):
+        plan_restore(live, tree, infos, strict=False)
+    assert torch.equal(live["bufs"]["n"], torch.ones(1))
+
+
+def test_plain_values_still_replace_plain_values() -> None:
+    tree, infos, _ = snapshot({"step": 3, "cfg": {"lr": 0.1}})
+    state = {"step": "old", "cfg": {"lr": 1.0, "extra": 2}}
+    plan_restore(state, tree, infos).finish()
+    assert state == {"step": 3, "cfg": {"lr": 0.1}}
+
+
+def test_restore_through_the_checkpointer_leaves_the_tensor_in_place(tmp_path: Path) -> None:
+    with gpusnap.Checkpointer(tmp_path, config=tiny_config()) as ck:
+        ck.save({"w": None, "step": 1}, blocking=True).wait()
+        w = torch.arange(4.0)
+        state = {"w": w, "step": 0}
+        with pytest.raises(RestoreMismatchError, match="w: the checkpoint has a plain value"):
+            ck.restore(state)
+        assert state["w"] is w and torch.equal(w, torch.arange(4.0)) and state["step"] == 0
