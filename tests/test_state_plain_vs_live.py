@@ -50,3 +50,31 @@ def test_restore_through_the_checkpointer_leaves_the_tensor_in_place(tmp_path: P
         with pytest.raises(RestoreMismatchError, match="w: the checkpoint has a plain value"):
             ck.restore(state)
         assert state["w"] is w and torch.equal(w, torch.arange(4.0)) and state["step"] == 0
+
+
+def test_a_dict_of_tensors_restores_into_a_module_and_an_optimizer_state_into_an_optimizer() -> None:
+    torch.manual_seed(0)
+    source = nn.Linear(3, 2)
+    optim = torch.optim.AdamW(source.parameters())
+    source(torch.randn(4, 3)).sum().backward()
+    optim.step()
+    sgd = torch.optim.SGD([torch.zeros(1)], lr=0.5)  # no tensor in its state: a plain dict node
+    saved = {"model": dict(source.state_dict()), "optim": optim.state_dict(), "sgd": sgd.state_dict()}
+    tree, infos, data = snapshot(saved)
+    target = nn.Linear(3, 2)
+    target_optim = torch.optim.AdamW(target.parameters())
+    target_sgd = torch.optim.SGD([torch.zeros(1)], lr=0.1)
+    weight = target.weight
+    plan_restore({"model": target, "optim": target_optim, "sgd": target_sgd}, tree, infos).apply(data)
+    assert target.weight is weight and torch.equal(target.weight, source.weight)
+    assert torch.equal(target.bias, source.bias)
+    restored = target_optim.state_dict()["state"]
+    for index, moments in optim.state_dict()["state"].items():
+        assert all(torch.equal(restored[index][k], v) for k, v in moments.items())
+    assert target_sgd.param_groups[0]["lr"] == 0.5
+
+
+def test_a_dict_for_a_module_is_still_checked_key_by_key() -> None:
+    tree, infos, _ = snapshot({"model": {"weight": torch.zeros(2, 3)}})
+    message = fails({"model": nn.Linear(3, 2)}, (tree, infos, {}))
+    assert "bias" in message

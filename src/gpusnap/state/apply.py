@@ -32,7 +32,11 @@ Where the bytes land:
   state not created yet) are allocated here. ``finish()`` hands those very tensor objects to
   ``load_state_dict`` (optimizers keep them when dtype/device match, so data pointers stay).
 - Tensors in the mapping or its dicts/lists: in place. Plain values: replaced in the mapping
-  (nested dicts/lists are updated in place); tuples are rebuilt.
+  (nested dicts/lists are updated in place); tuples are rebuilt. A plain value never
+  replaces a live tensor, module or Stateful (a mismatch).
+- A checkpoint ``dict`` where app_state has a module or a Stateful is taken as its
+  state_dict (what ``gpusnap import`` makes of other formats' files): restored as if the
+  module or object itself had been saved.
 """
 
 from __future__ import annotations
@@ -594,6 +598,12 @@ class _Planner:
             return self.tensor_in_place(live, node, path)
         if kind in ("module", "stateful"):
             return self.object(live, node, path)
+        if kind == "dict" and isinstance(live, nn.Module):
+            # a state_dict stored as a plain dict (``gpusnap import``, a dict of a module's
+            # tensors saved by hand) restores as that module's entries would
+            return self.module(live, {"t": "module", "entries": node}, path)
+        if kind == "dict" and is_stateful(live) and not isinstance(live, Mapping):
+            return self.object(live, {"t": "stateful", "cls": type_name(live), "state": node}, path)
         if kind in PLAIN_KINDS and _is_plain_node(node):
             held = _live_object(live)
             if held is not None:  # replacing it would drop the program's tensors silently
