@@ -5,6 +5,7 @@ bit for bit; dotted names; what each format cannot keep, reported; nothing half-
 from __future__ import annotations
 
 import copy
+import errno
 import os
 import sys
 import warnings
@@ -21,7 +22,7 @@ from test_load_without_template import _Tied  # tied weights, a bfloat16 and a t
 
 import gpusnap
 from gpusnap.cli.main import main
-from gpusnap.interop import FormatError
+from gpusnap.interop import FormatError, torch_format
 
 
 def _state() -> dict[str, Any]:
@@ -205,4 +206,21 @@ def test_without_the_safetensors_package_the_error_says_how_to_install_it(
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)  # import fails as if not installed
     with pytest.raises(FormatError, match="pip install safetensors"):
         gpusnap.export(root, tmp_path / "x.safetensors", format="safetensors")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt()],
+                         ids=["disk-full", "ctrl-c"])
+def test_a_write_failing_halfway_leaves_nothing(saved, tmp_path: Path, monkeypatch, error) -> None:
+    root, _ = saved
+
+    def half(names: Any, path: Any) -> None:
+        Path(path).write_bytes(b"half a file")
+        raise error
+
+    monkeypatch.setattr(torch_format.torch, "save", half)
+    with pytest.raises(type(error)) as caught:
+        gpusnap.export(root, tmp_path / "x.pt", format="torch")
+    if isinstance(error, OSError):
+        assert "writing" in str(caught.value) and "x.pt" in str(caught.value) and caught.value.errno == errno.ENOSPC
     assert os.listdir(tmp_path) == []
