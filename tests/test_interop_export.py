@@ -114,17 +114,21 @@ def test_dcp_loads_into_a_template_with_plain_values(saved, tmp_path: Path) -> N
     assert ("model.head.weight", "model.emb.weight") in report.copies and report.skipped == ()
 
 
-def test_strip_prefix_gives_a_state_dict_the_module_loads(saved, tmp_path: Path) -> None:
+def test_one_selected_entry_exports_its_own_state_dict_names(saved, tmp_path: Path) -> None:
     root, expected = saved
     out = tmp_path / "model.safetensors"
-    gpusnap.export(root, out, format="safetensors", strip_prefix="model")
+    gpusnap.export(root, out, format="safetensors", keys=["model"])
     model = _Tied()
-    model.load_state_dict(load_file(out))
+    model.load_state_dict(load_file(out))  # strict: exactly model.state_dict()'s names
     assert same(dict(model.state_dict()), {k[len("model."):]: v for k, v in expected.items()
                                            if k.startswith("model.")}) == []
-    with pytest.raises(FormatError, match="not inside it"):
-        gpusnap.export(root, tmp_path / "x.pt", format="torch", keys=["model", "step"], strip_prefix="model")
-    assert not (tmp_path / "x.pt").exists()
+    gpusnap.export(root, tmp_path / "state.pt", format="torch", keys=[("optim", "state")])
+    assert sorted(torch.load(tmp_path / "state.pt", weights_only=True)) == sorted(
+        k[len("optim.state."):] for k in expected if k.startswith("optim.state."))
+    gpusnap.export(root, tmp_path / "full.pt", format="torch", keys=["model"], full_names=True)
+    assert all(k.startswith("model.") for k in torch.load(tmp_path / "full.pt", weights_only=True))
+    gpusnap.export(root, tmp_path / "one.pt", format="torch", keys=["views.row"])  # a tensor: its full name
+    assert list(torch.load(tmp_path / "one.pt", weights_only=True)) == ["views.row"]
 
 
 def test_keys_select_what_is_exported(saved, tmp_path: Path) -> None:

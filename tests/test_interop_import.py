@@ -144,7 +144,7 @@ def test_export_then_import_round_trips(tmp_path: Path, fmt: str) -> None:
     with gpusnap.Checkpointer(tmp_path / "a", config=tiny_config()) as ck:
         ck.save({"model": source, "step": 5}, blocking=True).wait()
     out = tmp_path / f"model.{fmt}"
-    gpusnap.export(tmp_path / "a", out, format=fmt, strip_prefix="model")
+    gpusnap.export(tmp_path / "a", out, format=fmt, keys=["model"])  # model's own names, as import --key takes
     gpusnap.import_(out, tmp_path / "b", key="model")
     assert same(snapshot({"model": _restored(tmp_path / "b", None)}), snapshot({"model": source})) == []
 
@@ -156,3 +156,13 @@ def test_cli_import_says_what_it_committed(tmp_path: Path, capsys) -> None:
     out = capsys.readouterr().out
     info = gpusnap.Checkpointer(root).latest()
     assert f"as checkpoint {info.id} (tag hf)" in out and "(safetensors)" in out and "under key 'model'" in out
+
+
+def test_cli_round_trip_export_keys_model_then_import_key_model(tmp_path: Path) -> None:
+    source = _model(0)
+    with gpusnap.Checkpointer(tmp_path / "a", config=tiny_config()) as ck:
+        ck.save({"model": source, "optim": torch.optim.SGD(source.parameters(), lr=0.1)}, blocking=True).wait()
+    out = str(tmp_path / "model.safetensors")
+    assert main(["export", str(tmp_path / "a"), "--format", "safetensors", "-o", out, "--keys", "model"]) == 0
+    assert main(["import", out, str(tmp_path / "b"), "--key", "model"]) == 0
+    assert same(snapshot({"model": _restored(tmp_path / "b", None)}), snapshot({"model": source})) == []

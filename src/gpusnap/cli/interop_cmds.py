@@ -26,7 +26,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     s.add_argument("-o", "--output", required=True, metavar="PATH", help="file (directory for dcp) to write")
     s.add_argument("--keys", nargs="+", metavar="K", help="entries to export: dotted key paths (model, optim.state) "
                    "or JSON lists of keys ('[\"n\", 1]': the int key 1)")
-    s.add_argument("--strip-prefix", metavar="P", help="drop 'P.' from every name (selects P without --keys)")
+    s.add_argument("--full-names", action="store_true", help="names from the top even when --keys selects one "
+                   "entry (by default --keys model gives model's own state_dict names)")
     s.add_argument("--force", action="store_true", help="replace PATH if it exists")
 
     s = sub.add_parser("import", help="commit a safetensors/torch.save file, a DCP or Hugging Face directory "
@@ -53,7 +54,7 @@ def _selector(text: str) -> Selector:
 def run_export(args: argparse.Namespace) -> int:
     keys = None if args.keys is None else [_selector(k) for k in args.keys]
     report = export(args.root, args.output, format=args.format, checkpoint=args.checkpoint, keys=keys,
-                    strip_prefix=args.strip_prefix, overwrite=args.force)
+                    full_names=args.full_names, overwrite=args.force)
     print(
         f"exported checkpoint {report.checkpoint} to {report.path} ({report.format}): {report.tensors} tensor(s), "
         f"{human_bytes(report.nbytes)}; {report.values} plain value(s)"

@@ -20,9 +20,9 @@ import torch
 from gpusnap.config import Config
 from gpusnap.interop import dcp_format, st_format, torch_format
 from gpusnap.interop.atomic import staged
-from gpusnap.interop.names import dotted_names, strip_prefix as strip
+from gpusnap.interop.names import dotted_names, selected
 from gpusnap.interop.report import ExportReport, Written
-from gpusnap.restore.key_select import Selector
+from gpusnap.restore.key_select import Selector, normalize
 from gpusnap.restore.template_free import load
 from gpusnap.storage.repository import Repository
 
@@ -43,7 +43,7 @@ def export(
     format: str,
     checkpoint: str | None = None,
     keys: Sequence[Selector] | str | None = None,
-    strip_prefix: str | None = None,
+    full_names: bool = False,
     overwrite: bool = False,
     storage_options: dict[str, Any] | None = None,
     config: Config | None = None,
@@ -54,9 +54,11 @@ def export(
     ``torch.distributed.checkpoint.load``).
 
     Names are dotted key paths, as a state_dict's (``model.layer.weight``,
-    ``optim.state.0.exp_avg``); ``keys`` selects entries as :func:`gpusnap.load` does;
-    ``strip_prefix="model"`` drops ``model.`` from every name (and selects ``model`` when
-    ``keys`` is None), so that ``model.load_state_dict(...)`` takes the file as it is.
+    ``optim.state.0.exp_avg``); ``keys`` selects entries as :func:`gpusnap.load` does. When
+    ``keys`` is one selector naming a dict, module or Stateful entry (``keys=["model"]``),
+    names are relative to it (``layer.weight``: what ``model.state_dict()`` names, so that
+    ``model.load_state_dict(...)`` takes the file and ``gpusnap.import_(..., key="model")``
+    takes it back), unless ``full_names``.
     Plain values are written where the format holds them (torch, DCP); safetensors skips
     them. Tensors sharing a storage (tied weights, views) keep sharing in the torch format
     and are written as copies of their own in the others. Both are listed in the report.
@@ -73,7 +75,7 @@ def export(
     >>> with gpusnap.Checkpointer(root) as ckpt:
     ...     _ = ckpt.save({"model": model, "step": 3}, blocking=True)
     >>> report = gpusnap.export(root, os.path.join(out, "model.safetensors"), format="safetensors",
-    ...                         strip_prefix="model")
+    ...                         keys=["model"])
     >>> sorted(load_file(os.path.join(out, "model.safetensors")))
     ['bias', 'weight']
     >>> report = gpusnap.export(root, os.path.join(out, "all.pt"), format="torch")
@@ -85,17 +87,15 @@ def export(
     writer, directory = _WRITERS[format]
     if format == "safetensors":
         st_format.library(os.fspath(path))  # a missing package is said before anything is read
-    if strip_prefix is not None and keys is None:
-        keys = [strip_prefix]
     repo = Repository.open(root, storage_options=storage_options, config=config)
     try:
         ident = repo.resolve(checkpoint).id
     finally:
         repo.close()
-    state = load(root, ident, keys=keys, storage_options=storage_options, config=config)
-    names = dotted_names(state)
-    if strip_prefix is not None:
-        names = strip(names, strip_prefix)
+    chosen = normalize(keys)
+    state = load(root, ident, keys=chosen, storage_options=storage_options, config=config)
+    entry = selected(state, chosen[0]) if chosen is not None and len(chosen) == 1 and not full_names else None
+    names = dotted_names(entry if isinstance(entry, dict) else state)
     if format == "safetensors":
         st_format.check(names, os.fspath(path))
     try:

@@ -4,7 +4,9 @@
 ``model.layer.weight``, ``optim.state.0.exp_avg`` and ``step``: the keys of every dict, list
 and tuple on the way to a tensor joined by ``.`` (int keys and list indices in decimal).
 A container holding no tensor is one plain value under its own name (``optim.param_groups``),
-as restore treats it. A key that is not a ``str`` or ``int`` has no dotted name, and two key
+as restore treats it. When ``keys`` selects one dict, module or Stateful entry, names are
+relative to it (``model`` exported alone gives ``layer.weight``: its state_dict), unless
+``full_names``. A key that is not a ``str`` or ``int`` has no dotted name, and two key
 paths that would share one name (``"a.b"`` and ``a`` -> ``b``, int ``0`` and str ``"0"``) make
 the export fail naming both: select around them with ``keys``.
 """
@@ -17,8 +19,9 @@ from typing import Any
 import torch
 
 from gpusnap.interop.errors import FormatError
+from gpusnap.restore.key_select import Selector
 
-__all__ = ["dotted_names", "strip_prefix"]
+__all__ = ["dotted_names", "selected"]
 
 
 def dotted_names(state: Mapping[Any, Any]) -> dict[str, Any]:
@@ -62,13 +65,16 @@ def _holds_tensor(value: Any) -> bool:
     return False
 
 
-def strip_prefix(names: dict[str, Any], prefix: str) -> dict[str, Any]:
-    """``names`` with ``prefix.`` taken off each (FormatError for a name not under it)."""
-    head = prefix.strip(".") + "."
-    outside = [n for n in names if not n.startswith(head)]
-    if outside:
-        raise FormatError(
-            f"strip_prefix {prefix!r}: {len(outside)} name(s) are not inside it ({', '.join(outside[:3])}"
-            f"{', ...' if len(outside) > 3 else ''}); select only entries below it with keys"
-        )
-    return {n[len(head):]: v for n, v in names.items()}
+def selected(state: Mapping[Any, Any], selector: Selector) -> Any:
+    """The entry one selector chose in ``gpusnap.load``'s result (which holds that one branch
+    only), followed key by key as the selector names them."""
+    here: Any = state
+    rest = selector
+    while True:
+        ((key, here),) = here.items()
+        if isinstance(rest, tuple):
+            rest = rest[1:]
+        else:  # the key's text, then a separator (key_select matched it so)
+            rest = rest[len(str(key)) + 1:]
+        if not rest:
+            return here
