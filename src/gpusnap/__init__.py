@@ -21,6 +21,7 @@ from gpusnap.errors import (
     ValidationError,
 )
 from gpusnap.handles import CheckpointInfo, PendingSave, RestoreHandle
+from gpusnap.interop import export, import_
 from gpusnap.restore.cold import cold_start, empty_model
 from gpusnap.restore.template_free import load
 from gpusnap.state.rng import RNGState
@@ -36,6 +37,8 @@ __all__ = [
     "RNGState",
     "cold_start",
     "empty_model",
+    "export",
+    "import_",
     "load",
     "CheckpointError",
     "CheckpointNotFoundError",

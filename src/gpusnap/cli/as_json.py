@@ -115,6 +115,7 @@ def diff_doc(root: str, d: Diff, tier: str = "durable") -> dict[str, Any]:
         "root": root,
         "a": _checkpoint(d.a, tier),
         "b": _checkpoint(d.b, tier),
+        "compared_by": d.compared_by,
         **_by_status(d.tensors),
         "tensors": [_entry(e, True) for e in d.tensors],
         "values": [_entry(e, False) for e in d.values],

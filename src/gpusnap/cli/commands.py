@@ -17,7 +17,8 @@ from gpusnap.errors import CheckpointNotFoundError
 from gpusnap.storage.fast_tier import FastTier
 from gpusnap.storage.repository import Repository
 
-__all__ = ["cmd_bench", "cmd_demo", "cmd_diff", "cmd_du", "cmd_gc", "cmd_ls", "cmd_show", "cmd_verify"]
+__all__ = ["cmd_bench", "cmd_demo", "cmd_diff", "cmd_du", "cmd_export", "cmd_gc", "cmd_import", "cmd_ls", "cmd_show",
+           "cmd_verify"]
 
 
 def _warn_unreadable(problems: list[tuple[str, str]], root: str, what: str) -> None:
@@ -197,3 +198,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from gpusnap.cli.bench import run
 
     return EXIT_OK if run(args) else EXIT_DAMAGE
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from gpusnap.cli.interop_cmds import run_export
+
+    named = _named(open_root(args.root).problems(), args.checkpoint)
+    if named:  # the checkpoint asked for exists but cannot be read
+        return _report_unreadable(named)
+    return run_export(args)
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from gpusnap.cli.interop_cmds import run_import
+
+    return run_import(args)

@@ -14,13 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gpusnap.cli.extents import Chunk, manifest_chunks, storage_chunks, tensor_chunks, tensor_extent
-from gpusnap.cli.summary import entries, tensor_itemsize, tensor_nbytes
+from gpusnap.cli.extents import Chunk, device_hashed, manifest_chunks, storage_chunks, tensor_chunks, tensor_extent
+from gpusnap.cli.summary import Entry, keyed_entries, tensor_itemsize, tensor_nbytes
 from gpusnap.storage.manifest import Manifest, canonical_json
 
-__all__ = ["Diff", "EntryChange", "STATUSES", "diff_manifests"]
+__all__ = ["BLAKE2B", "NH128", "Diff", "EntryChange", "STATUSES", "diff_manifests"]
 
 STATUSES = ("changed", "added", "removed", "equal")
+BLAKE2B = "blake2b-128"
+NH128 = "nh128"
 _LAYOUT = ("dtype", "shape", "stride", "byte_offset")
 
 
@@ -53,6 +55,9 @@ class Diff:
     a_only_chunks: int
     b_only_bytes: int
     b_only_chunks: int
+    compared_by: str = BLAKE2B
+    """What decided "equal": :data:`BLAKE2B` (a checkpoint root's digests) or :data:`NH128`
+    (a fast tier's device hashes, in its chunk names: made for change detection, not identity)."""
 
     def count(self, status: str, *, values: bool = False) -> int:
         return sum(1 for e in (self.values if values else self.tensors) if e.status == status)
@@ -63,8 +68,9 @@ def diff_manifests(a: Manifest, b: Manifest) -> Diff:
     shared = contents_a.keys() & contents_b.keys()
     a_only = contents_a.keys() - shared
     b_only = contents_b.keys() - shared
-    tensors_a, values_a = _split(a)
-    tensors_b, values_b = _split(b)
+    entries_a, entries_b = keyed_entries(a, b)  # matched by their keys, not by how they print
+    tensors_a, values_a = _split(entries_a)
+    tensors_b, values_b = _split(entries_b)
     return Diff(
         a=a,
         b=b,
@@ -76,6 +82,7 @@ def diff_manifests(a: Manifest, b: Manifest) -> Diff:
         a_only_chunks=len(a_only),
         b_only_bytes=sum(contents_b[c] for c in b_only),
         b_only_chunks=len(b_only),
+        compared_by=NH128 if device_hashed(a) or device_hashed(b) else BLAKE2B,
     )
 
 
@@ -84,27 +91,30 @@ def _contents(m: Manifest) -> dict[tuple[str, int], int]:
     return {(c.content, c.nbytes): c.nbytes for c in manifest_chunks(m)}
 
 
-def _split(m: Manifest) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
-    tensors: dict[str, dict[str, Any]] = {}
-    values: dict[str, dict[str, Any]] = {}
-    for key, node in entries(m):
-        (tensors if node.get("t") == "tensor" else values)[key] = node
+_Nodes = dict[tuple[str, ...], Entry]
+
+
+def _split(listed: list[Entry]) -> tuple[_Nodes, _Nodes]:
+    tensors: _Nodes = {}
+    values: _Nodes = {}
+    for e in listed:
+        (tensors if e.node.get("t") == "tensor" else values)[e.path] = e
     return tensors, values
 
 
-def _ordered(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+def _ordered(a: _Nodes, b: _Nodes) -> list[tuple[str, ...]]:
     """A's keys in A's order, then those only B has in B's order."""
     return list(a) + [k for k in b if k not in a]
 
 
-def _tensor_changes(
-    a: Manifest, b: Manifest, nodes_a: dict[str, dict[str, Any]], nodes_b: dict[str, dict[str, Any]]
-) -> list[EntryChange]:
+def _tensor_changes(a: Manifest, b: Manifest, entries_a: _Nodes, entries_b: _Nodes) -> list[EntryChange]:
     chunks_a: dict[int, list[Chunk]] = {}
     chunks_b: dict[int, list[Chunk]] = {}
     out: list[EntryChange] = []
-    for key in _ordered(nodes_a, nodes_b):
-        na, nb = nodes_a.get(key), nodes_b.get(key)
+    for path in _ordered(entries_a, entries_b):
+        ea, eb = entries_a.get(path), entries_b.get(path)
+        key = (eb or ea).key  # type: ignore[union-attr]  # (one of them is there)
+        na, nb = (ea.node if ea else None), (eb.node if eb else None)
         node = nb if nb is not None else na
         assert node is not None
         nbytes = tensor_nbytes(node)
@@ -146,14 +156,14 @@ def _held(m: Manifest, node: dict[str, Any], cache: dict[int, list[Chunk]]) -> t
     return tensor_chunks(cache[index], lo, hi), (lo, hi)
 
 
-def _value_changes(nodes_a: dict[str, dict[str, Any]], nodes_b: dict[str, dict[str, Any]]) -> list[EntryChange]:
+def _value_changes(entries_a: _Nodes, entries_b: _Nodes) -> list[EntryChange]:
     out: list[EntryChange] = []
-    for key in _ordered(nodes_a, nodes_b):
-        na, nb = nodes_a.get(key), nodes_b.get(key)
-        if na is None or nb is None:
-            out.append(EntryChange(key, "added" if na is None else "removed"))
+    for path in _ordered(entries_a, entries_b):
+        ea, eb = entries_a.get(path), entries_b.get(path)
+        if ea is None or eb is None:
+            out.append(EntryChange((eb or ea).key, "added" if ea is None else "removed"))  # type: ignore[union-attr]
         else:
-            out.append(EntryChange(key, "equal" if canonical_json(na) == canonical_json(nb) else "changed"))
+            out.append(EntryChange(eb.key, "equal" if canonical_json(ea.node) == canonical_json(eb.node) else "changed"))
     return out
 
 

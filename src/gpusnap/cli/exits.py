@@ -23,7 +23,8 @@ exit status:
        show, diff and du when they meet an unreadable manifest; demo and bench
        when restored state differs)
   2    usage or any other error (bad arguments, no checkpoint root, unknown
-       checkpoint, permission denied, other I/O errors)
+       checkpoint, a file import/export cannot read or write, permission
+       denied, other I/O errors)
   130  interrupted (Ctrl-C)
   141  stdout closed early (e.g. piped into head)
 

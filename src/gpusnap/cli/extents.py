@@ -17,7 +17,7 @@ from typing import Any
 from gpusnap.storage.fast_tier import chunk_location
 from gpusnap.storage.manifest import Manifest, StorageEntry
 
-__all__ = ["Chunk", "manifest_chunks", "storage_chunks", "tensor_chunks", "tensor_extent"]
+__all__ = ["Chunk", "device_hashed", "manifest_chunks", "storage_chunks", "tensor_chunks", "tensor_extent"]
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ def storage_chunks(entry: StorageEntry, chunk_size: int) -> list[Chunk]:
     out: list[Chunk] = []
     start = 0
     for name in entry.chunks:
-        if "@" in name:  # a fast tier's chunk (IntegrityError if the name is malformed)
+        if _is_fast(name):  # (IntegrityError if the name is malformed)
             content, slab, lo, n = chunk_location(name)
             out.append(Chunk(content, f"slab {slab}", lo, start, n))
         else:
@@ -50,6 +50,15 @@ def storage_chunks(entry: StorageEntry, chunk_size: int) -> list[Chunk]:
             out.append(Chunk(name, name, 0, start, n))
         start += out[-1].nbytes
     return out
+
+
+def device_hashed(m: Manifest) -> bool:
+    """Whether ``m``'s chunk contents are device hashes (a fast tier's), not BLAKE2b digests."""
+    return any(_is_fast(name) for entry in m.storages for name in entry.chunks)
+
+
+def _is_fast(name: str) -> bool:
+    return "@" in name  # <hash>@<slab>:<offset>:<length>
 
 
 def manifest_chunks(m: Manifest) -> Iterator[Chunk]:

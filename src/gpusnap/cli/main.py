@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import gpusnap
 from gpusnap.cli.bench import add_parser as add_bench_parser
 from gpusnap.cli.exits import EPILOG, EXIT_DAMAGE, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_PIPE
+from gpusnap.cli.interop_cmds import add_parsers as add_interop_parsers
 from gpusnap.errors import CheckpointError, IntegrityError
 
 __all__ = ["main"]
@@ -66,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
 
     add_bench_parser(sub)
+    add_interop_parsers(sub)
     return p
 
 

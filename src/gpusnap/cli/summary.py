@@ -3,7 +3,9 @@ values summarized (``<bytes 5.0 KiB>``, ``<625 ints>``). Reads the manifest tree
 is unpickled, no tensor byte is read.
 
 Key paths are those of the library's messages (``optim/state/0/exp_avg``): dict keys and list
-indices joined by ``/``; modules and stateful objects add no component of their own.
+indices joined by ``/``; modules and stateful objects add no component of their own. Where two
+distinct paths would print alike (int ``0`` and str ``"0"``, a key ``"a/b"`` and ``a`` ->
+``b``), each of them prints its keys exactly instead (``'0'``, ``0``, ``'a/b'``, ``[0]``).
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ from typing import Any
 
 from gpusnap.cli.render import human_bytes
 from gpusnap.errors import CheckpointError
-from gpusnap.state.plain import dtype_from_name, join_path
-from gpusnap.storage.manifest import Manifest
+from gpusnap.state.plain import decode_plain, dtype_from_name
+from gpusnap.storage.manifest import Manifest, canonical_json
 
-__all__ = ["TensorRow", "ValueRow", "entries", "summarize", "tensor_itemsize", "tensor_nbytes", "value_text"]
+__all__ = ["Entry", "TensorRow", "ValueRow", "entries", "keyed_entries", "summarize", "tensor_itemsize", "tensor_nbytes", "value_text"]
 
 WIDTH = 72
 """Longest value text shown on one line; a longer container is split by key, or summarized."""
@@ -53,34 +55,67 @@ def summarize(manifest: Manifest) -> tuple[list[TensorRow], list[ValueRow]]:
     return tensors, values
 
 
+@dataclass(frozen=True)
+class Entry:
+    """A tensor or plain value as ``show`` lists it: ``path`` identifies it (one part per key,
+    the key's exact node, so int ``0`` and str ``"0"`` differ), ``key`` is how it prints."""
+
+    path: tuple[str, ...]
+    key: str
+    node: dict[str, Any]
+
+
 def entries(manifest: Manifest) -> list[tuple[str, dict[str, Any]]]:
     """``(key path, node)`` of every tensor and every plain value, as ``show`` lists them."""
-    return list(_entries(manifest.tree, ""))
+    return [(e.key, e.node) for e in keyed_entries(manifest)[0]]
 
 
-def _entries(node: dict[str, Any], path: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """``(key path, node)`` for each tensor and each plain value short enough for one line."""
-    for name, child in _children(node):
-        key = join_path(path, name)
+def keyed_entries(*manifests: Manifest) -> list[list[Entry]]:
+    """The entries of each manifest, printed so that no two distinct paths among all of them
+    print alike: a key path whose plain text another path shares (``0`` and ``"0"``, a key
+    ``"a/b"`` and ``a`` -> ``b``) prints each key exactly (``'0'``, ``0``, ``'a/b'``, ``[0]``
+    for a list index)."""
+    walked = [list(_entries(m.tree, (), (), ())) for m in manifests]
+    owners: dict[str, set[tuple[str, ...]]] = {}
+    for rows in walked:
+        for path, plain, _exact, _node in rows:
+            owners.setdefault("/".join(plain), set()).add(path)
+    return [
+        [Entry(path, "/".join(exact if len(owners["/".join(plain)]) > 1 else plain), node)
+         for path, plain, exact, node in rows]
+        for rows in walked
+    ]
+
+
+_Row = tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], dict[str, Any]]
+
+
+def _entries(node: dict[str, Any], path: tuple[str, ...], plain: tuple[str, ...],
+             exact: tuple[str, ...]) -> Iterator[_Row]:
+    """``(path, plain texts, exact texts, node)`` for each tensor and each plain value short
+    enough for one line."""
+    for ident, text, exact_text, child in _children(node):
+        row = (path + (ident,), plain + (text,), exact + (exact_text,))
         kind = child.get("t")
         if kind == "tensor":
-            yield key, child
+            yield *row, child
         elif kind in _CONTAINERS and (_has_tensor(child) or _splittable(child)):
-            yield from _entries(child, key)
+            yield from _entries(child, *row)
         else:
-            yield key, child
+            yield *row, child
 
 
-def _children(node: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+def _children(node: dict[str, Any]) -> list[tuple[str, str, str, dict[str, Any]]]:
+    """``(identity, plain text, exact text, child)`` of each key of a container."""
     kind = node.get("t")
     if kind == "module":
         return _children(node["entries"])
     if kind == "stateful":
         return _children(node["state"])
     if kind == "dict":
-        return [(_key_text(k), v) for k, v in node["items"]]
+        return [(canonical_json(k).decode("ascii"), _key_text(k), _exact_key_text(k), v) for k, v in node["items"]]
     if kind in ("list", "tuple"):
-        return [(str(i), v) for i, v in enumerate(node["items"])]
+        return [(f"[{i}]", str(i), f"[{i}]", v) for i, v in enumerate(node["items"])]
     return []
 
 
@@ -88,7 +123,7 @@ def _has_tensor(node: dict[str, Any]) -> bool:
     kind = node.get("t")
     if kind == "tensor":
         return True
-    return kind in _CONTAINERS and any(_has_tensor(c) for _, c in _children(node))
+    return kind in _CONTAINERS and any(_has_tensor(c[-1]) for c in _children(node))
 
 
 def _splittable(node: dict[str, Any]) -> bool:
@@ -109,7 +144,17 @@ def _key_text(node: dict[str, Any]) -> str:
     kind = node.get("t")
     if kind in ("v", "float", "dtype", "device"):
         return str(node.get("v"))
-    return f"<{kind}>"
+    return _exact_key_text(node)
+
+
+def _exact_key_text(node: dict[str, Any]) -> str:
+    """The key as Python writes it (``'0'``, ``0``, ``('x', 1)``); never unpickles."""
+    if node.get("t") == "pickle":
+        return "<pickle>"
+    try:
+        return repr(decode_plain(node, "", False))
+    except CheckpointError:
+        return f"<{node.get('t')}>"
 
 
 def value_text(node: dict[str, Any]) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from gpusnap.cli.diff import STATUSES, Diff
+from gpusnap.cli.diff import NH128, STATUSES, Diff
 from gpusnap.cli.du import RootUsage
 from gpusnap.cli.render import columns, format_time, human_bytes
 from gpusnap.storage.manifest import Manifest
@@ -28,6 +28,10 @@ def diff_lines(d: Diff, *, all_rows: bool) -> Iterator[str]:
         f"bytes: {_chunks(d.shared_bytes, d.shared_chunks)} shared; "
         f"{_chunks(d.a_only_bytes, d.a_only_chunks)} only in A; {_chunks(d.b_only_bytes, d.b_only_chunks)} only in B"
     )
+    if d.compared_by == NH128:
+        yield "compared by: the fast tier's nh128 device hashes (change detection, not BLAKE2b identity)"
+    else:
+        yield "compared by: BLAKE2b-128 chunk digests"
     rows = [("STATUS", "KEY", "DTYPE", "SHAPE", "BYTES", "CHANGED")]
     for e in d.tensors:
         if e.status == "equal" and not all_rows:

@@ -37,6 +37,7 @@ import torch
 from gpusnap.config import Config
 from gpusnap.errors import CheckpointError
 from gpusnap.restore.eager import load_spans
+from gpusnap.restore.key_select import KeyPath, Selector, ambiguity, covers, leads_to, match, normalize
 from gpusnap.restore.restorer import reader_threads
 from gpusnap.state.apply import (
     RestorePlan,
@@ -48,7 +49,7 @@ from gpusnap.state.apply import (
     _Slot,
     _Spec,
 )
-from gpusnap.state.plain import dotted_path, join_path
+from gpusnap.state.plain import join_path
 from gpusnap.storage.repository import Repository
 
 __all__ = ["UnknownKeyError", "load"]
@@ -65,7 +66,7 @@ def load(
     root: str | os.PathLike[str],
     checkpoint: str | None = None,
     *,
-    keys: Sequence[str] | str | None = None,
+    keys: Sequence[Selector] | str | None = None,
     device: torch.device | str = "cpu",
     allow_pickle: bool = False,
     storage_options: dict[str, Any] | None = None,
@@ -75,10 +76,14 @@ def load(
 
     ``root``: a durable root or a fast tier's root. ``checkpoint``: an id, a tag, or None for
     the newest committed one (:class:`~gpusnap.CheckpointNotFoundError` if there is none).
-    ``keys``: key prefixes, top-level (``"model"``) or dotted (``"optim.state"``,
-    ``"model.0.weight"``; ``/`` works too); only those entries are returned and only their
-    chunks are read; a prefix naming nothing raises :class:`UnknownKeyError` (a KeyError and
-    a CheckpointError) listing the top-level keys. ``device``: where tensors are allocated.
+    ``keys``: the entries to return (only their chunks are read), each a dotted string
+    (``"model"``, ``"optim.state"``, ``"model.0.weight"``; ``/`` separates too) or a tuple of
+    keys compared by value and type (``("optim", "state", 0)``, ``("a/b",)``), which can name
+    any key; syntax in :mod:`gpusnap.restore.key_select`. A selector naming nothing raises
+    :class:`UnknownKeyError` (a KeyError and a CheckpointError) listing the top-level keys; a
+    string naming several entries (int ``1`` and str ``"1"``) raises
+    :class:`~gpusnap.restore.key_select.AmbiguousKeyError`; an empty ``keys`` is a ValueError.
+    ``device``: where tensors are allocated.
     ``allow_pickle``: plain values stored with pickle are refused without it (unpickling can
     run code from the checkpoint). Every chunk read is checked against its digest
     (:class:`~gpusnap.IntegrityError`).
@@ -96,22 +101,17 @@ def load(
     True
     >>> list(gpusnap.load(root, "first", keys=["model"]))
     ['model']
+    >>> list(gpusnap.load(root, keys=[("model", "bias")])["model"])
+    ['bias']
     """
     target = torch.device(device)
-    selectors = _selectors(keys)
+    selectors = normalize(keys)
     repo = Repository.open(root, storage_options=storage_options, config=config)
     try:
         manifest, skipped = repo.resolve_reporting(checkpoint)
         repo.warn_unreadable(skipped, f"load() used the older checkpoint {manifest.id} instead")
         planner = _TemplateFree([SpanInfo(nbytes=e.nbytes, device=e.device) for e in manifest.storages], allow_pickle)
-        top = planner.top_keys(manifest.tree)
-        slot = planner.select(manifest.tree, selectors)
-        unknown = [s for s in selectors or () if s not in planner.matched]
-        if unknown:
-            raise UnknownKeyError(
-                f"keys {unknown!r} name nothing in checkpoint {manifest.id} of {repo.root}; "
-                f"its top-level keys are {top!r}"
-            )
+        slot = planner.select(manifest.tree, selectors, f"checkpoint {manifest.id} of {repo.root}")
         # Spans nobody selected are cut to nothing: load_spans then reads no chunk of theirs.
         cut = manifest.without_data(set(range(len(manifest.storages))) - planner.wanted)
         landing = _Landing(slot, planner, [e.nbytes for e in cut.storages], target)
@@ -124,21 +124,6 @@ def load(
     return result
 
 
-def _selectors(keys: Sequence[str] | str | None) -> tuple[str, ...] | None:
-    if keys is None:
-        return None
-    chosen = (keys,) if isinstance(keys, str) else tuple(keys)
-    for key in chosen:
-        if not isinstance(key, str) or not key.strip("./"):
-            raise ValueError(f"keys must be non-empty strings (key prefixes such as 'model'), got {key!r}")
-    return tuple(k.replace("/", ".").strip(".") for k in chosen)
-
-
-def _covers(selector: str, dotted: str) -> bool:
-    """``dotted`` is the selected entry or inside it (prefixes end at a key boundary)."""
-    return dotted == selector or dotted.startswith(selector + ".")
-
-
 class _TemplateFree(_Planner):
     """The restore planner with nothing live: modules and Stateful values become their state
     dicts, tensors views of their span's buffer (``spans``, filled once the chunks are read)."""
@@ -147,45 +132,60 @@ class _TemplateFree(_Planner):
         super().__init__(spans, allow_pickle)
         self.buffers: dict[int, torch.Tensor] = {}  # span -> its bytes on the target device
         self.wanted: set[int] = set()  # spans some selected tensor views
-        self.matched: set[str] = set()  # selectors that selected something
         self._in_module = 0  # inside a module's entries: detached, as state_dict() gives them
 
-    def top_keys(self, tree: dict[str, Any]) -> list[Any]:
+    def select(self, tree: dict[str, Any], selectors: tuple[Selector, ...] | None, where: str) -> _Slot:
+        """The slot of what ``selectors`` select (everything when None); UnknownKeyError or
+        AmbiguousKeyError for a selector naming no entry or (a string) several."""
         if _kind(tree, "") != "dict":
             raise CheckpointError("the checkpoint tree must be a 'dict' node at its root")
-        return [key for key, _ in self.keyed(tree, "")]
-
-    def select(self, tree: dict[str, Any], selectors: tuple[str, ...] | None) -> _Slot:
         if selectors is None:
             return _Dict(None, [(k, self.in_state(None, n, join_path("", k))) for k, n in self.keyed(tree, "")])
-        return self.pick(tree, "", "", selectors) or _Dict(None, [])
+        chosen: list[KeyPath] = []
+        unknown: list[Selector] = []
+        for selector in selectors:
+            found = match(selector, tree, self.children)
+            if len(found) > 1:
+                raise ambiguity(selector, found, where)
+            chosen += found
+            unknown += [] if found else [selector]
+        if unknown:
+            top = [key for key, _ in self.keyed(tree, "")]
+            raise UnknownKeyError(f"keys {unknown!r} name nothing in {where}; its top-level keys are {top!r}")
+        return self.pick(tree, "", (), chosen) or _Dict(None, [])
 
-    def pick(self, node: dict[str, Any], path: str, dotted: str, selectors: tuple[str, ...]) -> _Slot | None:
-        """The slot of what ``selectors`` select at or below ``node``, or None."""
-        hits = [s for s in selectors if dotted and _covers(s, dotted)]
-        if hits:
-            self.matched.update(hits)
+    def children(self, node: dict[str, Any], path: str) -> list[tuple[Any, dict[str, Any], str]] | None:
+        """The keyed entries selection can descend into: a dict's, a module's state_dict
+        entries, a Stateful's state_dict (when it is a dict); None for anything else."""
+        kind = _kind(node, path)
+        if kind == "module":
+            node = _child(node, "entries", path)
+        elif kind == "stateful":
+            node = _child(node, "state", path)
+        elif kind != "dict":
+            return None
+        if _kind(node, path) != "dict":
+            return None
+        return [(key, child, join_path(path, key)) for key, child in self.keyed(node, path)]
+
+    def pick(self, node: dict[str, Any], path: str, at: KeyPath, chosen: list[KeyPath]) -> _Slot | None:
+        """The slot of what is chosen at or below ``node`` (key path ``at``), or None."""
+        if at and covers(chosen, at):
             return self.in_state(None, node, path)
-        if dotted and not any(s.startswith(dotted + ".") for s in selectors):
+        if at and not leads_to(chosen, at):
             return None
-        kind = _kind(node, path)  # only a mapping's entries can be selected piecewise
-        if kind == "dict":
-            inner = node
-        elif kind in ("module", "stateful"):
-            inner = _child(node, "entries" if kind == "module" else "state", path)
-        else:
+        items = self.children(node, path)
+        if items is None:
             return None
-        if _kind(inner, path) != "dict":
-            return None
-        module = kind == "module"
+        module = _kind(node, path) == "module"
         self._in_module += module
         try:
-            items = [(key, self.pick(child, join_path(path, key), dotted_path(dotted, key), selectors))
-                     for key, child in self.keyed(inner, path)]
+            picked = [(key, self.pick(child, child_path, at + ((type(key), key),), chosen))
+                      for key, child, child_path in items]
         finally:
             self._in_module -= module
-        chosen = [(key, slot) for key, slot in items if slot is not None]
-        return _Dict(None, chosen) if chosen else None
+        kept = [(key, slot) for key, slot in picked if slot is not None]
+        return _Dict(None, kept) if kept else None
 
     def object(self, live: Any, node: dict[str, Any], path: str) -> _Slot:
         if node["t"] == "module":

@@ -32,7 +32,11 @@ Where the bytes land:
   state not created yet) are allocated here. ``finish()`` hands those very tensor objects to
   ``load_state_dict`` (optimizers keep them when dtype/device match, so data pointers stay).
 - Tensors in the mapping or its dicts/lists: in place. Plain values: replaced in the mapping
-  (nested dicts/lists are updated in place); tuples are rebuilt.
+  (nested dicts/lists are updated in place); tuples are rebuilt. A plain value never
+  replaces a live tensor, module or Stateful (a mismatch).
+- A checkpoint ``dict`` where app_state has a module or a Stateful is taken as its
+  state_dict (what ``gpusnap import`` makes of other formats' files): restored as if the
+  module or object itself had been saved.
 """
 
 from __future__ import annotations
@@ -594,7 +598,16 @@ class _Planner:
             return self.tensor_in_place(live, node, path)
         if kind in ("module", "stateful"):
             return self.object(live, node, path)
+        if kind == "dict" and isinstance(live, nn.Module):
+            # a state_dict stored as a plain dict (``gpusnap import``, a dict of a module's
+            # tensors saved by hand) restores as that module's entries would
+            return self.module(live, {"t": "module", "entries": node}, path)
+        if kind == "dict" and is_stateful(live) and not isinstance(live, Mapping):
+            return self.object(live, {"t": "stateful", "cls": type_name(live), "state": node}, path)
         if kind in PLAIN_KINDS and _is_plain_node(node):
+            held = _live_object(live)
+            if held is not None:  # replacing it would drop the program's tensors silently
+                return self.mismatch(path, f"the checkpoint has a plain value ({kind!r} node), app_state has {held}")
             return self.plain(node, path, live)
         if kind == "dict":
             return self.owned_dict(live, node, path)
@@ -811,6 +824,18 @@ def _is_plain_node(node: Any) -> bool:
             items = [p[1] for p in items if isinstance(p, (list, tuple)) and len(p) == 2]
         return all(_is_plain_node(v) for v in items)
     return kind in PLAIN_KINDS
+
+
+def _live_object(live: Any, seen: frozenset[int] = frozenset()) -> str | None:
+    """What in ``live`` a plain value must not replace (a tensor, module or Stateful object,
+    also inside a dict, list or tuple), described for the error; None when it is plain."""
+    if isinstance(live, (torch.Tensor, nn.Module)) or (is_stateful(live) and not isinstance(live, Mapping)):
+        return f"a {type_name(live)}"
+    if isinstance(live, (Mapping, list, tuple)) and id(live) not in seen:  # (a live cycle is walked once)
+        items = live.values() if isinstance(live, Mapping) else live
+        if any(_live_object(item, seen | {id(live)}) is not None for item in items):
+            return f"a {type_name(live)} holding tensors or objects"
+    return None
 
 
 def _state_dict(obj: Any, path: str, **kwargs: Any) -> Any:
