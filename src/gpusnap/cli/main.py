@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import gpusnap
 from gpusnap.cli.bench import add_parser as add_bench_parser
+from gpusnap.cli.serve import add_parser as add_serve_parser
 from gpusnap.cli.exits import EPILOG, EXIT_DAMAGE, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_PIPE
 from gpusnap.errors import CheckpointError, IntegrityError
 
@@ -66,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
 
     add_bench_parser(sub)
+    add_serve_parser(sub)
     return p
 
 
