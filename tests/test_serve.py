@@ -161,6 +161,7 @@ def test_a_newer_checkpoint_is_served_once_held(tmp_path: Path, private_runtime:
             with pytest.warns(RuntimeWarning, match=f"does not hold {new}"):
                 stats = ck.restore(target).stats
             assert states_equal(target, second) and stats["source"] == "files"
+            assert server.next_event("held")["id"] == new, "a miss makes the server look for new commits"
             with warnings.catch_warnings():  # the same kind of reason is warned once per Checkpointer
                 warnings.simplefilter("error")
                 ck.restore(blank_like(second))

@@ -23,6 +23,7 @@ from gpusnap.errors import (
 from gpusnap.handles import CheckpointInfo, PendingSave, RestoreHandle
 from gpusnap.restore.cold import cold_start, empty_model
 from gpusnap.restore.template_free import load
+from gpusnap.serving import serve
 from gpusnap.state.rng import RNGState
 
 __version__ = "0.1.0"
@@ -37,6 +38,7 @@ __all__ = [
     "cold_start",
     "empty_model",
     "load",
+    "serve",
     "CheckpointError",
     "CheckpointNotFoundError",
     "IntegrityError",

@@ -119,7 +119,11 @@ class ServerClient:
             except OSError as exc:
                 raise _NotServed("failed", f"the server failed before its hello ({exc})") from None
             digest = original.digest()
-            _check_hello(hello, paths.real_root(root), manifest.id, digest)
+            try:
+                _check_hello(hello, paths.real_root(root), manifest.id, digest)
+            except _NotServed:
+                _tell_missed(conn, manifest.id)
+                raise
             connect_s = time.perf_counter() - started
             try:
                 request = ServerRequest(manifest, plan, server_bus_id=hello.get("device"))
@@ -194,6 +198,15 @@ def _recv(conn: socket.socket, deadline: float, what: str) -> Any:
     if not isinstance(msg, dict):
         raise _NotServed("failed", f"the server sent {msg!r:.60} as {what}")
     return msg
+
+
+def _tell_missed(conn: socket.socket, checkpoint_id: str) -> None:
+    """Tell the server it was asked for what it does not hold: it looks for new commits now,
+    not at its next poll (no answer is awaited)."""
+    try:
+        protocol.send_msg(conn, {"op": "missed", "id": checkpoint_id})
+    except OSError:
+        pass
 
 
 def _check_hello(hello: dict[str, Any], root: str, checkpoint_id: str, digest: str) -> None:

@@ -88,10 +88,10 @@ class ServerRequest:
             return False
         copies = []
         try:
-            for start, stop, dst in self.plan.byte_targets(index):
-                ptr = dst.data_ptr()
-                k, offset = self._dest_of(ptr, stop - start)
-                copies.append([index, start, stop - start, k, offset])
+            with torch.cuda.device(device):  # (the driver's calls need the device's context current)
+                for start, stop, dst in self.plan.byte_targets(index):
+                    k, offset = self._dest_of(dst.data_ptr(), stop - start)
+                    copies.append([index, start, stop - start, k, offset])
         except CudaError as exc:
             self.ipc_refused = str(exc)
             return False

@@ -89,7 +89,8 @@ class Destinations:
         if self.kinds[k] == "fd":
             ctypes.memmove(self._maps[k].address + offset, src, length)
             return
-        self._device_stream().copy(self._base(k) + offset, src, length)
+        stream = self._device_stream()  # (first: it makes the device current for the open)
+        stream.copy(self._base(k) + offset, src, length)
 
     def _device_stream(self) -> Stream:
         if self._stream is None:

@@ -6,7 +6,7 @@ One connection serves one request::
                                 (with "busy": why, when it serves too many clients: no request)
     client -> server   request  {"op": "restore", "id", "digest", "dests": [...], "copies": [...]}
                                 (file descriptors of "fd" destinations ride along, SCM_RIGHTS)
-                       or       {"op": "status"} / {"op": "refresh"}
+                       or       {"op": "status"} / {"op": "refresh"} / {"op": "missed", "id"}
     server -> client   reply    {"ok": true, "id", "digest", "bytes", "open_s", "copy_s"}
                                 or {"ok": false, "code", "why"}
 

@@ -275,6 +275,9 @@ class Server:
         op = msg.get("op")
         if op == "status":
             return {"ok": True, **self.holdings.status()}
+        if op == "missed":  # (a client wanted a checkpoint not held: a newer commit, maybe)
+            self._poke.set()
+            return {"ok": True}
         if op == "refresh":  # (tests, benchmarks: "hold what is newest now", then answer)
             self.holdings.refresh(retry_failed=True)
             return {"ok": True, **self.holdings.status()}
