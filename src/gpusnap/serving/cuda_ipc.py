@@ -82,7 +82,7 @@ def mem_handle(base: int) -> bytes:
     from ``cudaMalloc`` (``expandable_segments``, ``cudaMallocAsync`` pools)."""
     handle = _IpcHandle()
     _check(_cudart().cudaIpcGetMemHandle(ctypes.byref(handle), ctypes.c_void_p(base)), "cudaIpcGetMemHandle")
-    return bytes(handle.reserved).ljust(64, b"\0")
+    return bytes(handle)  # (all 64 bytes: the field itself would stop at the first NUL)
 
 
 def bus_id(index: int) -> str:
