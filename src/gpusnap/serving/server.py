@@ -210,10 +210,6 @@ class Server:
     def _run(self, target: Callable[..., None], *args: Any) -> None:
         try:
             target(*args)
-        except BrokenDevice as exc:
-            self.broken = f"a CUDA copy failed ({exc}); restart the server"
-            log.error("gpusnap serve: %s", self.broken)
-            self.stop()
         finally:
             with self._threads_lock:
                 self._threads.discard(threading.current_thread())
@@ -285,11 +281,11 @@ class Server:
             return {"ok": False, "code": "bad-request", "why": f"unknown op {op!r}"}
         try:
             reply = serve_restore(msg, fds, self.holdings, self.runtime, self.fault)
-        except BrokenDevice as exc:
-            try:
-                self._event({"event": "refused", "pid": pid, "why": str(exc)})
-            finally:
-                raise
+        except BrokenDevice as exc:  # (its copies are over: the client may fall back at once)
+            self.broken = f"a CUDA copy failed ({exc}); restart the server"
+            log.error("gpusnap serve: %s", self.broken)
+            self.stop()
+            reply = {"ok": False, "code": "error", "why": self.broken}
         if reply["ok"]:
             self._event({"event": "served", "pid": pid, "id": reply["id"], "bytes": reply["bytes"],
                          "copy_s": reply["copy_s"]})
