@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks and measurements, each step time-boxed, logs under
 # $OUT (default ./gpu-out). Usage: benchmarks/gpu_suite.sh [demo] [tests] [stall] [diag] [incr]
-# [restore] [rdiag] [probe] [inplace] [ring] [fresh] [gather] [hash] [quick] (default: all but rdiag, probe, inplace, ring, fresh, gather, hash and quick). Run from the repository root on
+# [restore] [rdiag] [probe] [inplace] [ring] [fresh] [serve] [gather] [hash] [quick] (default: all but rdiag, probe, inplace, ring, fresh, serve, gather, hash and quick). Run from the repository root on
 # the GPU machine; read what comes back with benchmarks/suite_summary.py suite.tgz. SUITE_S
 # (default 570) bounds the whole call: a step gets at most the time left,
 # and one with under 30 s left is skipped, so the logs of the steps before it always come back.
 # STALL_CONFIGS and STALL_ARGS (e.g. --gc-freeze) vary the stall step, STALL_S bounds it (420); TEST_FILES picks the
-# tests step's files, RDIAG_ARGS the restore diagnosis's options, PROBE_ARGS restore_probe.py's, INPLACE_ARGS inplace_procs.py's, RING_ARGS ring_readers.py's, FRESH_MODELS and FRESH_ARGS fresh_cold_start.py's,
+# tests step's files, RDIAG_ARGS the restore diagnosis's options, PROBE_ARGS restore_probe.py's, INPLACE_ARGS inplace_procs.py's, RING_ARGS ring_readers.py's, FRESH_MODELS and FRESH_ARGS fresh_cold_start.py's, SERVE_ARGS cold_start_serve.py's,
 # RESTORE_REPEAT the restore bench's timed runs per measurement (best kept; 1: includes first-use costs).
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -54,6 +54,9 @@ for s in "${steps[@]}"; do
              tail -16 "$L/inplace.log" ;;
     ring) t 150 python3 benchmarks/ring_readers.py ${RING_ARGS:-} > "$L/ring.log" 2>&1
           tail -12 "$L/ring.log" ;;
+    # the restore server against from_pretrained and the file paths, fresh processes (cold_start_serve.py)
+    serve) t 560 python3 benchmarks/cold_start_serve.py ${SERVE_ARGS:-} --out "$L/serve" > "$L/serve.log" 2>&1
+           tail -22 "$L/serve.log" ;;
     fresh) for m in ${FRESH_MODELS:-gpt2-large}; do
              t 240 python3 benchmarks/fresh_cold_start.py --model $m ${FRESH_ARGS:-} --out "$L/fresh-$m.json" > "$L/fresh-$m.log" 2>&1
              tail -12 "$L/fresh-$m.log"; done ;;

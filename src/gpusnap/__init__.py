@@ -24,6 +24,7 @@ from gpusnap.handles import CheckpointInfo, PendingSave, RestoreHandle
 from gpusnap.interop import export, import_
 from gpusnap.restore.cold import cold_start, empty_model
 from gpusnap.restore.template_free import load
+from gpusnap.serving import serve
 from gpusnap.state.rng import RNGState
 
 __version__ = "0.1.0"
@@ -40,6 +41,7 @@ __all__ = [
     "export",
     "import_",
     "load",
+    "serve",
     "CheckpointError",
     "CheckpointNotFoundError",
     "IntegrityError",

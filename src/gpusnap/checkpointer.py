@@ -189,6 +189,8 @@ class Checkpointer:
             device_check_min_bytes=self.config.device_check_min_bytes,
             reader_processes=self.config.restore_reader_processes,
             direct_copies=self.config.restore_direct_copies,
+            from_server=self.config.restore_from_server,
+            server_socket=self.config.restore_server_socket,
         )
         self._closed = False  # refuses saves (set by close(), under _enqueue_lock)
         self._stopped = False  # close() has finished: threads released

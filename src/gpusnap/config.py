@@ -144,6 +144,16 @@ class Config:
                   "device; on: also CPU targets whose device check is forced, through shared memory, for "
                   "tests; off)"},
     )
+    restore_from_server: str = field(
+        default="auto",
+        metadata={"doc": "restore: ask the root's restore server (`gpusnap serve ROOT`, docs/serve.md) first, which "
+                  "copies from page-locked host memory into the targets (auto: when its socket exists, a RuntimeWarning "
+                  "if it then does not serve; on: warn also when no server runs; off); whatever it does not serve "
+                  "is restored from files as usual"},
+    )
+    restore_server_socket: str = field(
+        default="", metadata={"doc": "restore: the restore server's socket ('': derived from the root, docs/serve.md)"}
+    )
     when_busy: str = field(
         default="wait",
         metadata={"doc": "fast tier: a save that finds no room in the fast tier waits for the saves and promotion "
@@ -182,6 +192,8 @@ class Config:
             raise ValueError(
                 f"Config.restore_direct_copies must be 'auto', 'on' or 'off', got {self.restore_direct_copies!r}"
             )
+        if self.restore_from_server not in ("auto", "on", "off"):
+            raise ValueError(f"Config.restore_from_server must be 'auto', 'on' or 'off', got {self.restore_from_server!r}")
         if self.when_busy not in ("wait", "skip"):
             raise ValueError(f"Config.when_busy must be 'wait' or 'skip', got {self.when_busy!r}")
         if self.chunk_size % 512:

@@ -211,7 +211,9 @@ class RestoreHandle:
     inside ``torch.inference_mode()``), ``gate_dropped`` (times a guard no gpusnap hook saw
     dropped the lazy gate's dispatch key, put back at the next gpusnap call), ``missing`` /
     ``unexpected`` (``restore(strict=False)``: dotted key paths only ``app_state``, or only
-    the checkpoint, has, which were skipped; empty for a strict restore).
+    the checkpoint, has, which were skipped; empty for a strict restore), ``source``
+    (``"server"``: the restore server copied every byte, ``served`` says how; ``"files"``,
+    and ``server_fallback`` says why the server did not serve; docs/serve.md).
 
     >>> h = ckpt.restore(app_state, lazy=True)   # doctest: +SKIP
     >>> out = model(x)                            # doctest: +SKIP

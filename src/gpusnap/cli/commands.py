@@ -17,8 +17,8 @@ from gpusnap.errors import CheckpointNotFoundError
 from gpusnap.storage.fast_tier import FastTier
 from gpusnap.storage.repository import Repository
 
-__all__ = ["cmd_bench", "cmd_demo", "cmd_diff", "cmd_du", "cmd_export", "cmd_gc", "cmd_import", "cmd_ls", "cmd_show",
-           "cmd_verify"]
+__all__ = ["cmd_bench", "cmd_demo", "cmd_diff", "cmd_du", "cmd_export", "cmd_gc", "cmd_import", "cmd_ls", "cmd_serve",
+           "cmd_show", "cmd_verify"]
 
 
 def _warn_unreadable(problems: list[tuple[str, str]], root: str, what: str) -> None:
@@ -192,6 +192,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from gpusnap.cli.demo import run_demo
 
     return EXIT_OK if run_demo(args.root, steps=args.steps, every=args.every, device=args.device) else EXIT_DAMAGE
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from gpusnap.cli.serve import run
+
+    return run(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

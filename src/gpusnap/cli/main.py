@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import gpusnap
 from gpusnap.cli.bench import add_parser as add_bench_parser
+from gpusnap.cli.serve import add_parser as add_serve_parser
 from gpusnap.cli.exits import EPILOG, EXIT_DAMAGE, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_PIPE
 from gpusnap.cli.interop_cmds import add_parsers as add_interop_parsers
 from gpusnap.errors import CheckpointError, IntegrityError
@@ -68,6 +69,7 @@ def _parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
     add_interop_parsers(sub)
+    add_serve_parser(sub)
     return p
 
 

@@ -3,7 +3,9 @@
 Call order, from ``Checkpointer.restore``: ``settle()`` (a lazy restore still loading ends
 first) -> ``restore(repo, manifest, app_state, ...)`` -> ``plan_restore`` (every check, no
 byte written; with ``strict=False`` the spans only skipped keys use are emptied from the
-manifest, ``Manifest.without_data``, so no path reads them) -> one of
+manifest, ``Manifest.without_data``, so no path reads them) -> the root's restore server
+(``restore.server_client``; when it serves, every byte is in place and the restore is done)
+-> else one of
 
 - ``upfront``: read and verify everything, then apply (``restore.eager``); targets untouched
   if any chunk is corrupt. ``verify="auto"`` picks it for checkpoints up to
@@ -28,7 +30,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import MutableMapping
+from collections.abc import MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -44,6 +46,7 @@ from gpusnap.restore import loader as loader_mod
 from gpusnap.restore.direct import DirectCopies, DirectUnavailable
 from gpusnap.restore.loader import Loader
 from gpusnap.restore.read_procs import ReaderProcs
+from gpusnap.restore.server_client import ServerClient
 from gpusnap.restore.staging import SlotPool, can_share
 from gpusnap.restore.warmup import WarmUp, start_kernel_warmup
 from gpusnap.state.apply import RestorePlan, SpanInfo, plan_restore
@@ -130,8 +133,11 @@ class Restorer:
         device_check_min_bytes: int | None = None,
         reader_processes: str = "auto",
         direct_copies: str = "auto",
+        from_server: str = "auto",
+        server_socket: str = "",
     ) -> None:
         self.threads = reader_threads(io_threads)
+        self.server = ServerClient(from_server, server_socket)  # Config.restore_from_server
         self.reader_processes = reader_processes  # Config.restore_reader_processes
         self.direct_copies = direct_copies  # Config.restore_direct_copies
         self._procs: ReaderProcs | None = None
@@ -180,14 +186,20 @@ class Restorer:
             self._warmup = None
         spans = [SpanInfo(nbytes=e.nbytes, device=e.device) for e in manifest.storages]
         plan = plan_restore(app_state, manifest.tree, spans, allow_pickle=allow_pickle, strict=strict)
+        original = manifest
         if plan.unused_spans:  # (strict=False) what only skipped keys use is read by no path below
             manifest = manifest.without_data(plan.unused_spans)
         setup = _Setup(started)  # where a restore's time before the first read goes (handle.stats["setup"])
         setup.mark("plan_s")
+        served = self.server.restore(repo, manifest, plan, original=original)
+        if served.served:
+            return self._served(manifest.id, plan, served.stats, started, len(spans), lazy=lazy,
+                                missing=plan.missing, unexpected=plan.unexpected)
         if verify == "auto":
             verify = "stream" if lazy or manifest.nbytes > AUTO_UPFRONT_BYTES else "upfront"
         handle = RestoreHandle(manifest.id)
         handle._on_wait = self.reap
+        handle.stats.update(served.stats)
         handle.stats.update(mode="lazy" if lazy else "eager", verify=verify, threads=self.threads,
                             missing=list(plan.missing), unexpected=list(plan.unexpected))
         if refused is not None:
@@ -260,6 +272,22 @@ class Restorer:
             wait_s=0.0,
             first_needed={},
         )
+        handle._finish()
+        return handle
+
+    def _served(self, checkpoint_id: str, plan: RestorePlan, stats: dict[str, Any], started: float, n: int, *,
+                lazy: bool, missing: Sequence[str], unexpected: Sequence[str]) -> RestoreHandle:
+        """The restore server put every byte in place: finish as an eager restore does. A lazy
+        one is complete too: the copies ran at host-to-device speed before ``restore()`` returns."""
+        plan.finish()
+        active.restored(_all_targets(plan, n))
+        elapsed = time.perf_counter() - started
+        handle = RestoreHandle(checkpoint_id)
+        handle._on_wait = self.reap
+        handle.stats.update(stats)
+        handle.stats.update(mode="eager", served_lazy=lazy, verify="server", threads=0, missing=list(missing),
+                            unexpected=list(unexpected), return_s=elapsed, total_s=elapsed, bytes_read=0,
+                            chunks_read=0, waits=0, wait_s=0.0, first_needed={})
         handle._finish()
         return handle
 

@@ -449,6 +449,12 @@ class RestorePlan:
         for index in indices:
             self._byte_targets(index)
 
+    def byte_targets(self, index: int) -> list[tuple[int, int, torch.Tensor]]:
+        """For a :meth:`streamable` span: per target, its byte range ``[start, stop)`` in the
+        span and its bytes (a flat uint8 alias): where a copier that writes memory itself (the
+        restore server, over CUDA IPC) puts them."""
+        return [(start, stop, dst) for start, stop, dst, _, _ in self._byte_targets(index)]
+
     def forget_byte_views(self) -> None:
         """Drop the cached aliases of the targets (the loader calls this when it stops): they
         would keep storages alive that the program swaps out later (``param.data = ...``)."""

@@ -62,6 +62,11 @@ class Manifest:
         """Bytes of tensor data in the checkpoint (before deduplication)."""
         return sum(s.nbytes for s in self.storages)
 
+    def digest(self) -> str:
+        """The checksum its file carries (BLAKE2b of the canonical JSON of every other field):
+        names this exact manifest, e.g. between a restore server and its client."""
+        return chunk_digest(canonical_json(self._body()))
+
     def without_data(self, spans: Collection[int]) -> Manifest:
         """This manifest with storages ``spans`` holding no bytes and no chunks: a reader of the
         copy reads nothing of theirs (what a partial restore or a ``load(keys=...)`` skips)."""
