@@ -29,6 +29,18 @@ def _ids(folder: Path) -> set[str]:
         return {i.id for i in root.list()}
 
 
+def test_a_save_returns_before_it_is_durable_and_keeps_the_state_of_its_call(tmp_path, gate):
+    io, path = GpusnapCheckpointIO(), tmp_path / "a.ckpt"
+    w = torch.zeros(1 << 16)
+    io.save_checkpoint({"state_dict": {"w": w}}, path)  # returns while its chunks cannot be stored
+    assert not path.exists()  # no pointer before the checkpoint is durable
+    w.add_(1)  # training goes on, in place
+    gate.release()
+    io.wait()
+    assert torch.equal(io.load_checkpoint(path)["state_dict"]["w"], torch.zeros(1 << 16))
+    io.teardown()
+
+
 def test_saving_a_path_again_replaces_its_checkpoint(tmp_path):
     io, path = GpusnapCheckpointIO(), tmp_path / "last.ckpt"
     io.save_checkpoint(_checkpoint(1), path)

@@ -18,11 +18,14 @@ a wait elsewhere would give that retry up.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
 import shutil
+import sys
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -64,6 +67,9 @@ class Commits:
         self._ops: queue.Queue[_Save | _Drop | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._idle = threading.Event()  # never set: the thread's pause between looks
+        # a program that exits without teardown(): gpusnap has finished its saves by the time
+        # atexit runs (exit_hooks.py); the pointers of those saves are written then
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     # -- what the trainer's thread calls ------------------------------------------------------
     def saved(self, path: str, checkpointer: Checkpointer, pending: PendingSave) -> None:
@@ -197,6 +203,16 @@ class Commits:
         failure.__cause__ = error
         with self._lock:
             self._failures.append(failure)
+
+
+def _close_at_exit(ref: weakref.ref[Commits]) -> None:
+    commits = ref()
+    if commits is None:
+        return
+    try:
+        commits.close()
+    except Exception as exc:  # an exit hook must not raise: say what was lost
+        print(f"gpusnap: at exit, a Lightning checkpoint was not completed: {exc}", file=sys.stderr, flush=True)
 
 
 def _quietly(path: str) -> Pointer | None:
