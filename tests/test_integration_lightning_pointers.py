@@ -88,6 +88,18 @@ def test_an_explicit_root_serves_every_directory(tmp_path):
     assert GpusnapCheckpointIO().load_checkpoint(tmp_path / "x" / "a.ckpt")["epoch"] == 1
 
 
+def test_two_plug_ins_in_one_process_share_the_root_and_each_other_s_saves(tmp_path):
+    first, second = GpusnapCheckpointIO(), GpusnapCheckpointIO()  # (two Trainers, one after the other)
+    path = tmp_path / "manual.ckpt"
+    first.save_checkpoint(_checkpoint(1), path)  # as trainer.save_checkpoint after fit: no teardown follows
+    assert second.load_checkpoint(path)["epoch"] == 1  # waits for that save, committed or not yet
+    second.save_checkpoint(_checkpoint(2), tmp_path / "b.ckpt")  # the root has one writer: shared
+    second.teardown()
+    first.save_checkpoint(_checkpoint(3), path)  # the root stays open while the first one uses it
+    first.teardown()
+    assert len(_ids(tmp_path)) == 2 and second.load_checkpoint(path)["epoch"] == 3
+
+
 def test_files_of_torch_checkpoint_io_still_load_and_remove(tmp_path):
     path = tmp_path / "old.ckpt"
     TorchCheckpointIO().save_checkpoint(_checkpoint(3), path)

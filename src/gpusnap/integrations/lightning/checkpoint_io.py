@@ -12,7 +12,6 @@ it can list, link, sort by time and remove.
 from __future__ import annotations
 
 import os
-import threading
 from typing import Any
 
 import torch
@@ -21,6 +20,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from gpusnap.checkpointer import Checkpointer
 from gpusnap.config import Config
+from gpusnap.integrations import roots
 from gpusnap.restore.template_free import load
 from gpusnap.state.rng import RNGState
 
@@ -34,6 +34,8 @@ RNG_KEY = "gpusnap_rng"
 
 ROOT_NAME = ".gpusnap"
 """Without ``root``: the gpusnap root of a checkpoint directory, inside it."""
+
+_COMMITS = Commits()  # one for the process: every plug-in sees the saves still pending for a path
 
 
 class GpusnapCheckpointIO(CheckpointIO):
@@ -78,9 +80,6 @@ class GpusnapCheckpointIO(CheckpointIO):
         self.rng = rng
         self.allow_pickle = allow_pickle
         self.config = config
-        self._checkpointers: dict[str, Checkpointer] = {}
-        self._lock = threading.Lock()
-        self._commits = Commits()
 
     # -- CheckpointIO -------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
@@ -95,14 +94,14 @@ class GpusnapCheckpointIO(CheckpointIO):
         if self.rng and RNG_KEY in checkpoint:
             raise ValueError(f"the checkpoint already has a key {RNG_KEY!r}, where GpusnapCheckpointIO(rng=True) "
                              "saves the random generators: rename it, or pass rng=False")
-        self._commits.raise_failure()
+        _COMMITS.raise_failure()
         target = _local(path, "path")
         os.makedirs(os.path.dirname(target), exist_ok=True)
         checkpointer = self._checkpointer(self._root_for(target))
         state = dict(checkpoint)  # (the caller's dict stays as it was)
         if self.rng:
             state[RNG_KEY] = RNGState()
-        self._commits.saved(target, checkpointer, checkpointer.save(state))
+        _COMMITS.saved(target, checkpointer, checkpointer.save(state))
 
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -112,8 +111,7 @@ class GpusnapCheckpointIO(CheckpointIO):
         generators are restored too. Nothing is unpickled unless ``allow_pickle`` (and
         never with ``weights_only=True``)."""
         target = _local(path, "path")
-        if self._commits.pending_for(target):
-            self.wait()
+        _COMMITS.wait_for(target)  # a save of it still in flight, made by any plug-in
         try:
             pointer = read_pointer(target)
         except FileNotFoundError:
@@ -136,39 +134,24 @@ class GpusnapCheckpointIO(CheckpointIO):
         in the background once no other pointer in that directory names it."""
         target = _local(path, "path")
         mine = self._root_for(target)
-        self._commits.removed(target, lambda p: self._checkpointer(p.root) if p.root == mine else None)
+        _COMMITS.removed(target, lambda p: self._checkpointer(p.root) if p.root == mine else None)
 
     def teardown(self) -> None:
         """End of a ``fit``/``validate``/``test``: wait for every save and pointer, release the
         roots (another process may write them now), then raise the first failure."""
-        failure: BaseException | None = None
         try:
-            self._commits.close()
-        except BaseException as exc:
-            failure = exc
-        with self._lock:
-            checkpointers, self._checkpointers = list(self._checkpointers.values()), {}
-        for checkpointer in checkpointers:
-            try:
-                checkpointer.close()
-            except BaseException as exc:
-                failure = failure or exc
-        if failure is not None:
-            raise failure
+            _COMMITS.wait()
+        finally:
+            roots.release(self)
 
     # -- beyond CheckpointIO --------------------------------------------------------------------
     def wait(self) -> None:
         """Block until every save so far is durable and its path names it; raises the first
         failure not yet raised."""
-        self._commits.wait()
+        _COMMITS.wait()
 
     def _checkpointer(self, root: str) -> Checkpointer:
-        with self._lock:
-            checkpointer = self._checkpointers.get(root)
-            if checkpointer is None:
-                checkpointer = self._checkpointers[root] = Checkpointer(
-                    root, config=self.config, allow_pickle=self.allow_pickle)
-            return checkpointer
+        return roots.acquire(root, self, config=self.config, allow_pickle=self.allow_pickle)
 
     def _root_for(self, path: str) -> str:
         return self.root if self.root is not None else os.path.join(os.path.dirname(path), ROOT_NAME)

@@ -27,7 +27,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpusnap.checkpointer import Checkpointer
 from gpusnap.errors import CheckpointError, CheckpointNotFoundError
@@ -47,6 +47,7 @@ class _Save:
     path: str
     checkpointer: Checkpointer
     pending: PendingSave
+    handled: threading.Event = field(default_factory=threading.Event)  # its pointer written (or not due)
 
 
 @dataclass(eq=False)
@@ -57,7 +58,9 @@ class _Drop:
 
 
 class Commits:
-    """The pointers of one ``GpusnapCheckpointIO``: paths are absolute local paths."""
+    """The pointers of a process's ``GpusnapCheckpointIO`` plug-ins (one instance serves them
+    all: a save one plug-in made is waited for by another that loads its path). Paths are
+    absolute local paths."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # pointer files and the maps below change under it
@@ -101,10 +104,14 @@ class Commits:
             if checkpointer is not None:
                 self._put(_Drop(checkpointer, pointer, os.path.dirname(path)))
 
-    def pending_for(self, path: str) -> bool:
-        """Whether a save of ``path`` has not written its pointer yet."""
+    def wait_for(self, path: str) -> None:
+        """Until every save of ``path`` made so far is committed and handled (its pointer
+        written, or its failure noted for :meth:`raise_failure`)."""
         with self._lock:
-            return path in self._latest
+            saves = [s for s in self._outstanding if s.path == path]
+        for save in saves:
+            save.pending.exception()  # (on this thread: see wait())
+            save.handled.wait()
 
     def wait(self) -> None:
         """Every save made so far committed and its pointer written, every drop done; then
@@ -128,7 +135,7 @@ class Commits:
             raise first
 
     def close(self) -> None:
-        """:meth:`wait`, then stop the thread (a later save starts another)."""
+        """:meth:`wait`, then stop the thread (a later save starts another); at exit."""
         try:
             self.wait()
         finally:
@@ -179,6 +186,7 @@ class Commits:
         finally:
             with self._lock:
                 self._outstanding.remove(save)
+            save.handled.set()
         folder = os.path.dirname(save.path)
         if not current:  # a newer save or a removal of this path came first
             self._drop(_Drop(save.checkpointer, Pointer(root, checkpoint), folder))

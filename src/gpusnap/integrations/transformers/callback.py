@@ -22,6 +22,7 @@ from gpusnap.checkpointer import Checkpointer
 from gpusnap.config import Config
 from gpusnap.errors import CheckpointNotFoundError
 from gpusnap.handles import PendingSave
+from gpusnap.integrations import roots
 from gpusnap.restore.template_free import load
 from gpusnap.state.rng import RNGState
 
@@ -108,13 +109,14 @@ class GpusnapCallback(TrainerCallback):
             p.wait()
 
     def close(self) -> None:
-        """:meth:`wait`, then release the root (the next save opens it again)."""
+        """:meth:`wait`, then release the root (the next save opens it again; another
+        GpusnapCallback of this process that uses it keeps it open)."""
         try:
             self.wait()
         finally:
             if self._checkpointer is not None:
-                checkpointer, self._checkpointer = self._checkpointer, None
-                checkpointer.close()
+                self._checkpointer = None
+                roots.release(self)
 
     # -- resuming -----------------------------------------------------------------------------
     def resume_path(self, directory: str | os.PathLike[str] | None = None, checkpoint: str | None = None) -> str | None:
@@ -123,6 +125,7 @@ class GpusnapCallback(TrainerCallback):
         None when the root holds none. ``directory``: where (default ``<root>-resume/
         checkpoint-<step>``, replaced each call, removed at the end of training)."""
         self.wait()
+        self._open().wait()  # saves of the root still in flight here (a Trainer that raised)
         try:
             state = load(self.root, checkpoint, config=self.config)
         except CheckpointNotFoundError:
@@ -146,7 +149,7 @@ class GpusnapCallback(TrainerCallback):
     # -- helpers ------------------------------------------------------------------------------
     def _open(self) -> Checkpointer:
         if self._checkpointer is None:
-            self._checkpointer = Checkpointer(self.root, keep_last=self.keep_last, config=self.config)
+            self._checkpointer = roots.acquire(self.root, self, keep_last=self.keep_last, config=self.config)
             self._tags = {info.tag for info in self._checkpointer.list()}
         return self._checkpointer
 
