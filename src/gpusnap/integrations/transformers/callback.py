@@ -125,7 +125,9 @@ class GpusnapCallback(TrainerCallback):
         None when the root holds none. ``directory``: where (default ``<root>-resume/
         checkpoint-<step>``, replaced each call, removed at the end of training)."""
         self.wait()
-        self._open().wait()  # saves of the root still in flight here (a Trainer that raised)
+        checkpointer = self._open()
+        checkpointer.wait()  # saves of the root still in flight here (a Trainer that raised)
+        self._tags = {info.tag for info in checkpointer.list()}  # (theirs included)
         try:
             state = load(self.root, checkpoint, config=self.config)
         except CheckpointNotFoundError:
