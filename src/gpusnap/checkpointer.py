@@ -903,16 +903,17 @@ class Checkpointer:
             _release_state(job)  # before wait() returns: nothing of the state is held after it
             pending._finish(info)
 
-    def _retain(self, repo: Repository, keep_last: int | None) -> None:
+    def _retain(self, repo: Repository, keep_last: int | None, *, sweep: bool = False) -> None:
         """``keep_last`` after a commit, even while the next save writes (Repository.gc pins
         what its transaction relies on). It never fails the save that just committed: an
-        error is a WARNING, and the next commit tries again."""
-        if keep_last is None:
+        error is a WARNING, and the next commit tries again. ``sweep``: free the packs nothing
+        references even without ``keep_last`` (after :meth:`delete`)."""
+        if keep_last is None and not sweep:
             return
         try:
             report = repo.gc(keep_last, blocking=False, fresh=False)
         except Exception as exc:
-            log.warning("gpusnap: retention (keep_last=%d) failed; the next commit tries again: %s",
+            log.warning("gpusnap: retention (keep_last=%s) failed; the next commit tries again: %s",
                         keep_last, exc)
             return
         if report.skipped:  # only a reader (verify) or an older gpusnap holds the root lock
@@ -1024,6 +1025,36 @@ class Checkpointer:
         cannot be read)."""
         infos = self.list()
         return infos[-1] if infos else None
+
+    def delete(self, checkpoint: str) -> None:
+        """Delete one committed checkpoint (an id or a tag) from each tier that holds it, and
+        free the data no other checkpoint shares (as retention does). A save still pending is
+        refused (wait for it first); an unknown one is a CheckpointNotFoundError. Trainer
+        plug-ins delete what their framework's own retention drops (``ModelCheckpoint``'s top k).
+
+        >>> ckpt.delete("step-100")   # doctest: +SKIP
+        """
+        self._check_open()
+        if not isinstance(checkpoint, str) or not checkpoint:
+            raise ValueError(f"checkpoint must be an id or a tag, got {checkpoint!r}")
+        with self._pending_lock:
+            busy = next((p.id for p in self._pending if checkpoint in (p.id, p.tag) and not p.done()), None)
+        if busy is not None:
+            raise CheckpointError(f"checkpoint {busy} is still being saved: wait for it before deleting it")
+        tiers = [(self._repository(create=True), self.keep_last)]
+        if self.fast_root is not None:
+            tiers.append((self._fast_tier(), self.fast_keep_last))
+        found = False
+        for repo, keep_last in tiers:
+            try:
+                manifest = repo.resolve(checkpoint)
+            except CheckpointNotFoundError:
+                continue
+            repo.delete(manifest.id)
+            self._retain(repo, keep_last, sweep=True)
+            found = True
+        if not found:
+            raise CheckpointNotFoundError(f"no committed checkpoint {checkpoint!r} under {self.root}")
 
     # -- restore ------------------------------------------------------------------------------
     def restore(
