@@ -84,3 +84,14 @@ def test_demo_runs_and_proves_equality(tmp_path, capsys):
     assert "restored state == state at that save (bitwise): yes" in out
     assert "resumed run == uninterrupted run (bitwise):     yes" in out
     assert "demo: OK" in out
+
+
+def test_demo_keeps_its_root_and_says_how_to_look_at_it(tmp_path, capsys, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert main(["demo", "--steps", "12", "--every", "4"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("the checkpoints are kept; look at them: gpusnap ls ")
+    root = last.rsplit(" ", 1)[-1]
+    assert root.startswith(str(tmp_path)) and main(["ls", root]) == 0

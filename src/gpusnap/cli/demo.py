@@ -9,6 +9,7 @@ It proves three things a newcomer cares about, on CPU or CUDA:
 
 from __future__ import annotations
 
+import shlex
 import tempfile
 import time
 from typing import Any
@@ -59,8 +60,8 @@ def run_demo(root: str | None, *, steps: int = 60, every: int = 10, device: str 
     if steps < 2 or every < 1 or every >= steps:
         raise ValueError("demo needs steps >= 2 and 1 <= every < steps")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    tmp = None if root else tempfile.TemporaryDirectory(prefix="gpusnap-demo-")
-    root = root or tmp.name  # type: ignore[union-attr]
+    # kept afterwards (a temporary directory unless given): the newcomer looks at it next
+    root = root or tempfile.mkdtemp(prefix="gpusnap-demo-")
     print(f"gpusnap demo on {dev}: {steps} training steps, a checkpoint every {every} steps, root {root}")
 
     # Reference: the uninterrupted run.
@@ -109,8 +110,7 @@ def run_demo(root: str | None, *, steps: int = 60, every: int = 10, device: str 
     print(f"restored state == state at that save (bitwise): {'yes' if equal_at_save else 'NO'}")
     print(f"resumed run == uninterrupted run (bitwise):     {'yes' if resumed_equal else 'NO'}")
     print(f"checkpoints kept with keep_last=3:              {len(kept)}")
-    if tmp is not None:
-        tmp.cleanup()
     ok = equal_at_save and resumed_equal and len(kept) == min(3, len(infos))
     print("demo: OK" if ok else "demo: FAILED")
+    print(f"the checkpoints are kept; look at them: gpusnap ls {shlex.quote(root)}")
     return ok
