@@ -20,6 +20,7 @@ import pytest
 import torch
 from fast_support import HANG_S, cfg
 
+from gpusnap.errors import StorageError
 from gpusnap.storage import fast_tier
 from gpusnap.storage.fast_tier import FastTier, slab_path
 from gpusnap.storage.slab_prep import SlabPreparer
@@ -488,3 +489,20 @@ def test_prepare_ahead_makes_ready_only_the_lowest_slabs_that_hold_the_bytes_and
     tier._preparer.join()
     assert tier._preparer.errors == []
     assert sorted(tier._maps) == [1]  # not the empty slab 0, not slabs 2 and 3 (left by a larger state)
+
+
+def test_wait_prepared_raises_only_for_slabs_still_wanted_and_unmade(tier: FastTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = FastTier._make_slab
+
+    def no_room_for_2(self: FastTier, slab: int) -> Any:
+        if slab == 2:
+            raise OSError(28, "No space left on device")
+        return real(self, slab)
+
+    monkeypatch.setattr(FastTier, "_make_slab", no_room_for_2)
+    tier.prepare_ahead(3 * SLAB)
+    with pytest.raises(StorageError, match="slab 2: .*No space left"):
+        tier.wait_prepared()
+    tier.prepare_ahead(2 * SLAB)  # a smaller state later: slabs 0 and 1 are all it wants, and are made
+    tier.wait_prepared()
+    assert tier._preparer.errors  # (still in the saves' stats: slab 2 was never made)

@@ -40,12 +40,14 @@ class AcceleratorCounters:
         self.accelerator = accelerator
 
     def state_dict(self) -> dict[str, Any]:
+        """The accelerator's step counter and its grad scaler's state, if it has one."""
         state: dict[str, Any] = {"step": int(self.accelerator.step)}
         if self.accelerator.scaler is not None:
             state["scaler"] = self.accelerator.scaler.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Put the step counter and the grad scaler's state back."""
         self.accelerator.step = int(state_dict["step"])
         if "scaler" in state_dict and self.accelerator.scaler is not None:
             self.accelerator.scaler.load_state_dict(state_dict["scaler"])

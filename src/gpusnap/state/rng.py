@@ -30,6 +30,7 @@ class RNGState:
     """
 
     def state_dict(self) -> dict[str, Any]:
+        """The generators' states now: torch CPU, every initialized CUDA device, Python's `random`, NumPy's."""
         state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             state["cuda"] = list(torch.cuda.get_rng_state_all())
@@ -38,6 +39,7 @@ class RNGState:
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Set the generators to ``state_dict`` (what :meth:`state_dict` returned), those it holds."""
         if "torch" in state_dict:
             torch.set_rng_state(_byte_tensor(state_dict["torch"]))
         if "python" in state_dict:

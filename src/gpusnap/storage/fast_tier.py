@@ -37,7 +37,7 @@ import torch
 from gpusnap.config import Config
 from gpusnap.errors import CheckpointError, IntegrityError, StorageError
 from gpusnap.storage.backend import Backend, BackendLock, LocalBackend
-from gpusnap.storage.host_bytes_hash import hash_device, hash_host_bytes
+from gpusnap.storage.host_bytes_hash import hash_host_bytes
 from gpusnap.storage.layout import ID_RE, MANIFESTS, ROOT_FILE, TMP, storage_error
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.repository import GcReport, Repository, about
@@ -99,6 +99,8 @@ class FastTier(Repository):
         self._closed = False  # close() let the maps go: a slab made after it is not kept
         self._preparer = SlabPreparer(self._slab_memory)
         self._used: dict[int, list[tuple[int, int]]] | None = None  # committed ranges, rebuilt lazily
+        self._wanted: builtins.list[int] = []  # the slabs the last prepare_ahead asked for
+        self._used_generation = 0  # bumped by every commit and forget: a rebuild they overtook is stale
         # manifest id -> (that manifest, its merged slab ranges): each manifest's chunk names
         # are parsed once, not at every rebuild of the used map (which follows every retention)
         self._ranges: dict[str, tuple[Manifest, dict[int, list[tuple[int, int]]]]] = {}
@@ -107,7 +109,7 @@ class FastTier(Repository):
         self._capacity: int | None = None
         self.pinned = torch.cuda.is_available()
         self.register_errors: builtins.list[str] = []  # slabs that could not be page-locked
-        self.check_device: torch.device | None = None  # where chunks are checked (None: a GPU if up, else the host)
+        self.check_device: torch.device | None = None  # where chunks are checked (None: the host; promotion: its GPU)
 
     # ------------------------------------------------------------------ layout
 
@@ -170,13 +172,14 @@ class FastTier(Repository):
         _h, slab, off, n = chunk_location(digest)
         return slab_path(slab), off, n
 
-    def _check(self, digest: str, data: bytes | memoryview, path: str, offset: int, length: int, what: str) -> None:
+    def _check(self, digest: str, data: bytes | memoryview, path: str, offset: int, length: int, what: str,
+               device: torch.device | None = None) -> None:
         where = self.backend.describe(path)
         if len(data) != length:
             raise IntegrityError(f"chunk {digest}{about(what)} in slab {where} is truncated: {len(data)} of {length} bytes")
         want = chunk_location(digest)[0]
         padded = max(16, -(-length // 16) * 16)
-        device = self.check_device if self.check_device is not None else hash_device()
+        device = device if device is not None else self.check_device
         try:
             got = hash_host_bytes(data, padded, device)
         except RuntimeError:  # (the device is out of memory, say): the host computes the same bits
@@ -192,10 +195,22 @@ class FastTier(Repository):
     # ------------------------------------------------------------------ space
 
     def _used_map(self) -> dict[int, builtins.list[tuple[int, int]]]:
-        """Slab ranges named by retained manifests (merged, sorted), from a fresh scan once."""
-        with self._mutex:
-            if self._used is not None:
-                return self._used
+        """Slab ranges named by retained manifests (merged, sorted), from a fresh scan once.
+
+        A scan that a commit (or a forget) overtook is done again: the commit, finding no map
+        to add its ranges to, relies on the rebuild's listing, which may predate its manifest."""
+        while True:
+            with self._mutex:
+                if self._used is not None:
+                    return self._used
+                generation = self._used_generation
+            merged = self._scan_used()
+            with self._mutex:
+                if self._used_generation == generation:
+                    self._used = merged
+                    return merged
+
+    def _scan_used(self) -> dict[int, builtins.list[tuple[int, int]]]:
         manifests, bad = self._scan()
         if bad:
             raise CheckpointError(
@@ -206,10 +221,7 @@ class FastTier(Repository):
         for m in manifests:
             for slab, ranges in self._ranges_of(m).items():
                 used.setdefault(slab, []).extend(ranges)
-        merged = {s: _merge(r) for s, r in used.items()}
-        with self._mutex:
-            self._used = merged
-            return merged
+        return {s: _merge(r) for s, r in used.items()}
 
     def _ranges_of(self, manifest: Manifest) -> dict[int, builtins.list[tuple[int, int]]]:
         """The slab ranges ``manifest``'s chunks lie in (merged: a save's regions are mostly
@@ -228,6 +240,7 @@ class FastTier(Repository):
     def _forget_used(self) -> None:
         with self._alloc:
             self._used = None
+            self._used_generation += 1
             self._alloc.notify_all()
 
     def capacity(self) -> int:
@@ -388,6 +401,7 @@ class FastTier(Repository):
                     held += size
         with self._map_lock:
             todo = [s for s in wanted if s not in self._maps]
+            self._wanted = wanted
         if todo:
             self._preparer.want(todo)
         return added
@@ -401,7 +415,9 @@ class FastTier(Repository):
         """Wait for the slabs set aside to be made; a StorageError lists those that failed
         (a save that needs one makes it itself, and fails with the cause if it recurs)."""
         self._preparer.join(timeout)
-        errors = list(self._preparer.errors)
+        with self._map_lock:  # (the slabs the last prepare_ahead wanted and nobody has made)
+            missing = {f"slab {n}: " for n in self._wanted if n not in self._maps}
+        errors = [e for e in self._preparer.errors if e[: e.index(":") + 2] in missing]
         if errors:
             raise StorageError(f"the fast tier {self.root} could not prepare {len(errors)} slab(s): {'; '.join(errors)}")
 
@@ -594,6 +610,7 @@ class FastTxn:
                 ranges = tier._ranges_of(manifest)  # (outside the lock: parsing takes a while)
                 with tier._alloc:
                     tier._manifest_cache[f"{manifest.id}.json"] = manifest
+                    tier._used_generation += 1  # (a rebuild listing from before the rename scans again)
                     if tier._used is not None:
                         used = dict(tier._used)
                         for slab, more in ranges.items():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
+from collections.abc import Iterable
 
 import torch
 
@@ -26,12 +27,13 @@ __all__ = ["hash_host_bytes", "hash_device"]
 _local = threading.local()  # this thread's (device, stream, scratch): promotion pool threads each have one
 
 
-def hash_device() -> torch.device | None:
-    """The GPU to hash on: the current one if this process has CUDA up, else None (the host).
-    A process that has not initialized CUDA (a CLI verify) is not made to."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.device("cuda", torch.cuda.current_device())
-    return None
+def hash_device(devices: Iterable[str]) -> torch.device | None:
+    """The GPU to hash a checkpoint's chunks on: the first CUDA device its spans lived on, if
+    this process has CUDA up; else None (the host). A process that has not initialized CUDA
+    (a CLI verify) is not made to, and each rank hashes on its own GPU."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    return next((torch.device(d) for d in devices if d.startswith("cuda")), None)
 
 
 def hash_host_bytes(data: bytes | memoryview, chunk_size: int, device: torch.device | None = None) -> list[str]:

@@ -14,6 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from gpusnap.kernels.hashing import chunk_digest
+from gpusnap.storage.host_bytes_hash import hash_device
 from gpusnap.storage.fast_tier import FastTier
 from gpusnap.storage.manifest import Manifest, StorageEntry
 from gpusnap.storage.repository import Repository
@@ -25,6 +26,7 @@ def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: Threa
             extra_stats: dict[str, object] | None = None) -> Manifest:
     """Commit ``manifest``'s checkpoint (from ``fast``) to ``durable``; returns the durable manifest."""
     started, cpu, cpu_pool = time.perf_counter(), time.thread_time(), pool_cpu_s(pool)
+    device = hash_device(e.device for e in manifest.storages)  # (its own GPU: one host copy, one kernel a chunk)
     fast.pin_checkpoint(manifest.id)
     try:
         with durable.begin_write() as txn:
@@ -32,7 +34,7 @@ def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: Threa
                 view = fast.read_view(name)
                 path, offset, length = fast._locate(name, "")
                 # its device hash first: corrupt fast bytes must not become a clean durable checkpoint
-                fast._check(name, view, path, offset, length, "")
+                fast._check(name, view, path, offset, length, "", device=device)
                 digest = chunk_digest(view)  # (hashlib lets the GIL go for large buffers)
                 if not txn.has_chunk(digest):
                     txn.put_chunk(digest, view)
