@@ -36,6 +36,10 @@ from gpusnap.capture.warmup import WARMUP_JOIN_S, start_capture_warmup
 from gpusnap.collector import collector_paused
 from gpusnap.config import Config
 from gpusnap.device import outside_graph_captures
+from gpusnap.distributed.collective import Collective
+from gpusnap.distributed.group import collective_group
+from gpusnap.distributed.restore import collective_restore
+from gpusnap.restore.rank_view import rank_view
 from gpusnap.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -68,6 +72,7 @@ def info_from_manifest(manifest: Manifest, tier: str = "durable") -> CheckpointI
         nbytes=manifest.nbytes,
         stats=dict(manifest.stats),
         tier=tier,
+        world_size=manifest.world_size,
     )
 
 
@@ -125,6 +130,11 @@ class Checkpointer:
     ``promote=True``) is then copied in the background to ``root``, the durable tier.
     ``fast_keep_last`` (default 2) is the fast tier's retention, ``keep_last`` the root's.
     ``list()``, ``latest()`` and ``restore()`` consider both tiers.
+
+    When ``torch.distributed`` is initialized, the Checkpointer is *collective* over
+    ``process_group`` (default: the world; ``False``: per process): every rank calls
+    ``save()`` at the same step and ``restore()`` together, and a checkpoint is listed once
+    every rank's part is durable (docs/distributed.md).
     """
 
     def __init__(
@@ -138,6 +148,7 @@ class Checkpointer:
         fast_root: str | os.PathLike[str] | None = None,
         fast_keep_last: int | None = None,
         promote_every: int | None = None,
+        process_group: Any = None,
     ) -> None:
         for name, value in (("keep_last", keep_last), ("fast_keep_last", fast_keep_last), ("promote_every", promote_every)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -162,6 +173,11 @@ class Checkpointer:
                 raise ValueError("fast_root must be a directory of its own, not the Checkpointer's root")
         self.allow_pickle = allow_pickle
         self._storage_options = storage_options
+        group = collective_group(process_group)
+        self._collective = None if group is None else Collective(self.root, group, self.config, storage_options)
+        if self._collective is not None and self.fast_root is not None:
+            raise ValueError("a collective Checkpointer has no fast tier yet: leave out fast_root, or pass "
+                             "process_group=False for per-process checkpoints")
         self._repo: Repository | None = None
         self._repo_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="gpusnap-io")
@@ -212,6 +228,9 @@ class Checkpointer:
         """The root; ``create`` (saving) also makes this Checkpointer its one writer until
         ``close()``: a StorageError names the writer that already holds it."""
         with self._repo_lock:
+            if self._repo is None and self._collective is not None:  # (this rank's own root)
+                self._repo = repo = self._collective.rank_repository()
+                self._opened.append(repo)
             if self._repo is None:
                 self._repo = repo = Repository.open(
                     self.root,
@@ -227,6 +246,8 @@ class Checkpointer:
                 )
             if create:
                 self._repo.claim_writer()  # idempotent
+                if self._collective is not None:
+                    self._collective.announce()
             return self._repo
 
     def _fast_tier(self) -> FastTier:
@@ -272,13 +293,24 @@ class Checkpointer:
         it to the durable root afterwards, whatever ``promote_every`` says.
         """
         self._check_open()
+        if self._collective is None:
+            return self._checked_save(app_state, tag, blocking, promote, None)
+        _seq, checkpoint_id = self._collective.next_save()  # the same id on every rank: no message
+        try:
+            return self._checked_save(app_state, tag, blocking, promote, checkpoint_id)
+        except BaseException as exc:  # the other ranks must not wait for this rank's part
+            self._collective.fail(checkpoint_id, exc)
+            raise
+
+    def _checked_save(self, app_state: MutableMapping[str, Any], tag: str | None, blocking: bool, promote: bool,
+                      checkpoint_id: str | None) -> PendingSave:
         if tag is not None and (not isinstance(tag, str) or not tag or "/" in tag):
             raise ValueError(f"tag must be a non-empty string without '/', got {tag!r}")
         if promote and self.fast_root is None:
             raise ValueError("promote=True needs a fast_root (without one every save is durable)")
         if tag is not None:
             self._check_tag_free(tag)
-        return self._save(app_state, tag, blocking, promote=promote)
+        return self._save(app_state, tag, blocking, promote=promote, checkpoint_id=checkpoint_id)
 
     def _check_tag_free(self, tag: str) -> None:
         """A tag names one checkpoint: refuse one that a committed checkpoint or a save still
@@ -290,7 +322,10 @@ class Checkpointer:
                 f"tag {tag!r} is taken by checkpoint {pending}, still being saved; a tag names one "
                 "checkpoint: pick another tag"
             )
-        owner = self._repository(create=True).tag_owner(tag)
+        if self._collective is not None:
+            owner = self._collective.tag_owner(tag)
+        else:
+            owner = self._repository(create=True).tag_owner(tag)
         if owner is None and self.fast_root is not None:
             owner = self._fast_tier().tag_owner(tag)
         if owner is not None:
@@ -306,9 +341,10 @@ class Checkpointer:
         blocking: bool,
         retry_of: _SaveJob | None = None,
         promote: bool = False,
+        checkpoint_id: str | None = None,
     ) -> PendingSave:
         with collector_paused():  # not in this call's stall: see collector.py
-            pending, run_now = self._save_now(app_state, tag, blocking, retry_of, promote)
+            pending, run_now = self._save_now(app_state, tag, blocking, retry_of, promote, checkpoint_id)
         if run_now is not None:
             with self._pending_lock:  # listed while it runs: its tag is taken (_check_tag_free)
                 self._pending.append(pending)
@@ -327,6 +363,7 @@ class Checkpointer:
         blocking: bool,
         retry_of: _SaveJob | None,
         promote: bool = False,
+        checkpoint_id: str | None = None,
     ) -> tuple[PendingSave, tuple[Repository, _SaveJob] | None]:
         """save()'s work on the caller's thread; a blocking save of host state returns its
         job to run right there (after the collector is back on)."""
@@ -344,8 +381,11 @@ class Checkpointer:
         flattened = time.perf_counter()
         repo = self._repository(create=True) if fast is None else fast
         created = time.time()
-        pending = PendingSave(repo.new_id(created), tag) if retry_of is None else retry_of.pending
-        pending._on_wait, pending._waits, pending._on_fail = self._reap, self._wait_for, self._unobserved.add
+        if retry_of is not None:
+            pending = retry_of.pending
+        else:
+            pending = PendingSave(checkpoint_id or repo.new_id(created), tag)
+        pending._on_wait, pending._waits, pending._on_fail = self._reap, self._wait_for, self._failed
         job = _SaveJob(pending, flat, created, started, blocking, CaptureCounters())
         job.app_state, job.owner = app_state, threading.current_thread()
         job.repo, job.promote = repo, promote
@@ -381,6 +421,13 @@ class Checkpointer:
         job.stall_s = time.perf_counter() - started
         job.phases["queue"] = time.perf_counter() - queued
         return pending, None
+
+    def _failed(self, pending: PendingSave) -> None:
+        """A save failed (any path, any thread): recorded until observed; a collective one
+        is reported to the other ranks, which must not wait for this rank's part."""
+        self._unobserved.add(pending)
+        if self._collective is not None:
+            self._collective.fail(pending.id, pending._durable.error() or CheckpointError("failed"))
 
     def _window_open(self) -> bool:
         with self._pending_lock:
@@ -807,7 +854,7 @@ class Checkpointer:
                         stats["trace_path"] = trace.write(path)
                 manifest = Manifest(
                     id=pending.id,
-                    tag=pending.tag,
+                    tag=pending.tag if self._collective is None else None,  # (the global manifest's)
                     created=job.created,
                     chunk_size=self.config.chunk_size,
                     storages=entries,
@@ -830,6 +877,9 @@ class Checkpointer:
             if interrupted:
                 raise
             return
+        if self._collective is not None:
+            self._settle(repo, job, manifest)
+            return
         # committed: what follows never fails the save (an interrupt still propagates, after)
         info = info_from_manifest(manifest, "fast" if isinstance(repo, FastTier) else "durable")
         try:
@@ -850,6 +900,37 @@ class Checkpointer:
             log.warning("gpusnap: checkpoint %s committed, but what follows a commit failed: %r", pending.id, exc)
         finally:
             _release_state(job)  # before wait() returns: nothing of the state is held after it
+            pending._finish(info)
+
+    def _settle(self, repo: Repository, job: _SaveJob, manifest: Manifest) -> None:
+        """A collective save's part is committed in this rank's root: the global decision,
+        then retention (rank 0: of global manifests; every rank: of its own parts)."""
+        assert self._collective is not None
+        pending = job.pending
+        try:
+            settled = self._collective.settle(manifest, pending.tag, manifest.stats)
+        except BaseException as exc:
+            log.warning("gpusnap: checkpoint %s failed: %s", pending.id, exc)
+            _release_state(job)
+            pending._fail(exc)
+            self._collective.retire(repo, manifest.id)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        stats = dict(manifest.stats, duration_s=time.perf_counter() - job.started, coordination_s=settled.coordination_s)
+        if job.blocking:
+            stats["stall_s"] = stats["duration_s"]
+        info = CheckpointInfo(id=pending.id, tag=pending.tag, created=settled.created, nbytes=settled.nbytes,
+                              stats=stats, world_size=settled.world_size)
+        try:
+            self._history.learn_commit(manifest)
+            if self._collective.rank == 0:
+                self._retain(self._collective.root_repository(create=True), self.keep_last)
+            self._collective.retire(repo, manifest.id)
+        except Exception as exc:  # the save is committed: say what did not follow it
+            log.warning("gpusnap: checkpoint %s committed, but what follows a commit failed: %r", pending.id, exc)
+        finally:
+            _release_state(job)
             pending._finish(info)
 
     def _retain(self, repo: Repository, keep_last: int | None) -> None:
@@ -934,6 +1015,11 @@ class Checkpointer:
     def _tiers(self) -> list[Repository]:
         """The roots that exist: the fast tier first (it is read first), then the durable one."""
         tiers: list[Repository] = []
+        if self._collective is not None:  # its checkpoints: the global manifests
+            try:
+                return [self._collective.root_repository(create=False)]
+            except CheckpointNotFoundError:
+                return []
         if self.fast_root is not None:
             try:
                 tiers.append(self._fast if self._fast is not None else FastTier.open(self.fast_root, config=self.config))
@@ -1025,8 +1111,14 @@ class Checkpointer:
         # raises one that failed unobserved: resuming must not skip it without a word)
         self._reap()
         started = time.perf_counter()
+        if self._collective is not None:
+            return collective_restore(self._collective, self._restorer, app_state, checkpoint,
+                                      allow_pickle=self.allow_pickle, lazy=lazy, verify=verify, strict=strict,
+                                      started=started)
         repo, manifest, skipped = self._resolve(checkpoint)  # "latest" must not fall back silently
         repo.warn_unreadable(skipped, f"restore() used the older checkpoint {manifest.id} instead")
+        if manifest.ranks:  # a distributed checkpoint, restored by one process (docs/distributed.md)
+            repo, manifest = rank_view(repo, manifest, rank=0, world_size=1)
         handle = self._restorer.restore(
             repo, manifest, app_state, allow_pickle=self.allow_pickle, lazy=lazy, verify=verify, started=started,
             strict=strict,
@@ -1082,6 +1174,8 @@ class Checkpointer:
             for repo in (self._repo, self._fast):
                 if repo is not None:
                     repo.close()  # the writer lease: another Checkpointer may write now
+            if self._collective is not None:
+                self._collective.close()
             self._stopped = True
 
     def __enter__(self) -> Checkpointer:

@@ -37,6 +37,7 @@ import torch
 from gpusnap.config import Config
 from gpusnap.errors import CheckpointError
 from gpusnap.restore.eager import load_spans
+from gpusnap.restore.rank_view import rank_view
 from gpusnap.restore.restorer import reader_threads
 from gpusnap.state.apply import (
     RestorePlan,
@@ -103,6 +104,8 @@ def load(
     try:
         manifest, skipped = repo.resolve_reporting(checkpoint)
         repo.warn_unreadable(skipped, f"load() used the older checkpoint {manifest.id} instead")
+        if manifest.ranks:  # distributed: rank 0's state, its DTensors whole (docs/distributed.md)
+            repo, manifest = rank_view(repo, manifest, rank=0, world_size=1)
         planner = _TemplateFree([SpanInfo(nbytes=e.nbytes, device=e.device) for e in manifest.storages], allow_pickle)
         top = planner.top_keys(manifest.tree)
         slot = planner.select(manifest.tree, selectors)

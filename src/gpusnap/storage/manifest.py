@@ -16,7 +16,7 @@ from typing import Any
 from gpusnap.errors import CheckpointError, IntegrityError
 from gpusnap.kernels.hashing import chunk_digest
 
-__all__ = ["DEVICE_HASH", "FORMAT", "VERSION", "Manifest", "StorageEntry", "canonical_json"]
+__all__ = ["DEVICE_HASH", "FORMAT", "VERSION", "Manifest", "RankPart", "StorageEntry", "canonical_json"]
 
 FORMAT = "gpusnap"
 VERSION = 1
@@ -46,8 +46,22 @@ class StorageEntry:
 
 
 @dataclass(frozen=True)
+class RankPart:
+    """One rank's part of a distributed checkpoint: its rank manifest (``ranks/<rank>/
+    manifests/<id>.json``, storage/ranks.py), named by the checksum it must carry."""
+
+    rank: int
+    checksum: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class Manifest:
-    """A committed checkpoint. ``tree`` and ``stats`` belong to the layers above."""
+    """A committed checkpoint. ``tree`` and ``stats`` belong to the layers above.
+
+    A distributed checkpoint's *global* manifest has ``ranks`` (one part per rank, in rank
+    order) and no storages; its tree is ``{"t": "ranks"}``, which a gpusnap that predates it
+    refuses to restore. Each rank's state is in its rank manifest, an ordinary one."""
 
     id: str
     tag: str | None
@@ -56,11 +70,23 @@ class Manifest:
     storages: tuple[StorageEntry, ...]
     tree: dict[str, Any]
     stats: dict[str, Any]
+    ranks: tuple[RankPart, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks) or 1
 
     @property
     def nbytes(self) -> int:
-        """Bytes of tensor data in the checkpoint (before deduplication)."""
+        """Bytes of tensor data in the checkpoint (before deduplication; of every rank)."""
+        if self.ranks:
+            return sum(p.nbytes for p in self.ranks)
         return sum(s.nbytes for s in self.storages)
+
+    @property
+    def checksum(self) -> str:
+        """The checksum its file carries (what a global manifest names a rank manifest by)."""
+        return chunk_digest(canonical_json(self._body()))
 
     def without_data(self, spans: Collection[int]) -> Manifest:
         """This manifest with storages ``spans`` holding no bytes and no chunks: a reader of the
@@ -71,7 +97,7 @@ class Manifest:
         ))
 
     def _body(self) -> dict[str, Any]:
-        return {
+        body = {
             "format": FORMAT,
             "version": VERSION,
             "id": self.id,
@@ -82,6 +108,9 @@ class Manifest:
             "tree": self.tree,
             "stats": self.stats,
         }
+        if self.ranks:
+            body["ranks"] = [{"rank": p.rank, "checksum": p.checksum, "nbytes": p.nbytes} for p in self.ranks]
+        return body
 
     def to_json(self) -> bytes:
         """The file's bytes: canonical JSON of all fields plus ``checksum``."""
@@ -132,6 +161,9 @@ class Manifest:
             if not isinstance(tree, dict) or not isinstance(stats, dict):
                 raise TypeError("tree and stats must be objects")
             tag = doc["tag"]
+            ranks = tuple(RankPart(int(p["rank"]), str(p["checksum"]), int(p["nbytes"])) for p in doc.get("ranks", ()))
+            if [p.rank for p in ranks] != list(range(len(ranks))):
+                raise ValueError("a distributed manifest names one part per rank, in rank order")
             return cls(
                 id=str(doc["id"]),
                 tag=None if tag is None else str(tag),
@@ -140,6 +172,7 @@ class Manifest:
                 storages=storages,
                 tree=tree,
                 stats=stats,
+                ranks=ranks,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"manifest {where} is malformed (written by a buggy writer?): {exc!r}") from None
