@@ -183,7 +183,108 @@ def kill(rank: int, world: int, where: Path, args: dict[str, Any]) -> dict[str, 
         os._exit(0)  # the process group lost a rank: leave without its teardown
 
 
-SCENARIOS = {"protocol": protocol, "resume": resume, "kill": kill}
+def fsdp_state(world: int, seed: int) -> dict[str, Any]:
+    """FSDP2 over ``world`` ranks (uneven shards: 7 and 3 rows over 4 ranks), its AdamW, a
+    replicated DTensor (stored once) and a Partial one (never resharded)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    torch.manual_seed(seed)
+    mesh = init_device_mesh("cpu", (world,))
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+    for layer in (model[0], model[2], model):
+        fully_shard(layer, mesh=mesh)
+    rep = DTensor.from_local(torch.arange(6.0) * (seed + 1), mesh, [Replicate()], run_check=False)
+    partial = DTensor.from_local(torch.full((2,), float(dist.get_rank() + seed)), mesh, [Partial()], run_check=False)
+    return {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=1e-2), "rep": rep,
+            "partial": partial, "step": 0}
+
+
+def fsdp_train(state: dict[str, Any], steps: int) -> None:
+    for _ in range(steps):
+        gen = torch.Generator().manual_seed(1000 * dist.get_rank() + state["step"])
+        state["optim"].zero_grad()
+        state["model"](torch.randn(4, 5, generator=gen)).square().mean().backward()
+        state["optim"].step()
+        state["step"] += 1
+
+
+def full(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every parameter and optimizer moment whole (DTensor.full_tensor: a collective, test side)."""
+    out = {f"model.{k}": v.full_tensor() for k, v in state["model"].state_dict().items()}
+    for i, moments in state["optim"].state_dict()["state"].items():
+        out.update({f"optim.{i}.{k}": v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in moments.items()})
+    return out
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def fsdp_save(rank: int, world: int, where: Path, args: dict[str, Any]) -> dict[str, Any]:
+    """FSDP2 on 4 ranks: saves during training, restore in place (same layout: bit-exact, the
+    same storages), a tag one rank disagrees on."""
+    state = fsdp_state(world, 0)
+    with gpusnap.Checkpointer(where / "fsdp4", config=cfg()) as ck:
+        fsdp_train(state, 1)
+        pending = ck.save(state, tag="step1")
+        fsdp_train(state, 1)  # while the save runs
+        pending.wait()
+        fsdp_train(state, 1)
+        info = ck.save(state, tag="step3", blocking=True).wait()
+        assert info.world_size == world
+        saved = full(state)
+        if rank == 0:
+            torch.save(saved, where / "fsdp4-full.pt")
+        locals_ = [p._local_tensor for p in state["model"].parameters()]
+        ptrs = [t.data_ptr() for t in locals_]
+        fsdp_train(state, 2)
+        state["rep"].to_local().add_(1)  # (rank 0 stored it for every rank)
+        state["partial"].to_local().add_(1)
+        handle = ck.restore(state, "step3")
+        assert handle.stats["resharded"] == [] and state["step"] == 3
+        assert [p._local_tensor.data_ptr() for p in state["model"].parameters()] == ptrs
+        assert same(full(state), saved)
+        assert torch.equal(state["rep"].to_local(), torch.arange(6.0))
+        assert torch.equal(state["partial"].to_local(), torch.full((2,), float(rank)))
+        error = raises(lambda: ck.save(state, tag="last" if rank != 3 else "other").wait(), gpusnap.CheckpointError)
+        assert "different tags" in error, error
+    return {"id": info.id}
+
+
+def fsdp_reshard(rank: int, world: int, where: Path, args: dict[str, Any]) -> dict[str, Any]:
+    """2 ranks: the 4-rank checkpoint into FSDP2 over 2 (a fresh model and optimizer: resharded,
+    Partial refused), then a per-process checkpoint of a plain model into FSDP2 over 2 (1 -> 2);
+    train, save (for 2 -> 1)."""
+    out: dict[str, Any] = {}
+    state = fsdp_state(world, 7)
+    with gpusnap.Checkpointer(where / "fsdp4", config=cfg()) as ck:
+        out["partial"] = raises(lambda: ck.restore(state, "step3"), gpusnap.RestoreMismatchError)
+        assert "partial" in out["partial"] and "cannot reshard" in out["partial"], out["partial"]
+        del state["partial"]
+        handle = ck.restore(state, "step3", strict=False)
+        assert handle.stats["unexpected"] == ["partial"] and "model/0.weight" in handle.stats["resharded"]
+    assert same(full(state), torch.load(where / "fsdp4-full.pt")) and state["step"] == 3
+    assert torch.equal(state["rep"].to_local(), torch.arange(6.0))
+
+    plain = fsdp_state(world, 11)
+    del plain["rep"], plain["partial"]
+    with gpusnap.Checkpointer(where / "plain", config=cfg()) as ck:  # saved by one process, no DTensors
+        ck.restore(plain)
+    assert same(full(plain), torch.load(where / "plain-full.pt"))
+
+    fsdp_train(state, 1)
+    with gpusnap.Checkpointer(where / "fsdp2", config=cfg()) as ck:
+        ck.save(state).wait()
+    saved = full(state)
+    if rank == 0:
+        torch.save(saved, where / "fsdp2-full.pt")
+    return out
+
+
+SCENARIOS = {"protocol": protocol, "resume": resume, "kill": kill, "fsdp_save": fsdp_save,
+             "fsdp_reshard": fsdp_reshard}
 
 
 def write(result: dict[str, Any], where: Path, scenario: str, rank: int) -> None:
