@@ -295,22 +295,28 @@ class Checkpointer:
         self._check_open()
         if self._collective is None:
             return self._checked_save(app_state, tag, blocking, promote, None)
+        agreeing = time.perf_counter()
         _seq, checkpoint_id = self._collective.next_save()  # the same id on every rank: no message
+        coordinated = (checkpoint_id, time.perf_counter() - agreeing)
         try:
-            return self._checked_save(app_state, tag, blocking, promote, checkpoint_id)
+            return self._checked_save(app_state, tag, blocking, promote, coordinated)
         except BaseException as exc:  # the other ranks must not wait for this rank's part
             self._collective.fail(checkpoint_id, exc)
             raise
 
     def _checked_save(self, app_state: MutableMapping[str, Any], tag: str | None, blocking: bool, promote: bool,
-                      checkpoint_id: str | None) -> PendingSave:
+                      coordinated: tuple[str, float] | None) -> PendingSave:
+        """``coordinated``: a collective save's id and the seconds save() spent agreeing on it."""
         if tag is not None and (not isinstance(tag, str) or not tag or "/" in tag):
             raise ValueError(f"tag must be a non-empty string without '/', got {tag!r}")
         if promote and self.fast_root is None:
             raise ValueError("promote=True needs a fast_root (without one every save is durable)")
         if tag is not None:
+            started = time.perf_counter()
             self._check_tag_free(tag)
-        return self._save(app_state, tag, blocking, promote=promote, checkpoint_id=checkpoint_id)
+            if coordinated is not None:  # (tags of collective saves live in the global manifests)
+                coordinated = (coordinated[0], coordinated[1] + time.perf_counter() - started)
+        return self._save(app_state, tag, blocking, promote=promote, coordinated=coordinated)
 
     def _check_tag_free(self, tag: str) -> None:
         """A tag names one checkpoint: refuse one that a committed checkpoint or a save still
@@ -341,10 +347,10 @@ class Checkpointer:
         blocking: bool,
         retry_of: _SaveJob | None = None,
         promote: bool = False,
-        checkpoint_id: str | None = None,
+        coordinated: tuple[str, float] | None = None,
     ) -> PendingSave:
         with collector_paused():  # not in this call's stall: see collector.py
-            pending, run_now = self._save_now(app_state, tag, blocking, retry_of, promote, checkpoint_id)
+            pending, run_now = self._save_now(app_state, tag, blocking, retry_of, promote, coordinated)
         if run_now is not None:
             with self._pending_lock:  # listed while it runs: its tag is taken (_check_tag_free)
                 self._pending.append(pending)
@@ -363,11 +369,12 @@ class Checkpointer:
         blocking: bool,
         retry_of: _SaveJob | None,
         promote: bool = False,
-        checkpoint_id: str | None = None,
+        coordinated: tuple[str, float] | None = None,
     ) -> tuple[PendingSave, tuple[Repository, _SaveJob] | None]:
         """save()'s work on the caller's thread; a blocking save of host state returns its
         job to run right there (after the collector is back on)."""
-        started = time.perf_counter()
+        begun = time.perf_counter()
+        started = begun - (coordinated[1] if coordinated is not None else 0.0)  # (the stall counts it)
         lazy_restores.before_save(app_state)  # any lazy restore in the process still loading: its bytes first
         self._reap()
         fast = self._fast_tier() if self.fast_root is not None else None
@@ -384,7 +391,7 @@ class Checkpointer:
         if retry_of is not None:
             pending = retry_of.pending
         else:
-            pending = PendingSave(checkpoint_id or repo.new_id(created), tag)
+            pending = PendingSave(coordinated[0] if coordinated is not None else repo.new_id(created), tag)
         pending._on_wait, pending._waits, pending._on_fail = self._reap, self._wait_for, self._failed
         job = _SaveJob(pending, flat, created, started, blocking, CaptureCounters())
         job.app_state, job.owner = app_state, threading.current_thread()
@@ -395,7 +402,9 @@ class Checkpointer:
             # its stats describe the save the caller made: a blocking caller has waited since
             # the first attempt (the retry itself runs inside that caller's wait)
             job.started, job.blocking = retry_of.started, retry_of.blocking
-        job.phases.update(wait_previous=waited - started, flatten=flattened - waited)
+        job.phases.update(wait_previous=waited - begun, flatten=flattened - waited)
+        if coordinated is not None:
+            job.phases["coordinate"] = coordinated[1]
         # the fast tier is written by the copier only (a window, waited for when blocking)
         windowed = fast is not None or (self.config.concurrent and (not blocking or self._blocking_via_window(flat)))
         if not windowed:
@@ -917,7 +926,8 @@ class Checkpointer:
             if not isinstance(exc, Exception):
                 raise
             return
-        stats = dict(manifest.stats, duration_s=time.perf_counter() - job.started, coordination_s=settled.coordination_s)
+        stats = dict(manifest.stats, duration_s=time.perf_counter() - job.started, coordination_s=settled.coordination_s,
+                     coordination_phases_s=dict(settled.phases))
         if job.blocking:
             stats["stall_s"] = stats["duration_s"]
         info = CheckpointInfo(id=pending.id, tag=pending.tag, created=settled.created, nbytes=settled.nbytes,

@@ -22,6 +22,7 @@ __all__ = ["TensorRow", "ValueRow", "entries", "summarize", "tensor_itemsize", "
 WIDTH = 72
 """Longest value text shown on one line; a longer container is split by key, or summarized."""
 _CONTAINERS = ("module", "stateful", "dict", "list", "tuple")
+_TENSORS = ("tensor", "dtensor")
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ def summarize(manifest: Manifest) -> tuple[list[TensorRow], list[ValueRow]]:
     tensors: list[TensorRow] = []
     values: list[ValueRow] = []
     for key, node in entries(manifest):
-        if node.get("t") == "tensor":
+        if node.get("t") in _TENSORS:
             tensors.append(_tensor_row(key, node))
         else:
             values.append(ValueRow(key, str(node.get("t")), value_text(node)))
@@ -63,7 +64,7 @@ def _entries(node: dict[str, Any], path: str) -> Iterator[tuple[str, dict[str, A
     for name, child in _children(node):
         key = join_path(path, name)
         kind = child.get("t")
-        if kind == "tensor":
+        if kind in _TENSORS:
             yield key, child
         elif kind in _CONTAINERS and (_has_tensor(child) or _splittable(child)):
             yield from _entries(child, key)
@@ -86,7 +87,7 @@ def _children(node: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 
 def _has_tensor(node: dict[str, Any]) -> bool:
     kind = node.get("t")
-    if kind == "tensor":
+    if kind in _TENSORS:
         return True
     return kind in _CONTAINERS and any(_has_tensor(c) for _, c in _children(node))
 
@@ -224,6 +225,17 @@ def tensor_nbytes(node: dict[str, Any]) -> int | None:
 
 
 def _tensor_row(key: str, node: dict[str, Any]) -> TensorRow:
+    if node.get("t") == "dtensor":  # its global shape and bytes; where: its placements over the mesh
+        local = node.get("local") or {}
+        shape = tuple(int(d) for d in node.get("shape", ()))
+        numel = 1
+        for d in shape:
+            numel *= d
+        itemsize = tensor_itemsize(node)
+        placed = f"{local.get('device', '-')} {','.join(map(str, node.get('placements', ())))} mesh {list(node.get('mesh', ()))}"
+        return TensorRow(key=key, dtype=str(node.get("dtype")), shape=shape,
+                         nbytes=None if itemsize is None else numel * itemsize, device=placed,
+                         requires_grad=bool(local.get("requires_grad", False)))
     return TensorRow(
         key=key,
         dtype=str(node.get("dtype")),

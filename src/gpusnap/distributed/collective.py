@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -39,14 +40,26 @@ __all__ = ["Collective", "Settled"]
 
 log = logging.getLogger("gpusnap")
 
-_PART_STATS = ("bytes_written", "stall_s", "duration_s")  # what a part carries of its rank's stats
+_PART_STATS = ("bytes_written", "stall_s", "duration_s", "validation")  # what a part carries of its rank's stats
 
 
+@dataclass(frozen=True)
 class Settled:
-    """A committed collective save, as this rank knows it: enough for its CheckpointInfo."""
+    """A committed collective save, as this rank knows it: enough for its CheckpointInfo.
+    ``phases`` (seconds, writer thread): ``describe`` (this rank's part: its state's
+    signature and manifest checksum), ``decide`` (the messages and the wait for rank 0's
+    decision, which rank 0 makes once every part is in: it includes the slowest rank's own
+    save), and on rank 0 ``gather`` (its wait for the parts) and ``commit`` (its global
+    manifest's atomic write), both within ``decide``."""
 
-    def __init__(self, created: float, nbytes: int, world_size: int, coordination_s: float) -> None:
-        self.created, self.nbytes, self.world_size, self.coordination_s = created, nbytes, world_size, coordination_s
+    created: float
+    nbytes: int
+    world_size: int
+    phases: dict[str, float]
+
+    @property
+    def coordination_s(self) -> float:
+        return self.phases["describe"] + self.phases["decide"]
 
 
 class Collective:
@@ -66,6 +79,7 @@ class Collective:
         self._seq = 0
         self._seqs: dict[str, int] = {}  # pending id -> save number
         self._decided: set[int] = set()  # rank 0: saves whose decision is out
+        self._open: set[str] = set()  # ids of this rank's saves not settled yet (retention keeps their parts)
         self._restores = 0  # collective restores so far (they number their keys)
         self.broken: str | None = None  # why no later save can be trusted to match across ranks
 
@@ -122,18 +136,28 @@ class Collective:
     # -- saving ---------------------------------------------------------------------------
     def next_save(self) -> tuple[int, str]:
         """The next save's number and id (the same on every rank that saves as often)."""
-        group = self.joined()
+        joined = self._group is not None
+        try:
+            self.joined()
+        except CheckpointError as exc:
+            if joined:  # (rank 0 lost the root's lease since): the others must not wait for this save
+                self.fail(self._allocate()[1], exc)
+            raise
         if self.broken is not None:
             raise CheckpointError(
                 f"this collective Checkpointer cannot save any more: {self.broken}. Its ranks may no longer "
                 "save at the same steps: make a new Checkpointer on every rank (earlier checkpoints are intact)"
             )
+        return self._allocate()
+
+    def _allocate(self) -> tuple[int, str]:
+        assert self._group is not None
         with self._lock:
             self._seq += 1
             seq = self._seq
-        cid = f"{group.run_id}-{seq:06d}"
-        with self._lock:
+            cid = f"{self._group.run_id}-{seq:06d}"
             self._seqs[cid] = seq
+            self._open.add(cid)
         return seq, cid
 
     def tag_owner(self, tag: str) -> str | None:
@@ -149,6 +173,8 @@ class Collective:
         seq = self._seqs.get(checkpoint_id)
         if seq is None or self._rounds is None:
             return
+        with self._lock:
+            self._open.discard(checkpoint_id)
         why = f"rank {self.rank}'s part failed: {str(error) or type(error).__name__}"
         try:
             if self.rank == 0:
@@ -166,10 +192,18 @@ class Collective:
         started = time.perf_counter()
         part = Part(self.rank, manifest.id, tag=tag, signature=signature(manifest.tree), checksum=manifest.checksum,
                     nbytes=manifest.nbytes, stats={k: stats[k] for k in _PART_STATS if k in stats})
+        described = time.perf_counter()
         self._rounds.report(seq, part)
-        decision = self._decide_as_root(seq, manifest, tag) if self.rank == 0 else self._await(seq, manifest.id)
+        phases = {"describe": described - started}
+        if self.rank == 0:
+            decision = self._decide_as_root(seq, manifest, tag, phases)
+        else:
+            decision = self._await(seq, manifest.id)
+        phases["decide"] = time.perf_counter() - described
         if decision.broken and self.broken is None:
             self.broken = decision.error
+        with self._lock:
+            self._open.discard(manifest.id)
         try:
             self._rounds.forget(seq)
         except Exception:  # (keys left in the store: memory, never a wrong answer)
@@ -177,7 +211,7 @@ class Collective:
         if decision.error is not None:
             raise CheckpointError(f"checkpoint {manifest.id} was not committed: {decision.error}; "
                                   "earlier checkpoints are intact")
-        return Settled(decision.created, decision.nbytes, self.size, time.perf_counter() - started)
+        return Settled(decision.created, decision.nbytes, self.size, phases)
 
     def _decide(self, seq: int, decision: Decision) -> Decision:
         assert self._rounds is not None
@@ -188,10 +222,12 @@ class Collective:
         self._rounds.publish(seq, decision)
         return decision
 
-    def _decide_as_root(self, seq: int, own: Manifest, tag: str | None) -> Decision:
+    def _decide_as_root(self, seq: int, own: Manifest, tag: str | None, phases: dict[str, float]) -> Decision:
         assert self._rounds is not None
+        gathering = time.perf_counter()
         try:
             parts = self._rounds.gather(seq)
+            phases["gather"] = time.perf_counter() - gathering
         except Missing as exc:
             return self._decide(seq, Decision(own.id, error=str(exc), broken=True))
         problem = self._disagreement(own, parts)
@@ -201,9 +237,11 @@ class Collective:
         glob = Manifest(id=own.id, tag=tag, created=own.created, chunk_size=own.chunk_size, storages=(),
                         tree={"t": "ranks"}, stats=stats,
                         ranks=tuple(RankPart(p.rank, p.checksum, p.nbytes) for p in parts))
+        committing = time.perf_counter()
         try:
             with self.root_repository(create=True).begin_write() as txn:
                 txn.commit(glob)
+            phases["commit"] = time.perf_counter() - committing
         except Exception as exc:
             return self._decide(seq, Decision(own.id, error=f"rank 0 could not commit the global manifest: {exc}"))
         return self._decide(seq, Decision(own.id, created=glob.created, nbytes=glob.nbytes))
@@ -255,8 +293,10 @@ class Collective:
 
     def retire(self, rank_repo: Repository, upto: str) -> None:
         """This rank's retention after save ``upto`` was decided (never fails a save)."""
+        with self._lock:  # (a blocking save may settle on the caller's thread before an earlier one)
+            unsettled = min(self._open, default=None)
         try:
-            retire_rank_manifests(rank_repo, self.root_repository(create=self.rank == 0), upto)
+            retire_rank_manifests(rank_repo, self.root_repository(create=self.rank == 0), upto, before=unsettled)
         except Exception as exc:
             log.warning("gpusnap: retention of rank %d's root failed; the next save tries again: %s", self.rank, exc)
 

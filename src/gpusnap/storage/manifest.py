@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Collection
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 from gpusnap.errors import CheckpointError, IntegrityError
@@ -83,9 +84,10 @@ class Manifest:
             return sum(p.nbytes for p in self.ranks)
         return sum(s.nbytes for s in self.storages)
 
-    @property
+    @cached_property
     def checksum(self) -> str:
-        """The checksum its file carries (what a global manifest names a rank manifest by)."""
+        """The checksum its file carries (what a global manifest names a rank manifest by);
+        worked out once (the tree is read only)."""
         return chunk_digest(canonical_json(self._body()))
 
     def without_data(self, spans: Collection[int]) -> Manifest:
@@ -116,8 +118,7 @@ class Manifest:
         """The file's bytes: canonical JSON of all fields plus ``checksum``."""
         body = self._body()
         try:
-            checksum = chunk_digest(canonical_json(body))
-            return canonical_json({**body, "checksum": checksum})
+            return canonical_json({**body, "checksum": self.checksum})
         except (TypeError, ValueError) as exc:
             raise CheckpointError(
                 f"manifest {self.id}: tree/stats must be plain JSON (no NaN, no objects): {exc}"

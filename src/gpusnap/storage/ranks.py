@@ -23,10 +23,11 @@ from gpusnap.storage.backend import BackendLock
 from gpusnap.storage.layout import MANIFESTS, PACKS, RANKS, storage_error
 from gpusnap.storage.manifest import Manifest, RankPart
 from gpusnap.storage.pack import PackIndex
-from gpusnap.storage.repository import Repository
+from gpusnap.storage.repository import GcReport, Repository
 from gpusnap.storage.txn import WriteTxn
 
-__all__ = ["RANK_ROOT_DOC", "RankedRepository", "rank_manifest_path", "rank_root", "retire_rank_manifests"]
+__all__ = ["RANK_ROOT_DOC", "RankedRepository", "collect_ranks", "rank_manifest_path", "rank_root",
+           "retire_rank_manifests", "whole"]
 
 RANK_ROOT_DOC = {"tier": "rank"}  # a rank's root: refused as a Checkpointer's root or fast_root
 
@@ -92,14 +93,46 @@ class RankedRepository(Repository):
         return rank
 
 
-def retire_rank_manifests(rank_repo: Repository, root_repo: Repository, upto: str) -> builtins.list[str]:
+def retire_rank_manifests(
+    rank_repo: Repository, root_repo: Repository, upto: str, *, before: str | None = None
+) -> builtins.list[str]:
     """A rank's retention: delete its manifests of checkpoints up to ``upto`` (ids sort in save
-    order) that have no global manifest (never committed, or retired by rank 0), then the
-    packs nothing references. Returns the ids deleted. Saves after ``upto`` are still being
-    decided and are kept; a global manifest not yet retired keeps its part until a later run."""
+    order) and before ``before`` (the first save still being decided) that have no global
+    manifest (never committed, or retired by rank 0), then the packs nothing references.
+    Returns the ids deleted. Later saves are still being decided and are kept; a global
+    manifest not yet retired keeps its part until a later run, and so does an unreadable one
+    (it exists)."""
+    gone = _drop_orphans(rank_repo, root_repo, upto, before=before, timeout=0.0)
+    if gone:
+        report = rank_repo.gc(None, blocking=False, fresh=False)
+        if report.skipped:
+            raise CheckpointError(f"retention of {rank_repo.root} skipped: {'; '.join(report.notes)}")
+    return gone
+
+
+def collect_ranks(root_repo: Repository, *, timeout: float = 30.0) -> GcReport:
+    """``gpusnap gc`` of every rank's root once the global manifests are trimmed: the parts no
+    global manifest names and the packs only they used. Each rank's root has its own writer
+    lease: a rank still saving there refuses it (a StorageError)."""
+    parts: builtins.list[str] = []
+    packs: builtins.list[str] = []
+    freed = 0
+    for rank in sorted((n for n in root_repo._listdir(RANKS) if n.isdigit()), key=int):
+        sub = Repository.open(rank_root(root_repo.root, int(rank)), config=root_repo.config)
+        parts += _drop_orphans(sub, root_repo, None, timeout=timeout)
+        report = sub.gc(None, timeout=timeout)
+        packs += report.deleted_packs
+        freed += report.freed_bytes
+    return GcReport(tuple(parts), tuple(packs), freed)
+
+
+def _drop_orphans(rank_repo: Repository, root_repo: Repository, upto: str | None, *, timeout: float,
+                  before: str | None = None) -> builtins.list[str]:
+    """Delete ``rank_repo``'s manifests (up to ``upto``, before ``before``) whose global
+    manifest does not exist."""
     gone: builtins.list[str] = []
     for m in rank_repo.list():
-        if m.id > upto:
+        if (upto is not None and m.id > upto) or (before is not None and m.id >= before):
             continue
         try:
             committed = root_repo.backend.exists(f"{MANIFESTS}/{m.id}.json")
@@ -108,12 +141,20 @@ def retire_rank_manifests(rank_repo: Repository, root_repo: Repository, upto: st
         if committed:
             continue
         try:
-            rank_repo.delete(m.id, timeout=0.0)
+            rank_repo.delete(m.id, timeout=timeout)
         except CheckpointNotFoundError:
             pass
         gone.append(m.id)
-    if gone:
-        report = rank_repo.gc(None, blocking=False, fresh=False)
-        if report.skipped:
-            raise CheckpointError(f"retention of {rank_repo.root} skipped: {'; '.join(report.notes)}")
     return gone
+
+
+def whole(repo: RankedRepository, manifest: Manifest) -> Manifest:
+    """A distributed checkpoint as one manifest, for tools that count bytes and compare
+    (``du``, ``diff``): every rank's storages in rank order, under rank 0's tree (whose
+    storage indices come first). A per-process one as it is."""
+    if not manifest.ranks:
+        return manifest
+    parts = repo.rank_manifests(manifest)
+    storages = tuple(e for part in parts for e in part.storages)
+    return Manifest(id=manifest.id, tag=manifest.tag, created=manifest.created, chunk_size=parts[0].chunk_size,
+                    storages=storages, tree=parts[0].tree, stats=manifest.stats)
