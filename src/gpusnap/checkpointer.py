@@ -36,6 +36,10 @@ from gpusnap.capture.warmup import WARMUP_JOIN_S, start_capture_warmup
 from gpusnap.collector import collector_paused
 from gpusnap.config import Config
 from gpusnap.device import outside_graph_captures
+from gpusnap.distributed.collective import Collective
+from gpusnap.distributed.group import collective_group
+from gpusnap.distributed.restore import collective_restore
+from gpusnap.restore.rank_view import rank_view
 from gpusnap.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -68,6 +72,7 @@ def info_from_manifest(manifest: Manifest, tier: str = "durable") -> CheckpointI
         nbytes=manifest.nbytes,
         stats=dict(manifest.stats),
         tier=tier,
+        world_size=manifest.world_size,
     )
 
 
@@ -125,6 +130,11 @@ class Checkpointer:
     ``promote=True``) is then copied in the background to ``root``, the durable tier.
     ``fast_keep_last`` (default 2) is the fast tier's retention, ``keep_last`` the root's.
     ``list()``, ``latest()`` and ``restore()`` consider both tiers.
+
+    When ``torch.distributed`` is initialized, the Checkpointer is *collective* over
+    ``process_group`` (default: the world; ``False``: per process): every rank calls
+    ``save()`` at the same step and ``restore()`` together, and a checkpoint is listed once
+    every rank's part is durable (docs/distributed.md).
     """
 
     def __init__(
@@ -138,6 +148,7 @@ class Checkpointer:
         fast_root: str | os.PathLike[str] | None = None,
         fast_keep_last: int | None = None,
         promote_every: int | None = None,
+        process_group: Any = None,
     ) -> None:
         for name, value in (("keep_last", keep_last), ("fast_keep_last", fast_keep_last), ("promote_every", promote_every)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -162,6 +173,11 @@ class Checkpointer:
                 raise ValueError("fast_root must be a directory of its own, not the Checkpointer's root")
         self.allow_pickle = allow_pickle
         self._storage_options = storage_options
+        group = collective_group(process_group)
+        self._collective = None if group is None else Collective(self.root, group, self.config, storage_options)
+        if self._collective is not None and self.fast_root is not None:
+            raise ValueError("a collective Checkpointer has no fast tier yet: leave out fast_root, or pass "
+                             "process_group=False for per-process checkpoints")
         self._repo: Repository | None = None
         self._repo_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="gpusnap-io")
@@ -214,6 +230,9 @@ class Checkpointer:
         """The root; ``create`` (saving) also makes this Checkpointer its one writer until
         ``close()``: a StorageError names the writer that already holds it."""
         with self._repo_lock:
+            if self._repo is None and self._collective is not None:  # (this rank's own root)
+                self._repo = repo = self._collective.rank_repository()
+                self._opened.append(repo)
             if self._repo is None:
                 self._repo = repo = Repository.open(
                     self.root,
@@ -229,6 +248,8 @@ class Checkpointer:
                 )
             if create:
                 self._repo.claim_writer()  # idempotent
+                if self._collective is not None:
+                    self._collective.announce()
             return self._repo
 
     def _fast_tier(self) -> FastTier:
@@ -274,13 +295,30 @@ class Checkpointer:
         it to the durable root afterwards, whatever ``promote_every`` says.
         """
         self._check_open()
+        if self._collective is None:
+            return self._checked_save(app_state, tag, blocking, promote, None)
+        agreeing = time.perf_counter()
+        _seq, checkpoint_id = self._collective.next_save()  # the same id on every rank: no message
+        coordinated = (checkpoint_id, time.perf_counter() - agreeing)
+        try:
+            return self._checked_save(app_state, tag, blocking, promote, coordinated)
+        except BaseException as exc:  # the other ranks must not wait for this rank's part
+            self._collective.fail(checkpoint_id, exc)
+            raise
+
+    def _checked_save(self, app_state: MutableMapping[str, Any], tag: str | None, blocking: bool, promote: bool,
+                      coordinated: tuple[str, float] | None) -> PendingSave:
+        """``coordinated``: a collective save's id and the seconds save() spent agreeing on it."""
         if tag is not None and (not isinstance(tag, str) or not tag or "/" in tag):
             raise ValueError(f"tag must be a non-empty string without '/', got {tag!r}")
         if promote and self.fast_root is None:
             raise ValueError("promote=True needs a fast_root (without one every save is durable)")
         if tag is not None:
+            started = time.perf_counter()
             self._check_tag_free(tag)
-        return self._save(app_state, tag, blocking, promote=promote)
+            if coordinated is not None:  # (tags of collective saves live in the global manifests)
+                coordinated = (coordinated[0], coordinated[1] + time.perf_counter() - started)
+        return self._save(app_state, tag, blocking, promote=promote, coordinated=coordinated)
 
     def prepare(
         self, app_state: Mapping[str, Any] | None = None, *, nbytes: int | None = None, wait: bool = False
@@ -341,7 +379,10 @@ class Checkpointer:
                 f"tag {tag!r} is taken by checkpoint {pending}, still being saved; a tag names one "
                 "checkpoint: pick another tag"
             )
-        owner = self._repository(create=True).tag_owner(tag)
+        if self._collective is not None:
+            owner = self._collective.tag_owner(tag)
+        else:
+            owner = self._repository(create=True).tag_owner(tag)
         if owner is None and self.fast_root is not None:
             owner = self._fast_tier().tag_owner(tag)
         if owner is not None:
@@ -357,9 +398,10 @@ class Checkpointer:
         blocking: bool,
         retry_of: _SaveJob | None = None,
         promote: bool = False,
+        coordinated: tuple[str, float] | None = None,
     ) -> PendingSave:
         with collector_paused():  # not in this call's stall: see collector.py
-            pending, run_now = self._save_now(app_state, tag, blocking, retry_of, promote)
+            pending, run_now = self._save_now(app_state, tag, blocking, retry_of, promote, coordinated)
         if run_now is not None:
             with self._pending_lock:  # listed while it runs: its tag is taken (_check_tag_free)
                 self._pending.append(pending)
@@ -378,10 +420,12 @@ class Checkpointer:
         blocking: bool,
         retry_of: _SaveJob | None,
         promote: bool = False,
+        coordinated: tuple[str, float] | None = None,
     ) -> tuple[PendingSave, tuple[Repository, _SaveJob] | None]:
         """save()'s work on the caller's thread; a blocking save of host state returns its
         job to run right there (after the collector is back on)."""
-        started = time.perf_counter()
+        begun = time.perf_counter()
+        started = begun - (coordinated[1] if coordinated is not None else 0.0)  # (the stall counts it)
         lazy_restores.before_save(app_state)  # any lazy restore in the process still loading: its bytes first
         self._reap()
         fast = self._fast_tier() if self.fast_root is not None else None
@@ -395,8 +439,11 @@ class Checkpointer:
         flattened = time.perf_counter()
         repo = self._repository(create=True) if fast is None else fast
         created = time.time()
-        pending = PendingSave(repo.new_id(created), tag) if retry_of is None else retry_of.pending
-        pending._on_wait, pending._waits, pending._on_fail = self._reap, self._wait_for, self._unobserved.add
+        if retry_of is not None:
+            pending = retry_of.pending
+        else:
+            pending = PendingSave(coordinated[0] if coordinated is not None else repo.new_id(created), tag)
+        pending._on_wait, pending._waits, pending._on_fail = self._reap, self._wait_for, self._failed
         job = _SaveJob(pending, flat, created, started, blocking, CaptureCounters())
         job.app_state, job.owner = app_state, threading.current_thread()
         job.repo, job.promote = repo, promote
@@ -406,7 +453,9 @@ class Checkpointer:
             # its stats describe the save the caller made: a blocking caller has waited since
             # the first attempt (the retry itself runs inside that caller's wait)
             job.started, job.blocking = retry_of.started, retry_of.blocking
-        job.phases.update(wait_previous=waited - started, flatten=flattened - waited)
+        job.phases.update(wait_previous=waited - begun, flatten=flattened - waited)
+        if coordinated is not None:
+            job.phases["coordinate"] = coordinated[1]
         # the fast tier is written by the copier only (a window, waited for when blocking)
         windowed = fast is not None or (self.config.concurrent and (not blocking or self._blocking_via_window(flat)))
         if not windowed:
@@ -432,6 +481,13 @@ class Checkpointer:
         job.stall_s = time.perf_counter() - started
         job.phases["queue"] = time.perf_counter() - queued
         return pending, None
+
+    def _failed(self, pending: PendingSave) -> None:
+        """A save failed (any path, any thread): recorded until observed; a collective one
+        is reported to the other ranks, which must not wait for this rank's part."""
+        self._unobserved.add(pending)
+        if self._collective is not None:
+            self._collective.fail(pending.id, pending._durable.error() or CheckpointError("failed"))
 
     def _window_open(self) -> bool:
         with self._pending_lock:
@@ -858,7 +914,7 @@ class Checkpointer:
                         stats["trace_path"] = trace.write(path)
                 manifest = Manifest(
                     id=pending.id,
-                    tag=pending.tag,
+                    tag=pending.tag if self._collective is None else None,  # (the global manifest's)
                     created=job.created,
                     chunk_size=self.config.chunk_size,
                     storages=entries,
@@ -881,6 +937,9 @@ class Checkpointer:
             if interrupted:
                 raise
             return
+        if self._collective is not None:
+            self._settle(repo, job, manifest)
+            return
         # committed: what follows never fails the save (an interrupt still propagates, after)
         info = info_from_manifest(manifest, "fast" if isinstance(repo, FastTier) else "durable")
         try:
@@ -901,6 +960,38 @@ class Checkpointer:
             log.warning("gpusnap: checkpoint %s committed, but what follows a commit failed: %r", pending.id, exc)
         finally:
             _release_state(job)  # before wait() returns: nothing of the state is held after it
+            pending._finish(info)
+
+    def _settle(self, repo: Repository, job: _SaveJob, manifest: Manifest) -> None:
+        """A collective save's part is committed in this rank's root: the global decision,
+        then retention (rank 0: of global manifests; every rank: of its own parts)."""
+        assert self._collective is not None
+        pending = job.pending
+        try:
+            settled = self._collective.settle(manifest, pending.tag, manifest.stats)
+        except BaseException as exc:
+            log.warning("gpusnap: checkpoint %s failed: %s", pending.id, exc)
+            _release_state(job)
+            pending._fail(exc)
+            self._collective.retire(repo, manifest.id)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        stats = dict(manifest.stats, duration_s=time.perf_counter() - job.started, coordination_s=settled.coordination_s,
+                     coordination_phases_s=dict(settled.phases))
+        if job.blocking:
+            stats["stall_s"] = stats["duration_s"]
+        info = CheckpointInfo(id=pending.id, tag=pending.tag, created=settled.created, nbytes=settled.nbytes,
+                              stats=stats, world_size=settled.world_size)
+        try:
+            self._history.learn_commit(manifest)
+            if self._collective.rank == 0:
+                self._retain(self._collective.root_repository(create=True), self.keep_last)
+            self._collective.retire(repo, manifest.id)
+        except Exception as exc:  # the save is committed: say what did not follow it
+            log.warning("gpusnap: checkpoint %s committed, but what follows a commit failed: %r", pending.id, exc)
+        finally:
+            _release_state(job)
             pending._finish(info)
 
     def _retain(self, repo: Repository, keep_last: int | None, *, sweep: bool = False) -> None:
@@ -986,6 +1077,11 @@ class Checkpointer:
     def _tiers(self) -> list[Repository]:
         """The roots that exist: the fast tier first (it is read first), then the durable one."""
         tiers: list[Repository] = []
+        if self._collective is not None:  # its checkpoints: the global manifests
+            try:
+                return [self._collective.root_repository(create=False)]
+            except CheckpointNotFoundError:
+                return []
         if self.fast_root is not None:
             try:
                 tiers.append(self._fast if self._fast is not None else FastTier.open(self.fast_root, config=self.config))
@@ -1107,8 +1203,14 @@ class Checkpointer:
         # raises one that failed unobserved: resuming must not skip it without a word)
         self._reap()
         started = time.perf_counter()
+        if self._collective is not None:
+            return collective_restore(self._collective, self._restorer, app_state, checkpoint,
+                                      allow_pickle=self.allow_pickle, lazy=lazy, verify=verify, strict=strict,
+                                      started=started)
         repo, manifest, skipped = self._resolve(checkpoint)  # "latest" must not fall back silently
         repo.warn_unreadable(skipped, f"restore() used the older checkpoint {manifest.id} instead")
+        if manifest.ranks:  # a distributed checkpoint, restored by one process (docs/distributed.md)
+            repo, manifest = rank_view(repo, manifest, rank=0, world_size=1)
         handle = self._restorer.restore(
             repo, manifest, app_state, allow_pickle=self.allow_pickle, lazy=lazy, verify=verify, started=started,
             strict=strict,
@@ -1164,6 +1266,8 @@ class Checkpointer:
             for repo in (self._repo, self._fast):
                 if repo is not None:
                     repo.close()  # the writer lease: another Checkpointer may write now
+            if self._collective is not None:
+                self._collective.close()
             self._stopped = True
 
     def __enter__(self) -> Checkpointer:

@@ -168,6 +168,11 @@ class Config:
         metadata={"doc": "fast tier: slab bytes at most (0: 90% of what its file system has free when first opened, "
                   "plus the slabs it holds)"},
     )
+    collective_timeout_s: int = field(
+        default=300,
+        metadata={"doc": "distributed: how long a rank waits for the other ranks' parts of a save, or for "
+                  "rank 0's decision, before the save fails (a rank gone is noticed sooner on a local root)"},
+    )
     trace_dir: str = field(
         default="", metadata={"doc": "write a Chrome trace of each capture window here ('' : off)"}
     )

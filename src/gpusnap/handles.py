@@ -20,7 +20,8 @@ class CheckpointInfo:
     ``stats`` holds (seconds and bytes): ``stall_s``, ``duration_s``, ``bytes_total``,
     ``bytes_copied``, ``bytes_cow``, ``bytes_skipped``, ``validation``.
     ``tier``: ``"durable"`` (the Checkpointer's root; a promoted checkpoint lists so) or
-    ``"fast"`` (only in its ``fast_root``).
+    ``"fast"`` (only in its ``fast_root``). ``world_size``: the ranks that saved it
+    together (1: a per-process checkpoint; docs/distributed.md).
     """
 
     id: str
@@ -29,6 +30,7 @@ class CheckpointInfo:
     nbytes: int
     stats: dict[str, Any] = field(default_factory=dict)
     tier: str = "durable"
+    world_size: int = 1
 
 
 class _Completion:

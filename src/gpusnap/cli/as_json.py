@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from gpusnap.cli.diff import STATUSES, Diff, EntryChange
@@ -27,7 +28,7 @@ def _utc(ts: float) -> str:
 
 
 def _checkpoint(m: Manifest, tier: str) -> dict[str, Any]:
-    return {
+    doc = {
         "id": m.id,
         "tier": tier,
         "tag": m.tag,
@@ -38,6 +39,12 @@ def _checkpoint(m: Manifest, tier: str) -> dict[str, Any]:
         "duration_s": m.stats.get("duration_s"),
         "validation": m.stats.get("validation"),
     }
+    if m.ranks:  # distributed (docs/distributed.md): rank 0's save's stats above
+        rank0 = (m.stats.get("ranks") or [{}])[0]
+        doc.update(stall_s=rank0.get("stall_s"), duration_s=rank0.get("duration_s"),
+                   validation=rank0.get("validation"), world_size=m.world_size,
+                   ranks=[{"rank": p.rank, "nbytes": p.nbytes} for p in m.ranks])
+    return doc
 
 
 def _unreadable(problems: list[tuple[str, str]]) -> list[dict[str, str]]:
@@ -55,12 +62,19 @@ def ls_doc(
     }
 
 
-def show_doc(root: str, m: Manifest, problems: list[tuple[str, str]], tier: str = "durable") -> dict[str, Any]:
+def show_doc(
+    root: str, m: Manifest, problems: list[tuple[str, str]], tier: str = "durable", parts: Sequence[Manifest] = ()
+) -> dict[str, Any]:
+    """``parts``: a distributed checkpoint's rank manifests: storages, tensors, values, stats
+    and tree are then rank 0's part's."""
+    head = _checkpoint(m, tier)
+    if parts:
+        m = parts[0]
     tensors, values = summarize(m)
     return {
         "schema": f"gpusnap.show/{SCHEMA}",
         "root": root,
-        **_checkpoint(m, tier),
+        **head,
         "chunk_size": m.chunk_size,
         "storages": [
             {"nbytes": s.nbytes, "device": s.device, "chunks": list(s.chunks)} for s in m.storages

@@ -15,6 +15,8 @@ from gpusnap.cli.show_text import show_lines
 from gpusnap.cli.usage_text import diff_lines, du_lines
 from gpusnap.errors import CheckpointNotFoundError
 from gpusnap.storage.fast_tier import FastTier
+from gpusnap.storage.manifest import Manifest
+from gpusnap.storage.ranks import RankedRepository, collect_ranks, whole
 from gpusnap.storage.repository import Repository
 
 __all__ = ["cmd_bench", "cmd_demo", "cmd_diff", "cmd_du", "cmd_export", "cmd_gc", "cmd_import", "cmd_ls", "cmd_serve",
@@ -66,10 +68,11 @@ def cmd_show(args: argparse.Namespace) -> int:
         if ref is None and problems:  # no readable checkpoint, but damaged ones
             return _report_unreadable(problems)
         raise
+    parts = repo.rank_manifests(m) if isinstance(repo, RankedRepository) and m.ranks else []
     if args.json:
-        print(dumps(show_doc(repo.root, m, problems, _tier(repo))))
+        print(dumps(show_doc(repo.root, m, problems, _tier(repo), parts=parts)))
     else:
-        for line in show_lines(m, all_stats=args.stats, tier=_tier(repo)):
+        for line in show_lines(m, all_stats=args.stats, tier=_tier(repo), parts=parts):
             print(line)
     if ref is None:
         _warn_unreadable(problems, args.root, "the newest readable checkpoint is shown")
@@ -132,7 +135,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     named = _named(problems, args.a, args.b)
     if named:  # a checkpoint asked for exists but cannot be read
         return _report_unreadable(named)
-    d = diff_manifests(repo.resolve(args.a), repo.resolve(args.b))
+    d = diff_manifests(_whole(repo, repo.resolve(args.a)), _whole(repo, repo.resolve(args.b)))
     if args.json:
         print(dumps(diff_doc(repo.root, d, _tier(repo))))
     else:
@@ -147,7 +150,7 @@ def cmd_du(args: argparse.Namespace) -> int:
     from gpusnap.cli.du import usage
 
     repo = open_root(args.root)
-    manifests = repo.list()
+    manifests = [_whole(repo, m) for m in repo.list()]
     problems = repo.problems()
     u = usage(repo, manifests)
     if args.json:
@@ -179,13 +182,19 @@ def cmd_gc(args: argparse.Namespace) -> int:
         for note in report.notes:
             print(f"note: {note}")
         return EXIT_OK
-    print(
-        f"deleted {len(report.deleted_checkpoints)} checkpoint(s) and "
-        f"{len(report.deleted_packs)} pack(s), freed {human_bytes(report.freed_bytes)}"
-    )
+    packs, freed = len(report.deleted_packs), report.freed_bytes
+    if isinstance(repo, RankedRepository):  # then every rank's root: parts and packs no checkpoint needs now
+        ranks = collect_ranks(repo)
+        packs, freed = packs + len(ranks.deleted_packs), freed + ranks.freed_bytes
+    print(f"deleted {len(report.deleted_checkpoints)} checkpoint(s) and {packs} pack(s), freed {human_bytes(freed)}")
     for note in report.notes:
         print(f"note: {note}")
     return EXIT_OK
+
+
+def _whole(repo: Repository, m: Manifest) -> Manifest:
+    """A distributed checkpoint with every rank's storages (for du and diff)."""
+    return whole(repo, m) if isinstance(repo, RankedRepository) and m.ranks else m
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ from gpusnap.storage.fast_tier import SLABS, FastTier
 from gpusnap.storage.layout import PACKS
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.pack import read_pack_index
+from gpusnap.storage.ranks import RankedRepository
 from gpusnap.storage.repository import Repository
 
 __all__ = ["CheckpointUsage", "RootUsage", "usage"]
@@ -150,6 +151,8 @@ def _data_files(repo: Repository) -> _DataFiles:
 
 
 def _pack_files(repo: Repository) -> list[str]:
+    if isinstance(repo, RankedRepository):  # every rank's packs too
+        return repo._pack_paths()
     backend = repo.backend
     if not backend.isdir(PACKS):
         return []

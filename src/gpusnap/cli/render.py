@@ -31,10 +31,13 @@ def columns(rows: Sequence[Sequence[str]], indent: str = "") -> list[str]:
 def checkpoint_table(manifests: list[Manifest], tier: str = "durable") -> list[str]:
     """One row per checkpoint; ``tier`` is the root's (``"fast"``: a fast tier's root)."""
     # (a fast tier's checkpoint is committed there, in host memory: not durable yet)
-    rows = [("ID", "TAG", "CREATED", "SIZE", "STALL", "DURABLE" if tier == "durable" else "COMMITTED", "TIER")]
+    ranked = any(m.ranks for m in manifests)  # distributed ones: a RANKS column (their world size)
+    rows = [("ID", "TAG", "CREATED", "SIZE", "STALL", "DURABLE" if tier == "durable" else "COMMITTED", "TIER")
+            + (("RANKS",) if ranked else ())]
     for m in manifests:
-        stall = m.stats.get("stall_s")
-        duration = m.stats.get("duration_s")
+        stats = (m.stats.get("ranks") or [{}])[0] if m.ranks else m.stats  # (rank 0's save)
+        stall = stats.get("stall_s")
+        duration = stats.get("duration_s")
         rows.append(
             (
                 m.id,
@@ -45,6 +48,7 @@ def checkpoint_table(manifests: list[Manifest], tier: str = "durable") -> list[s
                 f"{duration:.2f} s" if isinstance(duration, (int, float)) else "-",
                 tier,
             )
+            + ((str(m.world_size),) if ranked else ())
         )
     return columns(rows)
 

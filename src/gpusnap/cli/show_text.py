@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from gpusnap.cli.render import columns, format_time, human_bytes
@@ -12,12 +12,21 @@ from gpusnap.storage.manifest import Manifest
 __all__ = ["flat_stats", "show_lines"]
 
 
-def show_lines(m: Manifest, *, all_stats: bool, tier: str = "durable") -> Iterator[str]:
-    tensors, values = summarize(m)
+def show_lines(m: Manifest, *, all_stats: bool, tier: str = "durable", parts: Sequence[Manifest] = ()) -> Iterator[str]:
+    """``parts``: a distributed checkpoint's rank manifests; its tensors and values are rank
+    0's (DTensors with their global shapes and placements)."""
+    tensors, values = summarize(parts[0] if parts else m)
     yield f"checkpoint {m.id}"
     head = [("tag", m.tag or "-"), ("created", format_time(m.created)), ("tier", tier)]
-    size = f"{human_bytes(m.nbytes)} in {len(m.storages)} storage(s), chunk size {human_bytes(m.chunk_size)}"
-    head.append(("size", size))
+    if parts:
+        head.append(("size", f"{human_bytes(m.nbytes)} over {len(parts)} ranks, chunk size {human_bytes(parts[0].chunk_size)}"))
+        head.append(("ranks", ", ".join(f"{r}: {human_bytes(p.nbytes)} in {len(p.storages)} storage(s)"
+                                        for r, p in enumerate(parts))))
+        head.append(("shown", "rank 0's part (DTensors: global shapes)"))
+        m = parts[0]  # its stats: rank 0's save
+    else:
+        size = f"{human_bytes(m.nbytes)} in {len(m.storages)} storage(s), chunk size {human_bytes(m.chunk_size)}"
+        head.append(("size", size))
     if not all_stats:
         head += _key_stats(m.stats)
     yield from columns(head, "  ")

@@ -24,6 +24,7 @@ __all__ = ["Entry", "TensorRow", "ValueRow", "entries", "keyed_entries", "summar
 WIDTH = 72
 """Longest value text shown on one line; a longer container is split by key, or summarized."""
 _CONTAINERS = ("module", "stateful", "dict", "list", "tuple")
+_TENSORS = ("tensor", "dtensor")
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ def summarize(manifest: Manifest) -> tuple[list[TensorRow], list[ValueRow]]:
     tensors: list[TensorRow] = []
     values: list[ValueRow] = []
     for key, node in entries(manifest):
-        if node.get("t") == "tensor":
+        if node.get("t") in _TENSORS:
             tensors.append(_tensor_row(key, node))
         else:
             values.append(ValueRow(key, str(node.get("t")), value_text(node)))
@@ -97,7 +98,7 @@ def _entries(node: dict[str, Any], path: tuple[str, ...], plain: tuple[str, ...]
     for ident, text, exact_text, child in _children(node):
         row = (path + (ident,), plain + (text,), exact + (exact_text,))
         kind = child.get("t")
-        if kind == "tensor":
+        if kind in _TENSORS:
             yield *row, child
         elif kind in _CONTAINERS and (_has_tensor(child) or _splittable(child)):
             yield from _entries(child, *row)
@@ -121,7 +122,7 @@ def _children(node: dict[str, Any]) -> list[tuple[str, str, str, dict[str, Any]]
 
 def _has_tensor(node: dict[str, Any]) -> bool:
     kind = node.get("t")
-    if kind == "tensor":
+    if kind in _TENSORS:
         return True
     return kind in _CONTAINERS and any(_has_tensor(c[-1]) for c in _children(node))
 
@@ -269,6 +270,17 @@ def tensor_nbytes(node: dict[str, Any]) -> int | None:
 
 
 def _tensor_row(key: str, node: dict[str, Any]) -> TensorRow:
+    if node.get("t") == "dtensor":  # its global shape and bytes; where: its placements over the mesh
+        local = node.get("local") or {}
+        shape = tuple(int(d) for d in node.get("shape", ()))
+        numel = 1
+        for d in shape:
+            numel *= d
+        itemsize = tensor_itemsize(node)
+        placed = f"{local.get('device', '-')} {','.join(map(str, node.get('placements', ())))} mesh {list(node.get('mesh', ()))}"
+        return TensorRow(key=key, dtype=str(node.get("dtype")), shape=shape,
+                         nbytes=None if itemsize is None else numel * itemsize, device=placed,
+                         requires_grad=bool(local.get("requires_grad", False)))
     return TensorRow(
         key=key,
         dtype=str(node.get("dtype")),

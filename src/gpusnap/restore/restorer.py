@@ -187,6 +187,10 @@ class Restorer:
         spans = [SpanInfo(nbytes=e.nbytes, device=e.device) for e in manifest.storages]
         plan = plan_restore(app_state, manifest.tree, spans, allow_pickle=allow_pickle, strict=strict)
         original = manifest
+        if lazy and plan.sharded:  # the gate sees a DTensor's op, not the ops on its local tensor below it
+            refused = "the targets include DTensors, which the lazy gate does not follow to their local tensors"
+            log.warning("gpusnap: restore(lazy=True) of %s restores eagerly: %s", manifest.id, refused)
+            lazy = False
         if plan.unused_spans:  # (strict=False) what only skipped keys use is read by no path below
             manifest = manifest.without_data(plan.unused_spans)
         setup = _Setup(started)  # where a restore's time before the first read goes (handle.stats["setup"])
@@ -201,7 +205,8 @@ class Restorer:
         handle._on_wait = self.reap
         handle.stats.update(served.stats)
         handle.stats.update(mode="lazy" if lazy else "eager", verify=verify, threads=self.threads,
-                            missing=list(plan.missing), unexpected=list(plan.unexpected))
+                            missing=list(plan.missing), unexpected=list(plan.unexpected),
+                            resharded=list(plan.resharded))
         if refused is not None:
             handle.stats["lazy_refused"] = refused
         if verify == "upfront":

@@ -38,6 +38,7 @@ from gpusnap.config import Config
 from gpusnap.errors import CheckpointError
 from gpusnap.restore.eager import load_spans
 from gpusnap.restore.key_select import KeyPath, Selector, ambiguity, covers, leads_to, match, normalize
+from gpusnap.restore.rank_view import rank_view
 from gpusnap.restore.restorer import reader_threads
 from gpusnap.state.apply import (
     RestorePlan,
@@ -49,7 +50,9 @@ from gpusnap.state.apply import (
     _Slot,
     _Spec,
 )
+from gpusnap.state.dtensor import slices
 from gpusnap.state.plain import join_path
+from gpusnap.state.reshard import DTensorNode
 from gpusnap.storage.repository import Repository
 
 __all__ = ["UnknownKeyError", "load"]
@@ -110,6 +113,8 @@ def load(
     try:
         manifest, skipped = repo.resolve_reporting(checkpoint)
         repo.warn_unreadable(skipped, f"load() used the older checkpoint {manifest.id} instead")
+        if manifest.ranks:  # distributed: rank 0's state, its DTensors whole (docs/distributed.md)
+            repo, manifest = rank_view(repo, manifest, rank=0, world_size=1)
         planner = _TemplateFree([SpanInfo(nbytes=e.nbytes, device=e.device) for e in manifest.storages], allow_pickle)
         slot = planner.select(manifest.tree, selectors, f"checkpoint {manifest.id} of {repo.root}")
         # Spans nobody selected are cut to nothing: load_spans then reads no chunk of theirs.
@@ -201,6 +206,42 @@ class _TemplateFree(_Planner):
         self.span_paths[spec.storage].append(path)
         self.wanted.add(spec.storage)
         return _View(self.buffers, spec, spec.requires_grad and not self._in_module)
+
+
+    def dtensor_target(self, live: Any, node: dict[str, Any], path: str, *, allocate: bool) -> _Slot:
+        d = self.dnode(node, path)
+        if not d.pieces:
+            raise CheckpointError(
+                f"{path or '<root>'}: {d.describe()} cannot be assembled into one tensor (Partial and "
+                "_StridedShard are restored only into the layout they were saved with: use Checkpointer.restore)"
+            )
+        for piece in d.pieces:
+            self.span_paths[piece.spec.storage].append(path)
+            self.wanted.add(piece.spec.storage)
+        return _Assembled(self.buffers, d, not self._in_module)
+
+
+@dataclass
+class _Assembled:
+    """A DTensor node: its global tensor, from the pieces the ranks stored."""
+
+    buffers: dict[int, torch.Tensor]
+    node: DTensorNode
+    requires_grad: bool
+
+    def build(self) -> torch.Tensor:
+        d = self.node
+        views = [_View(self.buffers, p.spec, self.requires_grad).build() for p in d.pieces]
+        whole = ((0,) * len(d.shape), d.shape)
+        if len(views) == 1 and d.pieces[0].box == whole:
+            return views[0]
+        tensor = torch.empty(d.shape, dtype=d.dtype, device=views[0].device)
+        with torch.no_grad():
+            for piece, view in zip(d.pieces, views):
+                tensor[slices(piece.box, whole)] = view
+        if self.requires_grad and views[0].requires_grad:
+            tensor.requires_grad_(True)
+        return tensor
 
 
 @dataclass

@@ -53,7 +53,9 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, RestoreMismatchError
+from .dtensor import is_dtensor
 from .flatten import is_stateful, tensor_problem
+from .reshard import ReshardPlanning
 from .plain import (
     PLAIN_KINDS,
     decode_plain,
@@ -115,7 +117,7 @@ def plan_restore(
             f"{problems}"
         )
     unused = frozenset() if strict else frozenset(range(len(spans))) - set(planner.copies)
-    return RestorePlan(
+    plan = RestorePlan(
         root,
         planner.copies,
         [0 if i in unused else s.nbytes for i, s in enumerate(spans)],
@@ -125,7 +127,10 @@ def plan_restore(
         missing=planner.missing,
         unexpected=planner.unexpected,
         unused_spans=unused,
+        resharded=planner.resharded,
     )
+    plan.sharded = planner.sharded
+    return plan
 
 
 @dataclass(frozen=True)
@@ -164,11 +169,14 @@ class _Spec:
 
 @dataclass(frozen=True)
 class _Copy:
-    """Fill ``target`` from the bytes of span ``spec.storage``."""
+    """Fill ``target`` from the bytes of span ``spec.storage``; a *box copy* (resharding,
+    state/reshard.py) fills ``target[dst]`` from ``stored[src]`` only (it needs the whole span)."""
 
     target: torch.Tensor
     spec: _Spec
     path: str
+    src: tuple[slice, ...] | None = None
+    dst: tuple[slice, ...] | None = None
 
 
 class _Slot(Protocol):
@@ -292,6 +300,8 @@ class RestorePlan:
     keeps the tensor objects, or converts them with ``Tensor.to``, which the lazy gate sees.
     ``missing``, ``unexpected`` and ``unused_spans``: what a ``strict=False`` plan skipped
     (empty otherwise); an unused span is applied as 0 bytes, so a reader reads none of it.
+    ``resharded``: DTensors cut from pieces of another layout (box copies: a target may be
+    filled from several spans, so such a restore is eager).
     """
 
     def __init__(
@@ -306,8 +316,11 @@ class RestorePlan:
         missing: Sequence[str] = (),
         unexpected: Sequence[str] = (),
         unused_spans: frozenset[int] = frozenset(),
+        resharded: Sequence[str] = (),
     ) -> None:
         self.span_paths = span_paths
+        self.resharded = tuple(resharded)
+        self.sharded = bool(resharded)  # some target is a DTensor (set by plan_restore)
         self.missing = tuple(missing)
         self.unexpected = tuple(unexpected)
         self.unused_spans = unused_spans
@@ -343,7 +356,7 @@ class RestorePlan:
         self._claim(index, data)
         for copy in self._copies.get(index, ()):
             try:
-                _copy_into(copy.target, data, copy.spec, versioned=self.versioned_writes)
+                _copy_into(copy.target, data, copy.spec, versioned=self.versioned_writes, src=copy.src, dst=copy.dst)
             except Exception as exc:
                 raise CheckpointError(f"{copy.path}: copying the restored bytes failed: {exc!r}") from exc
 
@@ -365,7 +378,7 @@ class RestorePlan:
         known = self._streamable.get(index)
         if known is None:
             known = self._streamable[index] = all(
-                _byte_contiguous(copy.target, copy.spec) for copy in self._copies.get(index, ())
+                copy.src is None and _byte_contiguous(copy.target, copy.spec) for copy in self._copies.get(index, ())
             )
         return known
 
@@ -535,7 +548,7 @@ class RestorePlan:
                 self._applied.add(index)
 
 
-class _Planner:
+class _Planner(ReshardPlanning):
     """One walk over checkpoint tree and live state; collects copies and every mismatch."""
 
     def __init__(self, spans: Sequence[SpanInfo], allow_pickle: bool, *, strict: bool = True) -> None:
@@ -554,6 +567,8 @@ class _Planner:
         self._targets: dict[int, tuple[int, int, str]] = {}  # id(target) -> (span, offset, path)
         self._stateful_depth = 0
         self._reader_depth = 0  # inside a load_state_dict that may read values unseen by the gate
+        self.resharded: list[str] = []  # DTensors cut from another layout's pieces (state/reshard.py)
+        self.sharded = False  # some target is a DTensor
 
     # -- structure -------------------------------------------------------------------------
 
@@ -602,6 +617,8 @@ class _Planner:
         kind = _kind(node, path)
         if kind == "tensor":
             return self.tensor_in_place(live, node, path)
+        if kind == "dtensor":
+            return self.dtensor_target(live, node, path, allocate=False)
         if kind in ("module", "stateful"):
             return self.object(live, node, path)
         if kind == "dict" and isinstance(live, nn.Module):
@@ -643,6 +660,8 @@ class _Planner:
         kind = _kind(node, path)
         if kind == "tensor":
             return self.tensor_in_state(current, node, path)
+        if kind == "dtensor":
+            return self.dtensor_target(current, node, path, allocate=True)
         if kind in ("module", "stateful"):
             return self.object(current, node, path)
         if kind in PLAIN_KINDS and _is_plain_node(node):
@@ -713,7 +732,9 @@ class _Planner:
             live, entry_path = current[key], join_path(path, key)
             if _kind(entry, entry_path) == "tensor" and id(live) in own:
                 self.tensor_in_place(live, entry, entry_path)
-            elif _kind(entry, entry_path) == "tensor" and not isinstance(live, torch.Tensor):
+            elif _kind(entry, entry_path) == "dtensor" and id(live) in own:
+                self.dtensor_target(live, entry, entry_path, allocate=False)
+            elif _kind(entry, entry_path) in ("tensor", "dtensor") and not isinstance(live, torch.Tensor):
                 self.mismatch(entry_path, f"the checkpoint has a tensor, the module has a {type_name(live)}")
             else:  # extra state, or a tensor _save_to_state_dict computed: only load_state_dict can take it
                 self._reader_depth += 1
@@ -730,6 +751,8 @@ class _Planner:
         if not isinstance(live, torch.Tensor):
             found = type_name(live)
             return self.mismatch(path, f"the checkpoint has a tensor ({spec.describe()}), app_state has a {found}")
+        if is_dtensor(live):  # a tensor saved whole, into a sharded target
+            return self.tensor_into_dtensor(live, spec, path)
         problem = _target_problem(live, spec)
         if problem is not None:
             return self.mismatch(path, problem)
@@ -738,6 +761,8 @@ class _Planner:
 
     def tensor_in_state(self, current: Any, node: dict[str, Any], path: str) -> _Slot:
         spec = self.spec(node, path)
+        if is_dtensor(current):
+            return self.tensor_into_dtensor(current, spec, path)
         if isinstance(current, torch.Tensor) and tensor_problem(current) is None:
             problem = _target_problem(current, spec)
             if problem is not None:
@@ -761,6 +786,16 @@ class _Planner:
             return  # tied: one tensor, one copy
         self._targets[id(target)] = (spec.storage, spec.byte_offset, path)
         self.copies.setdefault(spec.storage, []).append(_Copy(target, spec, path))
+
+    def add_box_copy(self, target: torch.Tensor, spec: _Spec, src: tuple[slice, ...], dst: tuple[slice, ...],
+                     path: str) -> None:
+        """A box copy: ``target[dst] = stored[src]`` (one of several into one target)."""
+        self.span_paths[spec.storage].append(path)
+        if self._stateful_depth:
+            self.stateful_spans.add(spec.storage)
+        if self._reader_depth:
+            self.read_at_finish.add(spec.storage)
+        self.copies.setdefault(spec.storage, []).append(_Copy(target, spec, path, src, dst))
 
     def spec(self, node: dict[str, Any], path: str) -> _Spec:
         where = path or "<root>"
@@ -902,14 +937,18 @@ def _device_here(name: str) -> torch.device:
     return device if ok else torch.device("cpu")
 
 
-def _copy_into(target: torch.Tensor, data: torch.Tensor, spec: _Spec, *, versioned: bool = True) -> None:
-    """Bitwise ``target[...] = span bytes`` through integer views; works for strided targets."""
+def _copy_into(target: torch.Tensor, data: torch.Tensor, spec: _Spec, *, versioned: bool = True,
+               src: tuple[slice, ...] | None = None, dst: tuple[slice, ...] | None = None) -> None:
+    """Bitwise ``target[...] = span bytes`` through integer views; works for strided targets.
+    ``src``/``dst``: a box copy, ``target[dst] = stored[src]``."""
     if spec.numel == 0:
         return
-    src = _source_view(data, spec)
-    dst = _int_view(_writable(target, versioned))
-    non_blocking = src.device.type == "cpu" and dst.device.type != "cpu" and src.is_pinned()
-    _copy_bytes(dst, src, target.is_inference(), non_blocking)
+    source = _source_view(data, spec)
+    dest = _int_view(_writable(target, versioned))
+    if src is not None and dst is not None:
+        source, dest = source[src], dest[dst]
+    non_blocking = source.device.type == "cpu" and dest.device.type != "cpu" and source.is_pinned()
+    _copy_bytes(dest, source, target.is_inference(), non_blocking)
 
 
 def _byte_contiguous(target: torch.Tensor, spec: _Spec) -> bool:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
+from .dtensor import is_dtensor, layout_of
 from .flat import FlatPlan, StorageSpan, _Replay, is_stateful, shrunk_storage_error, tensor_extent, tensor_problem
 from .plain import dtype_name, encode_plain, join_path, type_name
 
@@ -301,6 +302,8 @@ class _Walker:
     # -- the full walk ------------------------------------------------------------------------
     def walk(self, value: Any, path: str) -> dict[str, Any]:
         if isinstance(value, torch.Tensor):
+            if type(value) not in _TENSOR_TYPES and is_dtensor(value):
+                return self.dtensor(value, path)
             return self.tensor(value, path)
         if isinstance(value, nn.Module):
             return self.module(value, path)
@@ -405,7 +408,7 @@ class _Walker:
         if shape is not None:
             return shape
         if isinstance(value, torch.Tensor):
-            return _TENSOR
+            return _WALK if type(value) not in _TENSOR_TYPES and is_dtensor(value) else _TENSOR
         if type(value) in _SCALAR_TYPES:
             return _SCALAR
         if type(value) in _ENCODE_TYPES:
@@ -442,6 +445,14 @@ class _Walker:
         self.tensors.append(tensor)
         self.paths.append(path)
         self.nodes.append(node)
+        return node
+
+    def dtensor(self, value: Any, path: str) -> dict[str, Any]:
+        """Its layout (state/dtensor.py) and, where this rank is its primary holder, its local
+        tensor as a leaf: a replica that is not primary stores nothing of it."""
+        layout = layout_of(value)
+        node = {k: v for k, v in layout.items() if k != "primary"}
+        node["local"] = self.tensor(value._local_tensor, path) if layout["primary"] else None
         return node
 
     # -- the walk along the plan's shapes -----------------------------------------------------

@@ -378,6 +378,24 @@ class LocalBackend:
             raise TimeoutError(errno.EWOULDBLOCK, "lock busy", lock_path)
         return _FlockLock(fd)
 
+    def writer_held(self) -> bool:
+        """Whether a live process holds this root's writer lease. A probe: it takes the lock
+        for an instant when it is free, so ask only about a writer known to have taken it
+        (the kernel drops a dead process's flock: a writer SIGKILLed reads as gone)."""
+        try:
+            fd = os.open(self._abs(LEASE_NAME), os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return False
+        finally:
+            os.close(fd)
+
     def writer_lease(self, owner: dict[str, Any], timeout: float) -> WriterLease:
         fd = os.open(self._abs(LEASE_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
 

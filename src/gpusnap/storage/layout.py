@@ -11,13 +11,14 @@ from gpusnap.storage.lease import LEASE_NAME
 from gpusnap.storage.pack import PackIndex
 
 __all__ = [
-    "INTACT", "ID_RE", "LAYOUT", "MANIFESTS", "PACKS", "ROOT_FILE", "TMP",
+    "INTACT", "ID_RE", "LAYOUT", "MANIFESTS", "PACKS", "RANKS", "ROOT_FILE", "TMP",
     "about", "byte_view", "map_chunks", "os_reason", "storage_error",
 ]
 
 ROOT_FILE = "gpusnap.json"
 PACKS, MANIFESTS, TMP = "packs", "manifests", "tmp"
-LAYOUT = frozenset({PACKS, MANIFESTS, TMP, "lock", LEASE_NAME})
+RANKS = "ranks"  # a distributed checkpoint's per-rank roots (storage/ranks.py)
+LAYOUT = frozenset({PACKS, MANIFESTS, TMP, RANKS, "lock", LEASE_NAME})
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 INTACT = "this checkpoint was not committed; earlier checkpoints are intact"
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 from collections.abc import Collection
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 from gpusnap.errors import CheckpointError, IntegrityError
 from gpusnap.kernels.hashing import chunk_digest
 
-__all__ = ["DEVICE_HASH", "FORMAT", "VERSION", "Manifest", "StorageEntry", "canonical_json"]
+__all__ = ["DEVICE_HASH", "FORMAT", "VERSION", "Manifest", "RankPart", "StorageEntry", "canonical_json"]
 
 FORMAT = "gpusnap"
 VERSION = 1
@@ -46,8 +47,22 @@ class StorageEntry:
 
 
 @dataclass(frozen=True)
+class RankPart:
+    """One rank's part of a distributed checkpoint: its rank manifest (``ranks/<rank>/
+    manifests/<id>.json``, storage/ranks.py), named by the checksum it must carry."""
+
+    rank: int
+    checksum: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class Manifest:
-    """A committed checkpoint. ``tree`` and ``stats`` belong to the layers above."""
+    """A committed checkpoint. ``tree`` and ``stats`` belong to the layers above.
+
+    A distributed checkpoint's *global* manifest has ``ranks`` (one part per rank, in rank
+    order) and no storages; its tree is ``{"t": "ranks"}``, which a gpusnap that predates it
+    refuses to restore. Each rank's state is in its rank manifest, an ordinary one."""
 
     id: str
     tag: str | None
@@ -56,16 +71,29 @@ class Manifest:
     storages: tuple[StorageEntry, ...]
     tree: dict[str, Any]
     stats: dict[str, Any]
+    ranks: tuple[RankPart, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks) or 1
 
     @property
     def nbytes(self) -> int:
-        """Bytes of tensor data in the checkpoint (before deduplication)."""
+        """Bytes of tensor data in the checkpoint (before deduplication; of every rank)."""
+        if self.ranks:
+            return sum(p.nbytes for p in self.ranks)
         return sum(s.nbytes for s in self.storages)
+
+    @cached_property
+    def checksum(self) -> str:
+        """The checksum its file carries (what a global manifest names a rank manifest by);
+        worked out once (the tree is read only)."""
+        return chunk_digest(canonical_json(self._body()))
 
     def digest(self) -> str:
         """The checksum its file carries (BLAKE2b of the canonical JSON of every other field):
         names this exact manifest, e.g. between a restore server and its client."""
-        return chunk_digest(canonical_json(self._body()))
+        return self.checksum
 
     def without_data(self, spans: Collection[int]) -> Manifest:
         """This manifest with storages ``spans`` holding no bytes and no chunks: a reader of the
@@ -76,7 +104,7 @@ class Manifest:
         ))
 
     def _body(self) -> dict[str, Any]:
-        return {
+        body = {
             "format": FORMAT,
             "version": VERSION,
             "id": self.id,
@@ -87,6 +115,9 @@ class Manifest:
             "tree": self.tree,
             "stats": self.stats,
         }
+        if self.ranks:
+            body["ranks"] = [{"rank": p.rank, "checksum": p.checksum, "nbytes": p.nbytes} for p in self.ranks]
+        return body
 
     def to_json(self) -> bytes:
         """The file's bytes: canonical JSON of all fields plus ``checksum``."""
@@ -94,6 +125,7 @@ class Manifest:
         try:
             encoded = canonical_json(body)
             checksum = chunk_digest(encoded)
+            self.__dict__["checksum"] = checksum  # (the cached_property, worked out here once)
             # "checksum" sorts before every key of the body: splicing it in front gives the
             # canonical JSON of {**body, "checksum": ...} without encoding the body twice
             if min(body) > "checksum":
@@ -142,6 +174,9 @@ class Manifest:
             if not isinstance(tree, dict) or not isinstance(stats, dict):
                 raise TypeError("tree and stats must be objects")
             tag = doc["tag"]
+            ranks = tuple(RankPart(int(p["rank"]), str(p["checksum"]), int(p["nbytes"])) for p in doc.get("ranks", ()))
+            if [p.rank for p in ranks] != list(range(len(ranks))):
+                raise ValueError("a distributed manifest names one part per rank, in rank order")
             return cls(
                 id=str(doc["id"]),
                 tag=None if tag is None else str(tag),
@@ -150,6 +185,7 @@ class Manifest:
                 storages=storages,
                 tree=tree,
                 stats=stats,
+                ranks=ranks,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"manifest {where} is malformed (written by a buggy writer?): {exc!r}") from None

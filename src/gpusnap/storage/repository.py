@@ -40,6 +40,7 @@ from gpusnap.storage.layout import (
     LAYOUT,
     MANIFESTS,
     PACKS,
+    RANKS,
     ROOT_FILE,
     TMP,
     about,
@@ -155,6 +156,10 @@ class Repository:
             from gpusnap.storage.fast_tier import FastTier
 
             return FastTier(backend, config)
+        if cls is Repository and backend.exists(RANKS):  # it holds distributed checkpoints
+            from gpusnap.storage.ranks import RankedRepository
+
+            return RankedRepository(backend, config)
         return cls(backend, config)
 
     @staticmethod
@@ -284,11 +289,9 @@ class Repository:
         concurrent processes distinct within a millisecond, ids issued by this object are
         never repeated, and commit refuses to overwrite an existing manifest.
         """
-        seconds, millis = divmod(round(created * 1000), 1000)
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(seconds))
         with self._mutex:
             while True:
-                cid = f"{stamp}-{millis:03d}-{secrets.token_hex(3)}"
+                cid = fresh_id(created)
                 if cid not in self._issued_ids:
                     self._issued_ids.add(cid)
                     return cid
@@ -889,7 +892,7 @@ class Repository:
                 if m.id not in deleted:
                     live.update(d for st in m.storages for d in st.chunks)
             doomed, partly, dead_bytes = [], 0, 0
-            for index in self._packs.values():
+            for index in self._collectable():
                 live_entries = sum(1 for e in index.entries if e[0] in live)
                 if not live_entries:
                     doomed.append(index)
@@ -902,6 +905,11 @@ class Repository:
                 self._rebuild_chunk_map()
         return doomed, partly, dead_bytes
 
+    def _collectable(self) -> builtins.list[PackIndex]:
+        """The packs this root's gc may delete: all it knows (a distributed root's rank packs
+        are each rank's own: storage/ranks.py)."""
+        return builtins.list(self._packs.values())
+
     # ------------------------------------------------------------------ verify
 
     def verify(
@@ -909,6 +917,13 @@ class Repository:
     ) -> VerifyReport:
         """Re-hash every chunk of one checkpoint (id or tag) or of all (``storage.verify``)."""
         return verify(self, checkpoint_id, progress=progress)
+
+
+def fresh_id(created: float) -> str:
+    """A new id ``YYYYMMDD-HHMMSS-mmm-xxxxxx`` for time ``created`` (see :meth:`Repository.new_id`)."""
+    seconds, millis = divmod(round(created * 1000), 1000)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(seconds))
+    return f"{stamp}-{millis:03d}-{secrets.token_hex(3)}"
 
 
 def _passed_over(

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 __all__ = ["UnreadableManifest", "id_time", "may_be_newer"]
 
-_STAMP = re.compile(r"^(\d{8}-\d{6})-(\d{3})-[0-9a-f]{6}$")
+_STAMP = re.compile(r"^(\d{8}-\d{6})-(\d{3})-[0-9a-f]{6}(?:-\d+)?$")  # (-N: a distributed save's number)
 
 
 def id_time(checkpoint_id: str) -> float | None:

@@ -79,7 +79,8 @@ def _selected(repo: Repository, checkpoint_id: str | None, problems: list[str]) 
 
 def _verify(repo: Repository, checkpoint_id: str | None, progress: Callable[[int], None] | None) -> VerifyReport:
     problems: list[str] = []
-    manifests = _selected(repo, checkpoint_id, problems)
+    selected = _selected(repo, checkpoint_id, problems)
+    manifests = _parts(repo, selected, problems)
 
     packs: dict[str, PackIndex] = {}
     pack_errors: list[str] = []
@@ -132,7 +133,27 @@ def _verify(repo: Repository, checkpoint_id: str | None, progress: Callable[[int
 
     for path in sorted(packs if checkpoint_id is None else used_packs):
         problems.extend(_verify_pack_header(repo, packs[path]))
-    return VerifyReport(not problems, tuple(problems), len(manifests), checked_chunks, checked_bytes)
+    return VerifyReport(not problems, tuple(problems), len(selected), checked_chunks, checked_bytes)
+
+
+def _parts(repo: Repository, manifests: list[Manifest], problems: list[str]) -> list[Manifest]:
+    """``manifests`` with each distributed one replaced by its rank manifests (what holds
+    chunks); a rank manifest missing or not the one named is a problem."""
+    from gpusnap.storage.ranks import RankedRepository
+
+    out: list[Manifest] = []
+    for m in manifests:
+        if not m.ranks:
+            out.append(m)
+        elif not isinstance(repo, RankedRepository):
+            problems.append(f"checkpoint {m.id}: distributed, but {repo.root} has no ranks/ directory")
+        else:
+            for part in m.ranks:
+                try:
+                    out.append(repo.rank_manifest(m, part))
+                except CheckpointError as exc:
+                    problems.append(str(exc))
+    return out
 
 
 def _verify_fast(
@@ -223,7 +244,7 @@ def _verify_chunk(repo: Repository, digest: str, path: str, offset: int, length:
 def _verify_pack_header(repo: Repository, index: PackIndex) -> list[str]:
     where = repo.backend.describe(index.path)
     out = []
-    if index.path != pack_path(index.pack_id):
+    if not index.path.endswith(pack_path(index.pack_id)):  # (a rank's packs: ranks/<r>/packs/...)
         out.append(f"pack {where}: name does not match its index digest {index.pack_id}")
     try:
         head = repo.backend.read_range(index.path, 0, len(PACK_MAGIC))
