@@ -35,7 +35,9 @@ def acquire(root: str, user: Any, **settings: Any) -> Checkpointer:
     with _lock:
         entry = _open.get(root)
         if entry is None:
-            entry = _open[root] = _Root(Checkpointer(root, **settings), settings)
+            # per process: Lightning saves from rank 0 alone under DDP, which a collective
+            # Checkpointer (torch.distributed up) would wait on the other ranks for
+            entry = _open[root] = _Root(Checkpointer(root, process_group=False, **settings), settings)
         elif entry.settings != settings:
             raise ValueError(f"{root} is open for another gpusnap plug-in of this process with other settings "
                              f"({entry.settings} here, {settings} asked): a root has one writer; close that "
