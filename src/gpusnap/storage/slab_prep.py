@@ -88,7 +88,8 @@ class SlabPreparer:
             self._prepare_all()
         finally:  # (an interrupt included: a later want() starts a new thread)
             with self._lock:
-                self._thread = self._current = None
+                if self._thread is threading.current_thread():
+                    self._thread = self._current = None
 
     def _prepare_all(self) -> None:
         lower_this_thread()  # the kernel's page work, at the lowest priority (thread_priority.py)
@@ -96,7 +97,8 @@ class SlabPreparer:
         while True:
             with self._lock:
                 self._current = None
-                if not self._todo:
+                if not self._todo:  # (ends under the lock: a want() from now on starts a thread)
+                    self._thread = None
                     return
                 slab = self._current = self._todo.pop(0)
             head = f"slab {slab}: "
