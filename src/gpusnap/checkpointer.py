@@ -1133,6 +1133,10 @@ class Checkpointer:
         self._check_open()
         if not isinstance(checkpoint, str) or not checkpoint:
             raise ValueError(f"checkpoint must be an id or a tag, got {checkpoint!r}")
+        if self._collective is not None:  # (it would remove this rank's part, not the checkpoint)
+            raise CheckpointError("delete() of one checkpoint is per process only, not yet collective: "
+                                  "keep_last retains a collective Checkpointer's checkpoints, or run "
+                                  "`gpusnap gc ROOT --keep-last N`")
         with self._pending_lock:
             busy = next((p.id for p in self._pending if checkpoint in (p.id, p.tag) and not p.done()), None)
         if busy is not None:
