@@ -297,6 +297,8 @@ class Collective:
             committed = self.root_repository(create=False).load_manifest(checkpoint_id)
         except CheckpointError:
             return Decision(checkpoint_id, error=why, broken=True)
+        if self.broken is None:
+            self.broken = f"{why} (after it committed {checkpoint_id})"
         return Decision(checkpoint_id, broken=True, created=committed.created, nbytes=committed.nbytes)
 
     def retire(self, rank_repo: Repository, upto: str) -> None:
