@@ -150,7 +150,7 @@ def resume(rank: int, world: int, where: Path, args: dict[str, Any]) -> dict[str
 def kill(rank: int, world: int, where: Path, args: dict[str, Any]) -> dict[str, Any]:
     """A first save commits; during the second, rank ``args["victim"]`` is SIGKILLed (during
     its chunk writes, at a random chunk, or once its part is durable); the survivors' wait
-    raises, nothing more is committed."""
+    raises, nothing more is committed. Rank 0 killed once it committed: the save stands."""
     from gpusnap.distributed import protocol
     from gpusnap.storage import txn
 
@@ -172,13 +172,19 @@ def kill(rank: int, world: int, where: Path, args: dict[str, Any]) -> dict[str, 
                     return real(self, digest, data)
 
                 txn.WriteTxn.put_chunk = put_chunk  # type: ignore[method-assign]
-            else:
-                protocol.Rounds.report = lambda *a: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[assignment]
+            else:  # once its part is durable; "committed": rank 0 once the global manifest is too
+                step = "publish" if moment == "committed" else "report"
+                setattr(protocol.Rounds, step, lambda *a: os.kill(os.getpid(), signal.SIGKILL))
         state["w"].add_(1)
         state["step"] = 2
-        error = raises(lambda: ck.save(state).wait(), gpusnap.CheckpointError)
-        assert "ended" in error, error  # noticed as gone, not waited out
-        assert len(ck.list()) == 1
+        if moment == "committed":  # the global manifest is there: the survivors' save succeeded
+            assert ck.save(state).wait().world_size == world and len(ck.list()) == 2
+            error = raises(lambda: ck.save(state), gpusnap.CheckpointError)  # but they are unpaired now
+            assert "cannot save any more" in error, error
+        else:
+            error = raises(lambda: ck.save(state).wait(), gpusnap.CheckpointError)
+            assert "ended" in error, error  # noticed as gone, not waited out
+            assert len(ck.list()) == 1
         write({"error": error}, where, "kill", rank)
         os._exit(0)  # the process group lost a rank: leave without its teardown
 

@@ -32,12 +32,13 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path: Path) -> None:
     assert [r["step"] for r in run_ranks("resume", 2, tmp_path, args={"phase": "again"})] == [6, 6]
 
 
-@pytest.mark.parametrize("victim, moment", [(1, "write"), (0, "durable")])
+@pytest.mark.parametrize("victim, moment", [(1, "write"), (0, "durable"), (0, "committed")])
 def test_a_rank_killed_during_a_save_commits_nothing(tmp_path: Path, victim: int, moment: str) -> None:
     chunk = random.Random(f"{victim}{moment}").randrange(64)  # a random moment among its 64 chunk writes
     results = run_ranks("kill", 2, tmp_path, args={"victim": victim, "moment": moment, "chunk": chunk},
                         killed=(victim,))
     assert len(results) == 1
-    state = gpusnap.load(tmp_path / "kill")  # the first save, whole (rank 0's state)
-    assert state["step"] == 1 and torch.equal(state["w"], torch.arange(64 * 1024, dtype=torch.float32))
+    step = 2 if moment == "committed" else 1  # (rank 0 died after it committed the second save)
+    state = gpusnap.load(tmp_path / "kill")  # the newest committed save, whole (rank 0's state)
+    assert state["step"] == step and torch.equal(state["w"], torch.arange(64 * 1024, dtype=torch.float32) + step - 1)
     assert gpusnap.Checkpointer(tmp_path / "kill", process_group=False).list()[0].world_size == 2

@@ -193,12 +193,16 @@ class Collective:
         part = Part(self.rank, manifest.id, tag=tag, signature=signature(manifest.tree), checksum=manifest.checksum,
                     nbytes=manifest.nbytes, stats={k: stats[k] for k in _PART_STATS if k in stats})
         described = time.perf_counter()
-        self._rounds.report(seq, part)
         phases = {"describe": described - started}
-        if self.rank == 0:
-            decision = self._decide_as_root(seq, manifest, tag, phases)
-        else:
-            decision = self._await(seq, manifest.id)
+        try:
+            self._rounds.report(seq, part)
+            if self.rank == 0:
+                decision = self._decide_as_root(seq, manifest, tag, phases)
+            else:
+                decision = self._await(seq, manifest.id)
+        except Exception as exc:  # the store itself failed (its host, rank 0 under tcp:// or env://, died?)
+            decision = self._committed_anyway(manifest.id, f"the job's torch.distributed store failed ({exc}); "
+                                                           "the rank that hosts it may have died")
         phases["decide"] = time.perf_counter() - described
         if decision.broken and self.broken is None:
             self.broken = decision.error
@@ -284,12 +288,18 @@ class Collective:
         try:
             return self._rounds.await_decision(seq)
         except Missing as exc:
-            # rank 0 may have committed and died before it could say so: the root tells
-            try:
-                committed = self.root_repository(create=False).load_manifest(checkpoint_id)
-            except CheckpointError:
-                return Decision(checkpoint_id, error=str(exc), broken=True)
-            return Decision(checkpoint_id, broken=True, created=committed.created, nbytes=committed.nbytes)
+            return self._committed_anyway(checkpoint_id, str(exc))
+
+    def _committed_anyway(self, checkpoint_id: str, why: str) -> Decision:
+        """No decision came (rank 0 or the store is gone): rank 0 may have committed and died
+        before it could say so, and the root tells. Either way the ranks are no longer paired."""
+        try:
+            committed = self.root_repository(create=False).load_manifest(checkpoint_id)
+        except CheckpointError:
+            return Decision(checkpoint_id, error=why, broken=True)
+        if self.broken is None:
+            self.broken = f"{why} (after it committed {checkpoint_id})"
+        return Decision(checkpoint_id, broken=True, created=committed.created, nbytes=committed.nbytes)
 
     def retire(self, rank_repo: Repository, upto: str) -> None:
         """This rank's retention after save ``upto`` was decided (never fails a save)."""

@@ -659,6 +659,9 @@ def _swapped(node: dict[str, Any], new: dict[int, dict[str, Any]]) -> dict[str, 
         name = "entries" if kind == "module" else "state"
         inner = _swapped(node[name], new)
         return node if inner is node[name] else {**node, name: inner}
+    if kind == "dtensor" and node.get("local") is not None:  # its local tensor is a leaf like any
+        local = _swapped(node["local"], new)
+        return node if local is node["local"] else {**node, "local": local}
     return node
 
 
