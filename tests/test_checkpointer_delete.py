@@ -57,3 +57,18 @@ def test_delete_refuses_bad_input(tmp_path):
             ckpt.delete("")
         with pytest.raises(gpusnap.CheckpointNotFoundError):
             ckpt.delete("nothing-here")
+
+
+def test_delete_is_refused_on_a_collective_checkpointer(tmp_path) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with gpusnap.Checkpointer(tmp_path / "ck") as ck:
+            info = ck.save({"w": torch.ones(4)}).wait()
+            with pytest.raises(gpusnap.CheckpointError, match="not yet collective"):
+                ck.delete(info.id)
+            assert [i.id for i in ck.list()] == [info.id]
+    finally:
+        dist.destroy_process_group()
