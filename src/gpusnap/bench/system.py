@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from gpusnap.bench.workloads import Hook, Workload
+from gpusnap.storage.backend import fsync_tree
 
 __all__ = [
     "RestoreResult",
@@ -187,14 +188,3 @@ def dir_bytes(path: str) -> int:
     return total
 
 
-def fsync_tree(path: str) -> None:
-    """fsync every file and directory under ``path``: a save counts as durable only after it."""
-    targets = [path] if os.path.isfile(path) else []
-    for dirpath, _dirs, files in os.walk(path):
-        targets += [os.path.join(dirpath, f) for f in files] + [dirpath]
-    for p in targets:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from gpusnap.interop.errors import FormatError
+from gpusnap.storage.backend import fsync_path, fsync_tree
 
 __all__ = ["staged"]
 
@@ -34,12 +35,12 @@ def staged(path: str | os.PathLike[str], *, directory: bool, overwrite: bool) ->
         os.mkdir(tmp)
     try:
         yield tmp
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         _publish(tmp, dest)
     except BaseException:
         _remove(tmp)
         raise
-    _fsync(parent)
+    fsync_path(parent)
 
 
 def _publish(tmp: str, dest: str) -> None:
@@ -54,21 +55,6 @@ def _publish(tmp: str, dest: str) -> None:
         os.rename(aside, dest)
         raise
     _remove(aside)
-
-
-def _fsync_tree(path: str) -> None:
-    if os.path.isdir(path):
-        for name in os.listdir(path):
-            _fsync_tree(os.path.join(path, name))
-    _fsync(path)
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _remove(path: str) -> None:

@@ -165,6 +165,24 @@ class _LocalWriteHandle:
             os.close(fd)
 
 
+def fsync_path(path: str) -> None:
+    """fsync the file or directory at ``path`` (a directory: the names in it survive a power loss)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str) -> None:
+    """fsync every file and directory under ``path`` (``path`` itself included, file or directory)."""
+    targets = [path] if os.path.isfile(path) else []
+    for dirpath, _dirs, files in os.walk(path):
+        targets += [os.path.join(dirpath, f) for f in files] + [dirpath]
+    for p in targets:
+        fsync_path(p)
+
+
 class _FlockLock:
     """``fcntl.flock`` on an open file descriptor; closing the descriptor releases it."""
 

@@ -25,6 +25,7 @@ import torch
 from gpusnap.bench.system import SaveHandle, System, dir_bytes, sync, writer_handle
 from gpusnap.bench.verify import compare
 from gpusnap.bench.workloads import Workload
+from gpusnap.storage.backend import fsync_path
 
 __all__ = ["PinnedWriter", "read_raw", "write_raw"]
 
@@ -39,14 +40,6 @@ def _write_all(f: BinaryIO, data: memoryview) -> None:
     off = 0
     while off < len(data):
         off += f.write(data[off : off + _PIECE]) or 0
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_raw(path: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -64,7 +57,7 @@ def write_raw(path: str, tensors: dict[str, torch.Tensor]) -> None:
             _write_all(f, _raw(t))
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path))
+    fsync_path(os.path.dirname(path))
 
 
 def _timed_write(path: str, tensors: dict[str, torch.Tensor]) -> float:

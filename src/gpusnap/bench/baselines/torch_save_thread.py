@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from gpusnap.bench.baselines.pinned_writer import fsync_dir
+from gpusnap.storage.backend import fsync_path
 from gpusnap.bench.system import SaveHandle, System, sync, writer_handle
 from gpusnap.bench.verify import compare
 from gpusnap.bench.workloads import Workload
@@ -34,7 +34,7 @@ def _save(path: str, snapshot: dict[str, torch.Tensor]) -> float:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path))
+    fsync_path(os.path.dirname(path))
     return time.perf_counter()  # the durable moment, on the writer thread
 
 

@@ -25,6 +25,7 @@ import os
 from dataclasses import dataclass
 
 from gpusnap.errors import CheckpointError
+from gpusnap.storage.backend import fsync_path
 
 __all__ = ["FORMAT", "Pointer", "read_pointer", "write_pointer"]
 
@@ -62,11 +63,7 @@ def write_pointer(path: str, pointer: Pointer) -> None:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the rename itself survives a power loss
-    finally:
-        os.close(fd)
+    fsync_path(folder)  # the rename itself survives a power loss
 
 
 def read_pointer(path: str) -> Pointer | None:
