@@ -16,6 +16,10 @@ its first logits through:
 - ``lazy``: ``gpusnap.cold_start`` from the files
 - ``server``: ``gpusnap.cold_start`` served by ``gpusnap serve`` (``restore_from_server="on"``)
 - ``server-flat``: the same with every parameter a view of one device buffer (one IPC handle)
+- ``lazy-warm``, ``server-warm``: ``lazy`` and ``server`` with ``cold_start(warm_up=...)``: a
+  forward on the prompt runs on a side thread while the weights load
+
+Each child also times a second forward (``second_logits``): the forward's own compute, warm.
 
 (the baselines build with parameters on the meta device, as ``empty_model`` does; gpusnap's
 Checkpointers run with ``warm_up_kernels=False``: a serving process does not save). Every
@@ -41,7 +45,7 @@ import threading
 import time
 from typing import Any
 
-KINDS = ("from_pretrained", "load_file", "torch_load", "eager", "lazy", "server", "server-flat")
+KINDS = ("from_pretrained", "load_file", "torch_load", "eager", "lazy", "lazy-warm", "server", "server-warm", "server-flat")
 FULL = {"hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 26, "num_attention_heads": 24,
         "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": True}
 SMALL = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -169,14 +173,15 @@ def run_child(kind: str, r: int, work: str, args: argparse.Namespace, env: dict[
 
 
 def table(runs: list[dict[str, Any]], nbytes: int) -> list[str]:
-    rows = ["kind | round | first logits s | restore returned s | GB/s to first logits | logits bit-equal | source",
-            "---|---:|---:|---:|---:|---|---"]
+    rows = ["kind | round | first logits s | restore returned s | second forward s | GB/s to first logits | "
+            "logits bit-equal | source", "---|---:|---:|---:|---:|---:|---|---"]
     for res in runs:
         if res.get("failed"):
-            rows.append(f"{res['kind']} | {res['round']} | FAILED | - | - | - | -")
+            rows.append(f"{res['kind']} | {res['round']} | FAILED | - | - | - | - | -")
             continue
         m = res["marks"]
-        rows.append(f"{res['kind']} | {res['round']} | {m['first_logits']:.3f} | {m['restore_returned']:.3f} | "
+        second = m.get("second_logits", 0.0) - m.get("restore_done", m["first_logits"])
+        rows.append(f"{res['kind']} | {res['round']} | {m['first_logits']:.3f} | {m['restore_returned']:.3f} | {second:.3f} | "
                     f"{nbytes / 1e9 / m['first_logits']:.1f} | {res['equal']} | {res['stats'].get('source', '-')}")
     return rows
 

@@ -120,6 +120,9 @@ def main() -> None:
         with gpusnap.Checkpointer(os.path.join(work, "ck"), config=config) as ck:
             if kind in ("lazy", "server"):
                 model, handle = gpusnap.cold_start(build, ck, device=device)
+            elif kind in ("lazy-warm", "server-warm"):
+                model, handle = gpusnap.cold_start(build, ck, device=device,
+                                                   warm_up=lambda m: m(input_ids=ids, use_cache=False))
             else:
                 model = gpusnap.empty_model(build, device)
                 if kind == "server-flat":
@@ -131,12 +134,17 @@ def main() -> None:
             mark("first_logits")
             handle.wait()
             mark("restore_done")
+            run(model, ids, sync)
+            mark("second_logits")
             stats = {k: handle.stats.get(k) for k in ("source", "served", "server_fallback", "mode", "verify_path",
-                                                      "return_s", "total_s", "setup", "reader_procs")}
+                                                      "return_s", "total_s", "setup", "reader_procs", "warm_up",
+                                                      "warm_up_s")}
     if "first_logits" not in marks:
         mark("restore_returned")
         logits = run(model, ids, sync)
         mark("first_logits")
+        run(model, ids, sync)
+        mark("second_logits")
     out = logits.float().cpu()
     diff = float((out - expected.float()).abs().max())
     print("RESULT " + json.dumps({"kind": kind, "marks": marks, "stats": stats, "equal": bool(torch.equal(logits.cpu(), expected)),

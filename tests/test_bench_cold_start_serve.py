@@ -26,16 +26,17 @@ def _shm_dirs() -> set[str]:
 def test_fresh_processes_load_through_the_server_and_match(tmp_path: Path) -> None:
     before = _shm_dirs()
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--small", "--rounds", "1", "--kinds", "torch_load,server",
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--small", "--rounds", "1", "--kinds", "torch_load,server-warm",
                            "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=900, env=env,
                           check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert [r["kind"] for r in result["runs"]] == ["torch_load", "server"]
+    assert [r["kind"] for r in result["runs"]] == ["torch_load", "server-warm"]
     assert all(r["equal"] for r in result["runs"])
     assert result["runs"][1]["stats"]["source"] == "server"
+    assert result["runs"][1]["stats"]["warm_up"] in ("running", "ok")  # (it may end after the first logits)
     assert "kind | round | first logits s" in proc.stdout.splitlines()[-4]
-    assert (tmp_path / "out" / "server.log").exists() and (tmp_path / "out" / "round0-server.log").exists()
+    assert (tmp_path / "out" / "server.log").exists() and (tmp_path / "out" / "round0-server-warm.log").exists()
     assert _shm_dirs() == before, "the run's /dev/shm files are removed"
 
 

@@ -143,6 +143,34 @@ def test_promoting_a_checkpoint_whose_slab_bytes_are_corrupt_is_refused(tmp_path
     assert Repository.open(durable).list() == []  # never a durable copy of wrong bytes
 
 
+def test_promotion_checks_back_to_back_chunks_in_one_pass_and_names_a_corrupt_one_inside_a_run(
+        tmp_path: Path) -> None:
+    from gpusnap.storage.promote import check_runs, promote
+
+    durable, fast = roots(tmp_path)
+    state = make_state(1)  # "x": 400 KB, seven 64 KiB chunks back to back, the last one shorter
+    with gpusnap.Checkpointer(durable, fast_root=fast, config=CFG) as ck:
+        info = ck.save(state).wait()
+    tier = FastTier.open(fast)
+    manifest = tier.load_manifest(info.id)
+    chunks = list(manifest.storages[next(
+        v for k, v in manifest.tree["items"] if k == {"t": "v", "v": "x"})["storage"]].chunks)
+    assert len(chunks) == 7
+    runs = check_runs(chunks, CFG.chunk_size)
+    assert runs == [chunks[:6], chunks[6:]]  # the whole chunks in one run, the short tail alone
+    assert check_runs(chunks, CFG.chunk_size, run_bytes=4 * CFG.chunk_size) == [chunks[:4], chunks[4:6], chunks[6:]]
+    every = [n for e in manifest.storages for n in e.chunks]
+    assert [n for run in check_runs(every, CFG.chunk_size) for n in run] == every  # order kept
+    _flip(fast, chunks[3])
+    repo = Repository.open(durable, create=True, config=CFG)
+    try:
+        with pytest.raises(gpusnap.IntegrityError, match=chunks[3].split("@")[0]):
+            promote(tier, manifest, repo)
+    finally:
+        repo.close()
+    assert Repository.open(durable).list() == []
+
+
 def test_verify_during_saves_neither_holds_back_retention_nor_reports_a_retired_checkpoint(tmp_path: Path) -> None:
     durable, fast = roots(tmp_path)
     state = make_state(1, width=128, extra=200_000)

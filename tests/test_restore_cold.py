@@ -91,3 +91,70 @@ def test_plain_meta_to_empty_recipe(tmp_path):
         out = model(x)
         handle.wait()
     assert torch.equal(out, trained(x))
+
+
+def test_cold_start_warm_up_runs_beside_the_restore_without_waiting_for_weights(tmp_path, monkeypatch, device):
+    """The warm-up runs on its own thread, without autograd, and reads the model before any
+    chunk is read (``on_demand``: nothing loads until the program waits for it); the served
+    forward is still exact."""
+    import threading
+
+    torch.manual_seed(0)
+    trained = TinyLM(layers=6).to(device)
+    ids = torch.randint(0, 64, (2, 8), device=device)
+    with torch.no_grad():
+        expected = trained(ids)
+    seen: dict[str, object] = {}
+    finished = threading.Event()
+
+    def warm_up(model: nn.Module) -> None:
+        seen["thread"] = threading.current_thread().name
+        seen["grad"] = torch.is_grad_enabled()
+        seen["shape"] = tuple(model(ids).shape)
+        seen["reads"] = len(backend.reads)
+        finished.set()
+
+    with (
+        held_root(tmp_path / "ck", monkeypatch) as backend,
+        gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config()) as ck,
+    ):
+        ck.save({"model": trained}, blocking=True)
+        on_demand(monkeypatch)
+        model, handle = gpusnap.cold_start(lambda: TinyLM(layers=6), ck, device=device, warm_up=warm_up)
+        assert finished.wait(30), "the warm-up ran without waiting for any weight"
+        with torch.no_grad():
+            out = model(ids)
+        handle.wait()
+    assert seen == {"thread": "gpusnap-warm-up", "grad": False, "shape": (2, 8, 64), "reads": 0}
+    assert handle.stats["warm_up"] == "ok" and handle.stats["warm_up_s"] >= 0
+    assert torch.equal(out, expected)
+
+
+def test_a_failing_cold_start_warm_up_is_reported_and_the_restore_stands(tmp_path, caplog):
+    torch.manual_seed(0)
+    trained = TinyLM()
+    ids = torch.randint(0, 64, (2, 8))
+    with gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config()) as ck:
+        ck.save({"model": trained}, blocking=True)
+
+        def warm_up(model: nn.Module) -> None:
+            raise ValueError("no such input")
+
+        with caplog.at_level("WARNING", logger="gpusnap"):
+            model, handle = gpusnap.cold_start(TinyLM, ck, device="cpu", warm_up=warm_up)
+            handle.wait()
+            with torch.no_grad():
+                out = model(ids)
+            _join_thread("gpusnap-warm-up")  # (it publishes its outcome as it ends)
+    assert handle.stats["warm_up"] == "ValueError: no such input"
+    assert "cold_start's warm_up failed" in caplog.text
+    with torch.no_grad():
+        assert torch.equal(out, trained(ids))
+
+
+def _join_thread(name: str) -> None:
+    import threading
+
+    for t in threading.enumerate():
+        if t.name == name:
+            t.join()

@@ -35,12 +35,12 @@ def _state() -> dict[str, Any]:
 
 
 def _save(root: Path, state: dict[str, Any]) -> str:
-    with gpusnap.Checkpointer(root, config=tiny_config(chunk_size=1 << 16)) as ck:
+    with gpusnap.Checkpointer(root, config=tiny_config(chunk_size=1 << 16, staging_bytes=16 << 16)) as ck:
         return ck.save(state, blocking=True).wait().id
 
 
 def _restore(root: Path, state: dict[str, Any]) -> dict[str, Any]:
-    with gpusnap.Checkpointer(root, config=tiny_config(chunk_size=1 << 16)) as ck:
+    with gpusnap.Checkpointer(root, config=tiny_config(chunk_size=1 << 16, staging_bytes=16 << 16)) as ck:
         return ck.restore(state).stats
 
 
@@ -70,7 +70,7 @@ def test_cuda_cold_start_is_served(tmp_path: Path, private_runtime: Path) -> Non
         expected = trained(ids)
     _save(tmp_path / "ck", {"model": trained})
     with (running_server(tmp_path / "ck", "--device", "cuda:0"),
-          gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config(chunk_size=1 << 16)) as ck):
+          gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config(chunk_size=1 << 16, staging_bytes=16 << 16)) as ck):
         model, handle = gpusnap.cold_start(lambda: TinyLM(layers=6), ck, device="cuda")
         assert handle.done() and handle.stats["source"] == "server"
         assert handle.stats["served"]["direct_bytes"] > 0

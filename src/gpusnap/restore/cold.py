@@ -19,7 +19,9 @@ Two things go wrong with it for some models, and :func:`empty_model` avoids both
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -33,6 +35,8 @@ if TYPE_CHECKING:
     from gpusnap.checkpointer import Checkpointer
 
 __all__ = ["cold_start", "empty_model"]
+
+log = logging.getLogger("gpusnap")
 
 M = TypeVar("M", bound=nn.Module)
 _PATCH = threading.RLock()
@@ -104,6 +108,7 @@ def cold_start(
     checkpoint: str | None = None,
     key: str = "model",
     app_state: MutableMapping[str, Any] | None = None,
+    warm_up: Callable[[M], object] | None = None,
 ) -> tuple[M, RestoreHandle]:
     """Build the model empty on ``device`` and restore it lazily; returns at once.
 
@@ -111,11 +116,69 @@ def cold_start(
     replaced on return); the model goes under ``key``. The first forward waits only for the
     weights it reaches, in the order the checkpointed program used them.
 
+    ``warm_up(model)``, if given, runs once under ``torch.no_grad()`` on a thread of its own
+    as soon as the model is built, while its weights load; its result is discarded. A fresh
+    process's first forward pays set-up that does not depend on the weights (cuBLAS handles,
+    loading kernels, first-call Python); the warm-up pays it while bytes move, so the first
+    request does not. It reads weights that are still arriving, so it must write none of the
+    model's tensors: give it an input shaped like a request's. ``handle.stats["warm_up"]`` is
+    ``"running"``, then ``"ok"`` or the error (also a WARNING); ``["warm_up_s"]`` its time.
+
     >>> model, handle = gpusnap.cold_start(lambda: GPT(cfg), ckpt, device="cuda")  # doctest: +SKIP
     >>> logits = model(tokens)        # serves before the whole checkpoint is loaded  # doctest: +SKIP
     """
     model = empty_model(build, device)
     state: MutableMapping[str, Any] = app_state if app_state is not None else {}
     state[key] = model
-    handle = ckpt.restore(state, checkpoint, lazy=True)
+    warming = _WarmUp(warm_up, model, torch.device(device)) if warm_up is not None else None
+    try:
+        handle = ckpt.restore(state, checkpoint, lazy=True)
+    except BaseException:
+        if warming is not None:  # (the model is not served: nothing may go on reading it)
+            warming.join()
+        raise
+    if warming is not None:
+        warming.report_to(handle)
     return model, handle
+
+
+class _WarmUp:
+    """``fn(model)`` on a daemon thread (the program's current device, no autograd)."""
+
+    def __init__(self, fn: Callable[[M], object], model: M, device: torch.device) -> None:
+        self._fn, self._model, self._device = fn, model, device
+        self._lock = threading.Lock()
+        self._outcome: tuple[str, float] | None = None
+        self._handle: RestoreHandle | None = None
+        self._thread = threading.Thread(target=self._run, name="gpusnap-warm-up", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        started = time.perf_counter()
+        try:
+            if self._device.type == "cuda":
+                torch.cuda.set_device(self._device)
+            with torch.no_grad():
+                self._fn(self._model)
+            outcome = "ok"
+        except Exception as exc:  # (the restore stands; the first request pays the set-up)
+            outcome = f"{type(exc).__name__}: {exc}"
+            log.warning("gpusnap: cold_start's warm_up failed (the restore goes on): %s", outcome)
+        with self._lock:
+            self._outcome = (outcome, time.perf_counter() - started)
+            if self._handle is not None:
+                self._publish(self._handle)
+
+    def report_to(self, handle: RestoreHandle) -> None:
+        with self._lock:
+            self._handle = handle
+            handle.stats.setdefault("warm_up", "running")
+            if self._outcome is not None:
+                self._publish(handle)
+
+    def _publish(self, handle: RestoreHandle) -> None:
+        assert self._outcome is not None
+        handle.stats["warm_up"], handle.stats["warm_up_s"] = self._outcome
+
+    def join(self) -> None:
+        self._thread.join()

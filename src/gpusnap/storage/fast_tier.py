@@ -179,18 +179,40 @@ class FastTier(Repository):
             raise IntegrityError(f"chunk {digest}{about(what)} in slab {where} is truncated: {len(data)} of {length} bytes")
         want = chunk_location(digest)[0]
         padded = max(16, -(-length // 16) * 16)
+        if self._hashes(data, padded, device) != [want]:
+            raise self._mismatch(digest, what, path, offset)
+
+    def _hashes(self, data: memoryview | bytes, chunk_size: int, device: torch.device | None) -> builtins.list[str]:
         device = device if device is not None else self.check_device
         try:
-            got = hash_host_bytes(data, padded, device)
+            return hash_host_bytes(data, chunk_size, device)
         except RuntimeError:  # (the device is out of memory, say): the host computes the same bits
             if device is None:
                 raise
-            got = hash_host_bytes(data, padded, None)
-        if got != [want]:
-            raise IntegrityError(
-                f"chunk {digest}{about(what)} in slab {where} at offset {offset} does not match its hash "
-                "(corrupt, or reused after its checkpoint was deleted)"
-            )
+            return hash_host_bytes(data, chunk_size, None)
+
+    def _mismatch(self, name: str, what: str, path: str, offset: int) -> IntegrityError:
+        return IntegrityError(
+            f"chunk {name}{about(what)} in slab {self.backend.describe(path)} at offset {offset} does not match its "
+            "hash (corrupt, or reused after its checkpoint was deleted)"
+        )
+
+    def check_run(self, names: builtins.list[str], chunk_size: int, device: torch.device | None = None) -> None:
+        """Check chunks that lie back to back in one slab, each ``chunk_size`` bytes, with one
+        hash pass over their bytes (on ``device``: one host-to-device copy and one launch for
+        the run, not one a chunk); IntegrityError naming the first that does not match."""
+        if len(names) == 1:
+            _h, slab, off, n = chunk_location(names[0])
+            self._check(names[0], self.read_view(names[0]), slab_path(slab), off, n, "", device=device)
+            return
+        first, last = chunk_location(names[0]), chunk_location(names[-1])
+        slab, lo, hi = first[1], first[2], last[2] + last[3]
+        if hi - lo != len(names) * chunk_size:
+            raise ValueError("check_run takes chunks that lie back to back, each chunk_size bytes")
+        got = self._hashes(self._slab_bytes(slab, lo, hi), chunk_size, device)
+        for i, name in enumerate(names):
+            if got[i] != chunk_location(name)[0]:
+                raise self._mismatch(name, "", slab_path(slab), lo + i * chunk_size)
 
     # ------------------------------------------------------------------ space
 
@@ -455,10 +477,13 @@ class FastTier(Repository):
         """The bytes of chunk ``name`` in this process's map of its slab (no copy); the
         caller keeps its checkpoint pinned while it reads."""
         _h, slab, off, n = chunk_location(name)
+        return self._slab_bytes(slab, off, off + n)
+
+    def _slab_bytes(self, slab: int, lo: int, hi: int) -> memoryview:
         with self._mutex:
             if slab not in self._slab_sizes:  # (a slab another writer made)
                 self._slab_sizes.update(self._slab_list())
-        return memoryview(self._slab_memory(slab)[off : off + n].numpy()).cast("B")
+        return memoryview(self._slab_memory(slab)[lo:hi].numpy()).cast("B")
 
     # ------------------------------------------------------------------ writing
 

@@ -15,33 +15,40 @@ from concurrent.futures import ThreadPoolExecutor
 
 from gpusnap.kernels.hashing import chunk_digest
 from gpusnap.storage.host_bytes_hash import hash_device
-from gpusnap.storage.fast_tier import FastTier
+from gpusnap.storage.fast_tier import FastTier, chunk_location
 from gpusnap.storage.manifest import Manifest, StorageEntry
 from gpusnap.storage.repository import Repository
 
-__all__ = ["pool_cpu_s", "promote"]
+__all__ = ["RUN_BYTES", "check_runs", "pool_cpu_s", "promote"]
+
+# Chunks checked together (one host-to-device copy and one hash launch on the GPU): a call
+# per 4 MiB chunk cost the training thread the driver's and the interpreter's locks
+RUN_BYTES = 64 << 20
 
 
 def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: ThreadPoolExecutor | None = None,
             extra_stats: dict[str, object] | None = None) -> Manifest:
     """Commit ``manifest``'s checkpoint (from ``fast``) to ``durable``; returns the durable manifest."""
     started, cpu, cpu_pool = time.perf_counter(), time.thread_time(), pool_cpu_s(pool)
-    device = hash_device(e.device for e in manifest.storages)  # (its own GPU: one host copy, one kernel a chunk)
+    device = hash_device(e.device for e in manifest.storages)  # (its own GPU: one host copy and one launch a run)
     fast.pin_checkpoint(manifest.id)
     try:
         with durable.begin_write() as txn:
-            def store(name: str) -> str:
-                view = fast.read_view(name)
-                path, offset, length = fast._locate(name, "")
-                # its device hash first: corrupt fast bytes must not become a clean durable checkpoint
-                fast._check(name, view, path, offset, length, "", device=device)
-                digest = chunk_digest(view)  # (hashlib lets the GIL go for large buffers)
-                if not txn.has_chunk(digest):
-                    txn.put_chunk(digest, view)
-                return digest
+            def store(run: list[str]) -> list[str]:
+                # device hashes first: corrupt fast bytes must not become a clean durable checkpoint
+                fast.check_run(run, manifest.chunk_size, device)
+                digests = []
+                for name in run:
+                    view = fast.read_view(name)
+                    digest = chunk_digest(view)  # (hashlib lets the GIL go for large buffers)
+                    if not txn.has_chunk(digest):
+                        txn.put_chunk(digest, view)
+                    digests.append(digest)
+                return digests
 
-            names = [n for e in manifest.storages for n in e.chunks]
-            digests = list(pool.map(store, names)) if pool is not None else [store(n) for n in names]
+            runs = check_runs([n for e in manifest.storages for n in e.chunks], manifest.chunk_size, RUN_BYTES)
+            done = pool.map(store, runs) if pool is not None else map(store, runs)
+            digests = [d for run in done for d in run]
             entries, at = [], 0
             for e in manifest.storages:
                 k = len(e.chunks)
@@ -59,6 +66,22 @@ def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: Threa
             return promoted
     finally:
         fast.unpin_checkpoint(manifest.id)
+
+
+def check_runs(names: list[str], chunk_size: int, run_bytes: int = RUN_BYTES) -> list[list[str]]:
+    """``names`` (in order) cut into runs that :meth:`FastTier.check_run` checks in one pass:
+    whole ``chunk_size`` chunks back to back in one slab, at most ``run_bytes`` a run; any
+    other chunk (a span's shorter tail) is a run of its own."""
+    runs: list[list[str]] = []
+    end: tuple[int, int] | None = None  # where the current run would continue
+    for name in names:
+        _h, slab, offset, length = chunk_location(name)
+        if length == chunk_size and end == (slab, offset) and (len(runs[-1]) + 1) * chunk_size <= run_bytes:
+            runs[-1].append(name)
+        else:
+            runs.append([name])
+        end = (slab, offset + length) if length == chunk_size else None
+    return runs
 
 
 def pool_cpu_s(pool: ThreadPoolExecutor | None) -> float:
