@@ -480,14 +480,16 @@ def main() -> None:
     device = torch.device("cuda:0" if args["device"] == "cuda" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.use_deterministic_algorithms(True, warn_only=True)  # (the resume check compares bits)
+        torch.utils.deterministic.fill_uninitialized_memory = False  # (it would fill every torch.empty)
     rep = Report(variant, rank)
     try:
         if world > 1:
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
                                   timeout=timedelta(seconds=args["hang_s"]))
+            # a rank whose collective failed alone leaves its peer in one: bounded by this timeout
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                    timeout=timedelta(seconds=args["hang_s"]))
+                                    timeout=timedelta(seconds=min(args["hang_s"], args["collective_timeout_s"])))
         VARIANTS[variant](rep, args, device, root, out)
     except BaseException as exc:
         traceback.print_exc()
