@@ -13,6 +13,7 @@ from torch import nn
 
 import gpusnap
 from gpusnap.cli.main import main as cli_main
+from gpusnap.storage.manifest import DISTRIBUTED_VERSION, VERSION
 from gpusnap.storage.repository import Repository
 
 pytestmark = pytest.mark.slow
@@ -54,6 +55,9 @@ def test_fsdp2_reshards_4_to_2_to_1_and_1_to_2(runs: Path) -> None:
     glob = repo.resolve("step3")
     parts = repo.rank_manifests(glob)  # type: ignore[attr-defined]
     assert glob.world_size == 4
+    versions = [json.loads((tmp_path / "fsdp4" / path).read_text())["version"]
+                for path in (f"manifests/{glob.id}.json", f"ranks/1/manifests/{glob.id}.json")]
+    assert versions == [DISTRIBUTED_VERSION, VERSION]  # (an older gpusnap refuses the global one)
     # the replicated DTensor is stored by rank 0 only: the other ranks record its layout
     rep = [leaf for path, leaf in _leaves(parts[1]) if path == "rep"][0]
     assert rep["local"] is None and [leaf for path, leaf in _leaves(parts[0]) if path == "rep"][0]["local"]

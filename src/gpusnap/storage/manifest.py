@@ -21,6 +21,11 @@ __all__ = ["DEVICE_HASH", "FORMAT", "VERSION", "Manifest", "RankPart", "StorageE
 
 FORMAT = "gpusnap"
 VERSION = 1
+# a distributed checkpoint's global manifest (``ranks``): a gpusnap that predates it would read
+# one as an empty checkpoint (listed, verified "ok", 0 bytes), so it must refuse it; every
+# other manifest keeps VERSION (a rank's part is an ordinary manifest)
+DISTRIBUTED_VERSION = 3
+READABLE_VERSIONS = (VERSION, DISTRIBUTED_VERSION)
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -61,8 +66,10 @@ class Manifest:
     """A committed checkpoint. ``tree`` and ``stats`` belong to the layers above.
 
     A distributed checkpoint's *global* manifest has ``ranks`` (one part per rank, in rank
-    order) and no storages; its tree is ``{"t": "ranks"}``, which a gpusnap that predates it
-    refuses to restore. Each rank's state is in its rank manifest, an ordinary one."""
+    order) and no storages; it is written as :data:`DISTRIBUTED_VERSION`, which a gpusnap that
+    predates it refuses (its tree, ``{"t": "ranks"}``, is no state either). Each rank's state
+    is in its rank manifest, an ordinary one (a DTensor there is a ``dtensor`` node, which an
+    older gpusnap refuses to restore as an unknown node kind)."""
 
     id: str
     tag: str | None
@@ -117,6 +124,7 @@ class Manifest:
         }
         if self.ranks:
             body["ranks"] = [{"rank": p.rank, "checksum": p.checksum, "nbytes": p.nbytes} for p in self.ranks]
+            body["version"] = DISTRIBUTED_VERSION
         return body
 
     def to_json(self) -> bytes:
@@ -145,10 +153,11 @@ class Manifest:
             raise IntegrityError(f"manifest {where} is unreadable (truncated or corrupt): {exc}") from None
         if not isinstance(doc, dict):
             raise IntegrityError(f"manifest {where} is not a JSON object (corrupt)")
-        if doc.get("format") != FORMAT or doc.get("version") != VERSION:
+        if doc.get("format") != FORMAT or doc.get("version") not in READABLE_VERSIONS:
             raise CheckpointError(
                 f"manifest {where} has format {doc.get('format')!r} version {doc.get('version')!r}; "
-                f"this gpusnap reads {FORMAT!r} version {VERSION} (upgrade gpusnap to read it)"
+                f"this gpusnap reads {FORMAT!r} versions {', '.join(map(str, READABLE_VERSIONS))} "
+                "(upgrade gpusnap to read it)"
             )
         checksum = doc.pop("checksum", None)
         try:
