@@ -163,10 +163,11 @@ def differences(got: dict[str, Any], want: dict[str, Any]) -> str | None:
 # -- a training run with collective saves (variants ddp, fsdp2, dtensor) ------------------------
 def train_and_check(rep: Report, make: Callable[[int], dict[str, Any]], step: Callable[[dict[str, Any]], None],
                     root: Path, args: dict[str, Any], device: torch.device, cfg: gpusnap.Config,
-                    at_save: Callable[[dict[str, Any], str], None] | None = None) -> None:
+                    last_save: Callable[[dict[str, Any], str, dict[str, Any]], None] | None = None) -> None:
     """Train ``args["steps"]`` steps, saving every ``args["every"]`` concurrently; restore every
     save into fresh state and compare with its clone; resume from the middle save and compare
-    with the uninterrupted run's end; record the saves' costs on the training step."""
+    with the uninterrupted run's end; record the saves' costs on the training step.
+    ``last_save(state, tag, clone)`` is called once training is over, with the last save's clone."""
     state = make(0)
     seed_ranks(dist.get_rank())
     saves: list[tuple[str, dict[str, Any], Any, int]] = []  # tag, clone, pending, step index
@@ -184,8 +185,6 @@ def train_and_check(rep: Report, make: Callable[[int], dict[str, Any]], step: Ca
             if n % args["every"] == 0:
                 tag = f"step{n}"
                 clone = snapshot(state)  # (before save(): nothing runs between the two)
-                if at_save is not None:
-                    at_save(state, tag)
                 sync(device)
                 t1 = time.perf_counter()
                 pending = ck.save(state, tag=tag)
@@ -199,6 +198,8 @@ def train_and_check(rep: Report, make: Callable[[int], dict[str, Any]], step: Ca
         rep.number("state_mib", round(sum(t.numel() * t.element_size() for t in final.values()
                                           if torch.is_tensor(t)) / (1 << 20), 1))
         infos = {tag: pending.wait() for tag, _c, pending, _i in saves}
+        if last_save is not None:
+            last_save(state, saves[-1][0], saves[-1][1])
         plain = []  # steps with no save in flight (after the run compared against: they change nothing)
         for _ in range(args["plain_steps"]):
             sync(device)
@@ -282,7 +283,7 @@ def fsdp2(rep: Report, args: dict[str, Any], device: torch.device, root: Path, o
         return {"model": net, "optim": adamw(net.parameters(), device), "rng": gpusnap.RNGState(), "step": 0}
 
     train_and_check(rep, make, lambda s: model_step(s, args, device), root, args, device, config(args),
-                    at_save=lambda s, tag: write_shards(s, tag, out, "fsdp2"))
+                    last_save=lambda s, tag, clone: write_shards(s, tag, clone, out, "fsdp2"))
 
 
 def dtensor(rep: Report, args: dict[str, Any], device: torch.device, root: Path, out: Path) -> None:
@@ -329,24 +330,23 @@ def dtensor(rep: Report, args: dict[str, Any], device: torch.device, root: Path,
         state["step"] += 1
 
     train_and_check(rep, make, step, root, args, device, config(args),
-                    at_save=lambda s, tag: write_shards(s, tag, out, "dtensor"))
+                    last_save=lambda s, tag, clone: write_shards(s, tag, clone, out, "dtensor"))
 
 
-def write_shards(state: dict[str, Any], tag: str, out: Path, variant: str) -> None:
-    """This rank's local tensors of every DTensor (on the host) with their place in the global
-    tensor, and rank 0's RNG and plain values: what ``reshard`` assembles the full state from."""
+def write_shards(state: dict[str, Any], tag: str, clone: dict[str, Any], out: Path, variant: str) -> None:
+    """This rank's local tensors of save ``tag`` (``clone``, moved to the host) with their place
+    in the global tensor (the live DTensors' layout, unchanged since), and its plain values:
+    what ``reshard`` assembles the full state from."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     pieces: dict[str, Any] = {}
     for key, value in snapshot_live(state).items():
         if hasattr(value, "to_local"):
             _shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-            pieces[key] = (value.to_local().detach().cpu().clone(), tuple(offset), tuple(value.shape))
-        elif torch.is_tensor(value):
-            pieces[key] = (value.detach().cpu().clone(), (0,) * value.dim(), tuple(value.shape))
-    rank = dist.get_rank()
-    torch.save({"pieces": pieces, "step": state["step"], "rng": torch.get_rng_state()},
-               out / f"{variant}-shards-{tag}-{rank}.pt")
+            pieces[key] = (clone[key].cpu(), tuple(offset), tuple(value.shape))
+        else:
+            pieces[key] = (clone[key].cpu(), (0,) * value.dim(), tuple(value.shape))
+    torch.save({"pieces": pieces, "step": clone["step"]}, out / f"{variant}-shards-{tag}-{dist.get_rank()}.pt")
 
 
 def snapshot_live(state: dict[str, Any]) -> dict[str, Any]:
