@@ -172,11 +172,10 @@ def train_and_check(rep: Report, make: Callable[[int], dict[str, Any]], step: Ca
     seed_ranks(dist.get_rank())
     saves: list[tuple[str, dict[str, Any], Any, int]] = []  # tag, clone, pending, step index
     steps_s: list[float] = []
-    in_flight: list[bool] = []  # a save was in flight during this step
     save_call_s: dict[str, float] = {}
+    done_at: dict[str, int] = {}  # tag -> the step at whose end its save was first seen done
     with gpusnap.Checkpointer(root, config=cfg) as ck:
         for n in range(1, args["steps"] + 1):
-            busy = any(not p.done() for _t, _c, p, _i in saves)
             sync(device)
             t0 = time.perf_counter()
             step(state)
@@ -193,7 +192,9 @@ def train_and_check(rep: Report, make: Callable[[int], dict[str, Any]], step: Ca
                 took += save_call_s[tag]
                 saves.append((tag, clone, pending, n - 1))
             steps_s.append(took)
-            in_flight.append(busy or any(not p.done() for _t, _c, p, _i in saves))
+            for tag, _c, pending, _i in saves:
+                if tag not in done_at and pending.done():
+                    done_at[tag] = n - 1
         final = snapshot(state)
         rep.number("state_mib", round(sum(t.numel() * t.element_size() for t in final.values()
                                           if torch.is_tensor(t)) / (1 << 20), 1))
@@ -225,24 +226,24 @@ def train_and_check(rep: Report, make: Callable[[int], dict[str, Any]], step: Ca
             step(fresh)
         rep.check(f"resume from {mid} = uninterrupted run", differences(snapshot(fresh), final))
         del fresh
-    record_costs(rep, infos, save_call_s, steps_s, in_flight, [i for _t, _c, _p, i in saves], plain)
+    record_costs(rep, infos, save_call_s, steps_s, done_at, [i for _t, _c, _p, i in saves], plain)
 
 
 def record_costs(rep: Report, infos: dict[str, Any], save_call_s: dict[str, float], steps_s: list[float],
-                 in_flight: list[bool], save_steps: list[int], plain: list[float]) -> None:
+                 done_at: dict[str, int], save_steps: list[int], plain: list[float]) -> None:
     """Variant e: per save, the time inside save() spent coordinating (the id's derivation, no
     message), save()'s stall, the writer's coordination (describe + wait for rank 0's
     decision), and the step's extra time: the step with save() minus the median plain step
-    (``plain``: steps run once every save was done), and the extra of the steps while the save
-    was in flight."""
+    (``plain``: steps run once every save was done), and the extra of the later steps while
+    the save was in flight (``done_at``: the step it was seen done after; a step with another
+    save() call is left out)."""
     median = statistics.median(plain)
     rep.number("plain_step_ms", round(median * 1e3, 2))
     rep.number("steps_ms", [round(s * 1e3, 2) for s in steps_s])
-    rep.number("in_flight", in_flight)
     rows = []
     for (tag, info), index in zip(infos.items(), save_steps):
-        extra_after = sum(steps_s[i] - median for i in range(index + 1, len(steps_s))
-                          if in_flight[i] and i not in save_steps)
+        extra_after = sum(steps_s[i] - median for i in range(index + 1, done_at.get(tag, len(steps_s) - 1) + 1)
+                          if i not in save_steps)
         rows.append({"tag": tag, "coordinate_ms": round(info.stats["save_phases_s"]["coordinate"] * 1e3, 3),
                      "stall_ms": round(info.stats["stall_s"] * 1e3, 2),
                      "save_call_ms": round(save_call_s[tag] * 1e3, 2),
