@@ -54,7 +54,7 @@ SRC = str(Path(__file__).resolve().parent.parent / "src")
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--size", type=float, default=None, help="MiB of parameters per model (default: 128 cuda, 2 cpu)")
+    p.add_argument("--size", type=float, default=None, help="MiB of parameters per model (default: 192 cuda, 2 cpu)")
     p.add_argument("--width", type=int, default=None, help="model width (default: 1024 cuda, 64 cpu)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=None, help="tokens per sample (default: 256 cuda, 8 cpu)")
@@ -73,7 +73,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the checkpoint roots")
     args = p.parse_args()
     cuda = args.device == "cuda"
-    args.size = args.size if args.size is not None else (128.0 if cuda else 2.0)
+    args.size = args.size if args.size is not None else (192.0 if cuda else 2.0)
     args.width = args.width or (1024 if cuda else 64)
     args.seq = args.seq or (256 if cuda else 8)
     return args

@@ -163,19 +163,19 @@ def differences(got: dict[str, Any], want: dict[str, Any]) -> str | None:
 # -- a training run with collective saves (variants ddp, fsdp2, dtensor) ------------------------
 def train_and_check(rep: Report, make: Callable[[int], dict[str, Any]], step: Callable[[dict[str, Any]], None],
                     root: Path, args: dict[str, Any], device: torch.device, cfg: gpusnap.Config,
-                    at_save: Callable[[dict[str, Any], str], None] | None = None) -> None:
+                    last_save: Callable[[dict[str, Any], str, dict[str, Any]], None] | None = None) -> None:
     """Train ``args["steps"]`` steps, saving every ``args["every"]`` concurrently; restore every
     save into fresh state and compare with its clone; resume from the middle save and compare
-    with the uninterrupted run's end; record the saves' costs on the training step."""
+    with the uninterrupted run's end; record the saves' costs on the training step.
+    ``last_save(state, tag, clone)`` is called once training is over, with the last save's clone."""
     state = make(0)
     seed_ranks(dist.get_rank())
     saves: list[tuple[str, dict[str, Any], Any, int]] = []  # tag, clone, pending, step index
     steps_s: list[float] = []
-    in_flight: list[bool] = []  # a save was in flight during this step
     save_call_s: dict[str, float] = {}
+    done_at: dict[str, int] = {}  # tag -> the step at whose end its save was first seen done
     with gpusnap.Checkpointer(root, config=cfg) as ck:
         for n in range(1, args["steps"] + 1):
-            busy = any(not p.done() for _t, _c, p, _i in saves)
             sync(device)
             t0 = time.perf_counter()
             step(state)
@@ -184,8 +184,6 @@ def train_and_check(rep: Report, make: Callable[[int], dict[str, Any]], step: Ca
             if n % args["every"] == 0:
                 tag = f"step{n}"
                 clone = snapshot(state)  # (before save(): nothing runs between the two)
-                if at_save is not None:
-                    at_save(state, tag)
                 sync(device)
                 t1 = time.perf_counter()
                 pending = ck.save(state, tag=tag)
@@ -194,11 +192,15 @@ def train_and_check(rep: Report, make: Callable[[int], dict[str, Any]], step: Ca
                 took += save_call_s[tag]
                 saves.append((tag, clone, pending, n - 1))
             steps_s.append(took)
-            in_flight.append(busy or any(not p.done() for _t, _c, p, _i in saves))
+            for tag, _c, pending, _i in saves:
+                if tag not in done_at and pending.done():
+                    done_at[tag] = n - 1
         final = snapshot(state)
         rep.number("state_mib", round(sum(t.numel() * t.element_size() for t in final.values()
                                           if torch.is_tensor(t)) / (1 << 20), 1))
         infos = {tag: pending.wait() for tag, _c, pending, _i in saves}
+        if last_save is not None:
+            last_save(state, saves[-1][0], saves[-1][1])
         plain = []  # steps with no save in flight (after the run compared against: they change nothing)
         for _ in range(args["plain_steps"]):
             sync(device)
@@ -224,24 +226,24 @@ def train_and_check(rep: Report, make: Callable[[int], dict[str, Any]], step: Ca
             step(fresh)
         rep.check(f"resume from {mid} = uninterrupted run", differences(snapshot(fresh), final))
         del fresh
-    record_costs(rep, infos, save_call_s, steps_s, in_flight, [i for _t, _c, _p, i in saves], plain)
+    record_costs(rep, infos, save_call_s, steps_s, done_at, [i for _t, _c, _p, i in saves], plain)
 
 
 def record_costs(rep: Report, infos: dict[str, Any], save_call_s: dict[str, float], steps_s: list[float],
-                 in_flight: list[bool], save_steps: list[int], plain: list[float]) -> None:
+                 done_at: dict[str, int], save_steps: list[int], plain: list[float]) -> None:
     """Variant e: per save, the time inside save() spent coordinating (the id's derivation, no
     message), save()'s stall, the writer's coordination (describe + wait for rank 0's
     decision), and the step's extra time: the step with save() minus the median plain step
-    (``plain``: steps run once every save was done), and the extra of the steps while the save
-    was in flight."""
+    (``plain``: steps run once every save was done), and the extra of the later steps while
+    the save was in flight (``done_at``: the step it was seen done after; a step with another
+    save() call is left out)."""
     median = statistics.median(plain)
     rep.number("plain_step_ms", round(median * 1e3, 2))
     rep.number("steps_ms", [round(s * 1e3, 2) for s in steps_s])
-    rep.number("in_flight", in_flight)
     rows = []
     for (tag, info), index in zip(infos.items(), save_steps):
-        extra_after = sum(steps_s[i] - median for i in range(index + 1, len(steps_s))
-                          if in_flight[i] and i not in save_steps)
+        extra_after = sum(steps_s[i] - median for i in range(index + 1, done_at.get(tag, len(steps_s) - 1) + 1)
+                          if i not in save_steps)
         rows.append({"tag": tag, "coordinate_ms": round(info.stats["save_phases_s"]["coordinate"] * 1e3, 3),
                      "stall_ms": round(info.stats["stall_s"] * 1e3, 2),
                      "save_call_ms": round(save_call_s[tag] * 1e3, 2),
@@ -282,7 +284,7 @@ def fsdp2(rep: Report, args: dict[str, Any], device: torch.device, root: Path, o
         return {"model": net, "optim": adamw(net.parameters(), device), "rng": gpusnap.RNGState(), "step": 0}
 
     train_and_check(rep, make, lambda s: model_step(s, args, device), root, args, device, config(args),
-                    at_save=lambda s, tag: write_shards(s, tag, out, "fsdp2"))
+                    last_save=lambda s, tag, clone: write_shards(s, tag, clone, out, "fsdp2"))
 
 
 def dtensor(rep: Report, args: dict[str, Any], device: torch.device, root: Path, out: Path) -> None:
@@ -329,24 +331,23 @@ def dtensor(rep: Report, args: dict[str, Any], device: torch.device, root: Path,
         state["step"] += 1
 
     train_and_check(rep, make, step, root, args, device, config(args),
-                    at_save=lambda s, tag: write_shards(s, tag, out, "dtensor"))
+                    last_save=lambda s, tag, clone: write_shards(s, tag, clone, out, "dtensor"))
 
 
-def write_shards(state: dict[str, Any], tag: str, out: Path, variant: str) -> None:
-    """This rank's local tensors of every DTensor (on the host) with their place in the global
-    tensor, and rank 0's RNG and plain values: what ``reshard`` assembles the full state from."""
+def write_shards(state: dict[str, Any], tag: str, clone: dict[str, Any], out: Path, variant: str) -> None:
+    """This rank's local tensors of save ``tag`` (``clone``, moved to the host) with their place
+    in the global tensor (the live DTensors' layout, unchanged since), and its plain values:
+    what ``reshard`` assembles the full state from."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     pieces: dict[str, Any] = {}
     for key, value in snapshot_live(state).items():
         if hasattr(value, "to_local"):
             _shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-            pieces[key] = (value.to_local().detach().cpu().clone(), tuple(offset), tuple(value.shape))
-        elif torch.is_tensor(value):
-            pieces[key] = (value.detach().cpu().clone(), (0,) * value.dim(), tuple(value.shape))
-    rank = dist.get_rank()
-    torch.save({"pieces": pieces, "step": state["step"], "rng": torch.get_rng_state()},
-               out / f"{variant}-shards-{tag}-{rank}.pt")
+            pieces[key] = (clone[key].cpu(), tuple(offset), tuple(value.shape))
+        else:
+            pieces[key] = (clone[key].cpu(), (0,) * value.dim(), tuple(value.shape))
+    torch.save({"pieces": pieces, "step": clone["step"]}, out / f"{variant}-shards-{tag}-{dist.get_rank()}.pt")
 
 
 def snapshot_live(state: dict[str, Any]) -> dict[str, Any]:
