@@ -234,6 +234,7 @@ def main() -> None:
             elif variant == "kill":
                 for victim in args.victims:
                     chunk = random.Random(victim).randrange(4)
+                    (out / f"kill-moment-{victim}").unlink(missing_ok=True)  # (the victim writes it)
                     run("kill", f"kill-rank{victim}", 2, {"victim": victim, "chunk": chunk}, killed=(victim,))
     finally:
         if made_root and not args.keep:

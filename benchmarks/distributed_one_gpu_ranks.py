@@ -429,7 +429,7 @@ def kill(rep: Report, args: dict[str, Any], device: torch.device, root: Path, ou
             def put_chunk(self: Any, digest: str, data: Any) -> bool:
                 left[0] -= 1
                 if left[0] < 0:
-                    (out / "kill-moment").write_text(repr(time.time()))
+                    (out / f"kill-moment-{victim}").write_text(repr(time.time()))
                     os.kill(os.getpid(), signal.SIGKILL)
                 return real(self, digest, data)
 
@@ -441,7 +441,7 @@ def kill(rep: Report, args: dict[str, Any], device: torch.device, root: Path, ou
         except gpusnap.CheckpointError as exc:
             raised = time.time()
             rep.note(f"wait() raised: {str(exc).splitlines()[0][:200]}")
-            moment = out / "kill-moment"
+            moment = out / f"kill-moment-{victim}"
             killed = float(moment.read_text()) if moment.exists() else float("nan")
             rep.number("raised_after_kill_s", round(raised - killed, 3))
             rep.check("raised within collective_timeout_s",
