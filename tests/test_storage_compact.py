@@ -289,3 +289,24 @@ def test_live_chunks_fill_new_packs_of_at_most_pack_size(tmp_path: Path) -> None
     assert len(report.compacted_packs) == 4 and len(report.written_packs) == 2  # 8 chunks, 4 per pack
     assert report.rewritten_bytes == 8 * 512 and report.dead_bytes == 0
     _readable(repo.root, live)
+
+
+def test_a_lease_lost_while_compacting_deletes_no_old_pack(
+    mostly_dead: tuple[Repository, Manifest, list[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    repo, _keep, chunks = mostly_dead
+    before = _packs(repo)
+    real = repo._lease.confirm
+    calls: list[int] = []
+
+    def confirm() -> None:
+        calls.append(1)
+        if len(calls) > 1:  # gc's own check passes; compaction's finds another writer
+            raise OSError(116, "this writer's lease was taken over by pid 1 on elsewhere", "writer")
+        real()
+
+    monkeypatch.setattr(repo._lease, "confirm", confirm)
+    with pytest.raises(StorageError, match="gc: confirming the writer lease .* taken over .*kept whole"):
+        repo.gc()
+    assert before <= _packs(repo)  # every old pack is still there (the new one too)
+    _readable(repo.root, chunks)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gpusnap.errors import IntegrityError, StorageError
+from gpusnap.storage.lease import LEASE_NAME
 from gpusnap.storage.layout import TMP, os_reason
 from gpusnap.storage.pack import PackIndex, PackWriter
 from gpusnap.storage.txn import publish_packs
@@ -108,6 +109,7 @@ def compact(repo: Repository, chosen: list[PackIndex], kept: list[PackIndex], li
         published = copier.publish()
     finally:
         copier.discard()
+    _confirm_lease(repo)  # (an object store's lease can be lost: then another writer may rely on them)
     old = [i for i in chosen if i.path not in damaged]
     repo._forget_packs([i.path for i in old])  # this process reads the new copies from now on
     for index in old:
@@ -120,6 +122,13 @@ def compact(repo: Repository, chosen: list[PackIndex], kept: list[PackIndex], li
         freed_bytes=sum(i.size for i in old) - sum(i.size for i in published),
         problems=tuple(problems),
     )
+
+
+def _confirm_lease(repo: Repository) -> None:
+    """Check (and renew) the writer lease: a compaction may run longer than an object
+    store's lease lives unrenewed."""
+    with _io(repo, "confirming the writer lease", LEASE_NAME):
+        repo._lease.confirm()
 
 
 @contextmanager
@@ -173,6 +182,8 @@ class _Copier:
             if writer.nbytes >= self.repo.config.pack_size:
                 self.finished.append(writer.finish())
                 self.writer = None
+        if self.writer is None:
+            _confirm_lease(self.repo)
         self.done.add(digest)
         self.copied += len(data)
 
