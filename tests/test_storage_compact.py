@@ -310,3 +310,25 @@ def test_a_lease_lost_while_compacting_deletes_no_old_pack(
         repo.gc()
     assert before <= _packs(repo)  # every old pack is still there (the new one too)
     _readable(repo.root, chunks)
+
+
+def test_a_verify_that_could_not_lock_the_root_follows_a_compaction_elsewhere(
+    mostly_dead: tuple[Repository, Manifest, list[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    repo, _keep, chunks = mostly_dead
+    reader = Repository.open(repo.root)
+    # verify waits 30 s for the shared lock, then checks without it: here at once
+    monkeypatch.setattr(reader, "_lock", lambda **_: (_ for _ in ()).throw(StorageError("busy")))
+    real_read = reader.backend.read_range
+    compacted: list[GcReport] = []
+
+    def read_range(path: str, offset: int = 0, length: int | None = None) -> bytes:
+        if path.startswith("packs/") and length == 512 and not compacted:
+            compacted.append(repo.gc())  # the gc elsewhere runs between the listing and the reads
+        return real_read(path, offset, length)
+
+    monkeypatch.setattr(reader.backend, "read_range", read_range)
+    report = reader.verify()
+    assert len(compacted[0].compacted_packs) == 2
+    assert report.ok, report.problems
+    assert report.checked_chunks == len(chunks)
