@@ -22,7 +22,7 @@ __all__ = ["Step", "StepFaultBackend"]
 @dataclass(frozen=True)
 class Step:
     """One mutating call: ``kind`` (``makedirs``, ``open_write``, ``write``, ``close``,
-    ``rename``, ``sync_dir``) and the path it touched."""
+    ``rename``, ``sync_dir``; ``remove`` when asked for) and the path it touched."""
 
     kind: str
     path: str
@@ -49,8 +49,9 @@ class StepFaultBackend:
     """Delegates to ``inner``; ``fail_at = k`` makes the k-th mutating step (0-based, counted
     from when it was armed) raise ``OSError(errno_)``; ``steps`` records every step."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, *, removes: bool = False) -> None:
         self.inner = inner
+        self.removes = removes  # count (and fail) ``remove`` calls too: a gc's steps
         self.root = inner.root
         self.steps: list[Step] = []
         self.fail_at: int | None = None
@@ -85,6 +86,11 @@ class StepFaultBackend:
     def sync_dir(self, path: str) -> None:
         self._step("sync_dir", path)
         self.inner.sync_dir(path)
+
+    def remove(self, path: str) -> None:
+        if self.removes:
+            self._step("remove", path)
+        self.inner.remove(path)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -160,8 +160,10 @@ def commit_checkpoint(
     tag: str | None = None,
     created: float | None = None,
     stats: dict[str, Any] | None = None,
+    checkpoint_id: str | None = None,
 ) -> Manifest:
-    """Store one storage per list of chunks and commit a manifest naming them."""
+    """Store one storage per list of chunks and commit a manifest naming them (under
+    ``checkpoint_id``, else a new id)."""
     created = time.time() if created is None else created
     with repo.begin_write() as txn:
         storages = []
@@ -173,7 +175,7 @@ def commit_checkpoint(
                 digests.append(digest)
             storages.append(StorageEntry(sum(len(c) for c in chunks), "cpu", tuple(digests)))
         manifest = Manifest(
-            id=repo.new_id(created),
+            id=checkpoint_id or repo.new_id(created),
             tag=tag,
             created=created,
             chunk_size=CHUNK,

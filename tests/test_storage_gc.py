@@ -50,13 +50,24 @@ def test_keep_last_deletes_old_checkpoints_and_only_unreferenced_packs(repo: Rep
     assert Repository.open(repo.root).verify().ok
 
 
-def test_partly_live_pack_is_kept_whole(repo: Repository) -> None:
+def test_partly_live_pack_is_kept_whole_without_compaction(repo: Repository) -> None:
     mixed = chunks_of(1, 4)
     commit_checkpoint(repo, [mixed], created=1.0)  # one pack of four chunks
     keep = commit_checkpoint(repo, [mixed[:1]], created=2.0)  # needs one of them
-    report = repo.gc(keep_last=1)
-    assert report.deleted_packs == () and any("partly live" in n for n in report.notes)
+    report = repo.gc(keep_last=1, compact=False)
+    assert report.deleted_packs == () and report.compacted_packs == ()
+    assert any("partly live" in n and "compaction off" in n for n in report.notes)
+    assert report.dead_bytes == 3 * 512
     assert repo.list() == [keep] and repo.verify().ok
+
+
+def test_a_pack_below_the_compaction_threshold_is_kept_whole(repo: Repository) -> None:
+    mixed = chunks_of(1, 4)
+    commit_checkpoint(repo, [mixed], created=1.0)
+    commit_checkpoint(repo, [mixed[:2]], created=2.0)  # half of it dead: not more than 50%
+    report = repo.gc(keep_last=1)
+    assert report.compacted_packs == () and report.dead_bytes == 2 * 512
+    assert any("at most 50% dead" in n for n in report.notes)
 
 
 def test_unreadable_manifest_stops_all_pack_deletion(repo: Repository) -> None:

@@ -998,11 +998,12 @@ class Checkpointer:
         """``keep_last`` after a commit, even while the next save writes (Repository.gc pins
         what its transaction relies on). It never fails the save that just committed: an
         error is a WARNING, and the next commit tries again. ``sweep``: free the packs nothing
-        references even without ``keep_last`` (after :meth:`delete`)."""
+        references even without ``keep_last`` (after :meth:`delete`). It never compacts: that
+        rewrites packs, which would compete with the next save's writes (``gpusnap gc`` does)."""
         if keep_last is None and not sweep:
             return
         try:
-            report = repo.gc(keep_last, blocking=False, fresh=False)
+            report = repo.gc(keep_last, blocking=False, fresh=False, compact=False)
         except Exception as exc:
             log.warning("gpusnap: retention (keep_last=%s) failed; the next commit tries again: %s",
                         keep_last, exc)

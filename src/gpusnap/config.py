@@ -15,7 +15,7 @@ __all__ = ["Config", "MiB"]
 
 MiB = 1 << 20
 _MAY_BE_ZERO = {"cow_budget_bytes", "fast_tier_bytes", "cpu_snapshot_bytes", "eager_cpu_bytes", "eager_device_bytes", "staging_bytes",
-                "restore_piece_bytes"}
+                "restore_piece_bytes", "gc_compact_percent"}
 
 
 def _default_io_threads() -> int:
@@ -173,6 +173,12 @@ class Config:
         metadata={"doc": "distributed: how long a rank waits for the other ranks' parts of a save, or for "
                   "rank 0's decision, before the save fails (a rank gone is noticed sooner on a local root)"},
     )
+    gc_compact_percent: int = field(
+        default=50,
+        metadata={"doc": "an explicit gc (`gpusnap gc`, `Repository.gc()`) rewrites the live chunks of a pack into a "
+                  "new one, then deletes it, when more than this percentage of its chunk bytes is dead (0: any "
+                  "dead byte; 100: never); a Checkpointer's retention never compacts"},
+    )
     trace_dir: str = field(
         default="", metadata={"doc": "write a Chrome trace of each capture window here ('' : off)"}
     )
@@ -201,6 +207,8 @@ class Config:
             raise ValueError(f"Config.restore_from_server must be 'auto', 'on' or 'off', got {self.restore_from_server!r}")
         if self.when_busy not in ("wait", "skip"):
             raise ValueError(f"Config.when_busy must be 'wait' or 'skip', got {self.when_busy!r}")
+        if self.gc_compact_percent > 100:
+            raise ValueError(f"Config.gc_compact_percent must be between 0 and 100, got {self.gc_compact_percent}")
         if self.chunk_size % 512:
             raise ValueError(f"Config.chunk_size must be a multiple of 512, got {self.chunk_size}")
         if self.staging_bytes and self.staging_bytes < self.chunk_size:

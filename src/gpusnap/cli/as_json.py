@@ -1,4 +1,4 @@
-"""The ``--json`` documents of ``ls``, ``show``, ``verify``, ``diff`` and ``du``. Their keys are documented in
+"""The ``--json`` documents of ``ls``, ``show``, ``verify``, ``diff``, ``du`` and ``gc``. Their keys are documented in
 docs/cli.md and only ever gain new ones; ``"schema"`` says which document a reader holds."""
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from gpusnap.cli.diff import STATUSES, Diff, EntryChange
 from gpusnap.cli.du import RootUsage
 from gpusnap.cli.summary import summarize
 from gpusnap.storage.manifest import Manifest
+from gpusnap.storage.repository import GcReport
 from gpusnap.storage.verify import VerifyReport
 
-__all__ = ["diff_doc", "du_doc", "dumps", "ls_doc", "show_doc", "verify_doc"]
+__all__ = ["diff_doc", "du_doc", "dumps", "gc_doc", "ls_doc", "show_doc", "verify_doc"]
 
 SCHEMA = 1
 
@@ -167,4 +168,23 @@ def du_doc(root: str, u: RootUsage, problems: list[tuple[str, str]]) -> dict[str
         },
         "unreadable_data": list(u.unreadable),
         "unreadable": _unreadable(problems),
+    }
+
+
+def gc_doc(root: str, r: GcReport, tier: str = "durable") -> dict[str, Any]:
+    return {
+        "schema": f"gpusnap.gc/{SCHEMA}",
+        "root": root,
+        "tier": tier,
+        "deleted_checkpoints": list(r.deleted_checkpoints),
+        "deleted_packs": list(r.deleted_packs),
+        "freed_bytes": r.freed_bytes,
+        "compacted_packs": list(r.compacted_packs),
+        "written_packs": list(r.written_packs),
+        "rewritten_bytes": r.rewritten_bytes,
+        "compacted_bytes": r.compacted_bytes,
+        "dead_bytes": r.dead_bytes,
+        "problems": list(r.problems),
+        "notes": list(r.notes),
+        "unreadable": [{"manifest": u.path, "error": u.reason} for u in r.unreadable],
     }

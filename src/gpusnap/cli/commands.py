@@ -4,20 +4,23 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+from dataclasses import replace
 
-from gpusnap.cli.as_json import diff_doc, du_doc, dumps, ls_doc, show_doc, verify_doc
+from gpusnap.cli.as_json import diff_doc, du_doc, dumps, gc_doc, ls_doc, show_doc, verify_doc
 from gpusnap.cli.exits import EXIT_DAMAGE, EXIT_ERROR, EXIT_OK
 from gpusnap.cli.opening import open_root
 from gpusnap.cli.progress import byte_progress
 from gpusnap.cli.render import checkpoint_table, human_bytes, manifest_reason, unreadable_lines
 from gpusnap.cli.show_text import show_lines
+from gpusnap.cli.gc_text import gc_lines
 from gpusnap.cli.usage_text import diff_lines, du_lines
 from gpusnap.errors import CheckpointNotFoundError
 from gpusnap.storage.fast_tier import FastTier
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.ranks import RankedRepository, collect_ranks, whole
-from gpusnap.storage.repository import Repository
+from gpusnap.storage.repository import Repository, merge_reports
 
 __all__ = ["cmd_bench", "cmd_demo", "cmd_diff", "cmd_du", "cmd_export", "cmd_gc", "cmd_import", "cmd_ls", "cmd_serve",
            "cmd_show", "cmd_verify"]
@@ -170,26 +173,22 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if args.keep_last is not None and args.keep_last < 1:
         raise ValueError("--keep-last must be at least 1")
     repo = open_root(args.root)
-    report = repo.gc(args.keep_last)
+    if args.compact_percent is not None:  # (Config checks the range; the ranks' roots share it)
+        repo.config = dataclasses.replace(repo.config, gc_compact_percent=args.compact_percent)
+    report = repo.gc(args.keep_last, compact=args.compact)
     if report.skipped:
         print(f"gpusnap: error: gc skipped: {'; '.join(report.notes)}", file=sys.stderr)
         return EXIT_ERROR
-    if isinstance(repo, FastTier):
-        print(
-            f"deleted {len(report.deleted_checkpoints)} checkpoint(s) from the fast tier; their slab bytes are "
-            "free for the next saves (slab files are kept for reuse, not deleted)"
-        )
-        for note in report.notes:
-            print(f"note: {note}")
-        return EXIT_OK
-    packs, freed = len(report.deleted_packs), report.freed_bytes
     if isinstance(repo, RankedRepository):  # then every rank's root: parts and packs no checkpoint needs now
-        ranks = collect_ranks(repo)
-        packs, freed = packs + len(ranks.deleted_packs), freed + ranks.freed_bytes
-    print(f"deleted {len(report.deleted_checkpoints)} checkpoint(s) and {packs} pack(s), freed {human_bytes(freed)}")
-    for note in report.notes:
-        print(f"note: {note}")
-    return EXIT_OK
+        ranks = collect_ranks(repo, compact=args.compact)
+        report = replace(merge_reports([report, replace(ranks, deleted_checkpoints=())]),
+                         deleted_checkpoints=report.deleted_checkpoints)
+    if args.json:
+        print(dumps(gc_doc(repo.root, report, _tier(repo))))
+    else:
+        for line in gc_lines(report, fast=isinstance(repo, FastTier)):
+            print(line)
+    return EXIT_DAMAGE if report.problems else EXIT_OK
 
 
 def _whole(repo: Repository, m: Manifest) -> Manifest:

@@ -60,6 +60,11 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("gc", help="delete old checkpoints and unreferenced data")
     s.add_argument("root")
     s.add_argument("--keep-last", type=int, default=None, metavar="N", help="keep the N newest")
+    s.add_argument("--no-compact", action="store_false", dest="compact",
+                   help="keep partly live packs as they are (default: rewrite the live chunks of mostly dead ones)")
+    s.add_argument("--compact-percent", type=int, default=None, metavar="P",
+                   help="compact packs more than P%% dead (default: Config.gc_compact_percent, 50)")
+    s.add_argument("--json", **as_json)
 
     s = sub.add_parser("demo", help="train a small model, checkpoint it concurrently, restore, compare")
     s.add_argument("--root", default=None, help="where to write checkpoints (default: a temp dir)")

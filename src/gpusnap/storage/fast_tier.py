@@ -494,9 +494,11 @@ class FastTier(Repository):
         self._used_map()  # (raises while a manifest is unreadable: its bytes' use is unknown)
         return FastTxn(self, lock)
 
-    def _gc_locked(self, keep_last: int | None, fresh: bool = True) -> GcReport:
+    def _gc_locked(self, keep_last: int | None, fresh: bool = True, *, compact: bool = False,
+                   alone: bool = False) -> GcReport:
         """Delete the oldest checkpoints beyond ``keep_last`` (not those a promotion reads);
-        their slab bytes become free. Slab files are kept: the next save reuses them."""
+        their slab bytes become free. Slab files are kept: the next save reuses them, so there
+        is nothing to compact (``compact`` and ``alone`` are ignored)."""
         manifests, bad = self._scan(fresh=fresh)
         deleted: builtins.list[str] = []
         freed = 0

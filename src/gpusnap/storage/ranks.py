@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import builtins
 import os
+from dataclasses import replace
 
 from gpusnap.errors import CheckpointError, CheckpointNotFoundError, IntegrityError
 from gpusnap.storage.backend import BackendLock
 from gpusnap.storage.layout import MANIFESTS, PACKS, RANKS, storage_error
 from gpusnap.storage.manifest import Manifest, RankPart
 from gpusnap.storage.pack import PackIndex
-from gpusnap.storage.repository import GcReport, Repository
+from gpusnap.storage.repository import GcReport, Repository, merge_reports
 from gpusnap.storage.txn import WriteTxn
 
 __all__ = ["RANK_ROOT_DOC", "RankedRepository", "collect_ranks", "rank_manifest_path", "rank_root",
@@ -104,26 +105,25 @@ def retire_rank_manifests(
     (it exists)."""
     gone = _drop_orphans(rank_repo, root_repo, upto, before=before, timeout=0.0)
     if gone:
-        report = rank_repo.gc(None, blocking=False, fresh=False)
+        report = rank_repo.gc(None, blocking=False, fresh=False, compact=False)  # (as a Checkpointer's retention)
         if report.skipped:
             raise CheckpointError(f"retention of {rank_repo.root} skipped: {'; '.join(report.notes)}")
     return gone
 
 
-def collect_ranks(root_repo: Repository, *, timeout: float = 30.0) -> GcReport:
+def collect_ranks(root_repo: Repository, *, timeout: float = 30.0, compact: bool = True) -> GcReport:
     """``gpusnap gc`` of every rank's root once the global manifests are trimmed: the parts no
-    global manifest names and the packs only they used. Each rank's root has its own writer
-    lease: a rank still saving there refuses it (a StorageError)."""
+    global manifest names, the packs only they used, and (``compact``) the packs mostly
+    dead, all in one report (notes name their rank's root). Each rank's root has its own
+    writer lease: a rank still saving there refuses it (a StorageError)."""
     parts: builtins.list[str] = []
-    packs: builtins.list[str] = []
-    freed = 0
+    reports: builtins.list[GcReport] = []
     for rank in sorted((n for n in root_repo._listdir(RANKS) if n.isdigit()), key=int):
         sub = Repository.open(rank_root(root_repo.root, int(rank)), config=root_repo.config)
         parts += _drop_orphans(sub, root_repo, None, timeout=timeout)
-        report = sub.gc(None, timeout=timeout)
-        packs += report.deleted_packs
-        freed += report.freed_bytes
-    return GcReport(tuple(parts), tuple(packs), freed)
+        report = sub.gc(None, timeout=timeout, compact=compact)
+        reports.append(replace(report, notes=tuple(f"{sub.root}: {n}" for n in report.notes)))
+    return replace(merge_reports(reports), deleted_checkpoints=tuple(parts))
 
 
 def _drop_orphans(rank_repo: Repository, root_repo: Repository, upto: str | None, *, timeout: float,

@@ -34,6 +34,9 @@ from gpusnap.config import Config
 from gpusnap.errors import CheckpointError, CheckpointNotFoundError, IntegrityError, StorageError
 from gpusnap.kernels.hashing import chunk_digest
 from gpusnap.storage.backend import Backend, BackendLock, _poll_until, open_backend
+from gpusnap.storage.compact import Compaction, mostly_dead
+from gpusnap.storage.compact import compact as compact_packs
+from gpusnap.storage.compact import dead_bytes as pack_dead_bytes
 from gpusnap.storage.lease import LEASE_NAME, LeaseBusy, LeaseHolds
 from gpusnap.storage.layout import (
     ID_RE,
@@ -55,7 +58,7 @@ from gpusnap.storage.txn import WriteTxn
 from gpusnap.storage.unreadable import UnreadableManifest, id_time, may_be_newer
 from gpusnap.storage.verify import VerifyReport, verify
 
-__all__ = ["ChunkReads", "GcReport", "Repository", "UnreadableManifest", "VerifyReport", "WriteTxn"]
+__all__ = ["ChunkReads", "GcReport", "Repository", "UnreadableManifest", "VerifyReport", "WriteTxn", "merge_reports"]
 
 log = logging.getLogger("gpusnap")
 
@@ -71,7 +74,14 @@ class ChunkReads:
 
 @dataclass(frozen=True)
 class GcReport:
-    """What a gc run removed, or why it held back."""
+    """What a gc run removed, or why it held back.
+
+    ``freed_bytes`` counts everything it freed: manifests, dead packs, the packs it compacted
+    less the packs that replaced them (``compacted_bytes``), and ``tmp/`` files. Compaction
+    (``storage.compact``): ``compacted_packs`` were rewritten into ``written_packs``, which
+    took ``rewritten_bytes`` of live chunks. ``dead_bytes``: chunk bytes no checkpoint names
+    still kept in partly live packs. ``problems``: corrupt chunks compaction found (their
+    packs are kept whole), in verify's words."""
 
     deleted_checkpoints: tuple[str, ...] = ()
     deleted_packs: tuple[str, ...] = ()
@@ -79,6 +89,12 @@ class GcReport:
     skipped: bool = False
     notes: tuple[str, ...] = ()
     unreadable: tuple[UnreadableManifest, ...] = ()  # why no pack was deleted, when not empty
+    compacted_packs: tuple[str, ...] = ()
+    written_packs: tuple[str, ...] = ()
+    rewritten_bytes: int = 0
+    compacted_bytes: int = 0
+    dead_bytes: int = 0
+    problems: tuple[str, ...] = ()
 
 
 class Repository:
@@ -538,8 +554,11 @@ class Repository:
         return loc
 
     def _forget_pack(self, path: str) -> None:
+        self._forget_packs([path])
+
+    def _forget_packs(self, paths: Sequence[str]) -> None:
         with self._mutex:
-            if self._packs.pop(path, None) is not None:
+            if [self._packs.pop(path, None) for path in paths if path in self._packs]:
                 self._rebuild_chunk_map()
 
     # ------------------------------------------------------------------ reading chunks
@@ -736,9 +755,11 @@ class Repository:
     # ------------------------------------------------------------------ gc
 
     def gc(
-        self, keep_last: int | None = None, *, blocking: bool = True, timeout: float = 30.0, fresh: bool = True
+        self, keep_last: int | None = None, *, blocking: bool = True, timeout: float = 30.0, fresh: bool = True,
+        compact: bool = True,
     ) -> GcReport:
-        """Delete old checkpoints, then packs nothing references, then stale ``tmp/`` files.
+        """Delete old checkpoints, then packs nothing references, then compact packs that are
+        mostly dead, then delete stale ``tmp/`` files.
 
         Holds the writer lease (a gc from another process waits, up to ``timeout``, for the
         writer to close; with ``blocking=False`` it is skipped), then the exclusive root lock
@@ -748,11 +769,15 @@ class Repository:
         next save writes. Crash-safe in every order: manifests go first, so an interrupted
         gc leaves only garbage.
 
-        A pack is deleted only when *none* of its chunks is referenced or pinned; a partly
-        live pack is kept whole (rewriting the live part into a new pack, i.e. compaction, is
-        future work: manifests name chunks by digest, so it would not touch them). If any
-        manifest is unreadable, no pack is deleted at all: its references are unknown
-        (``GcReport.unreadable``).
+        A pack is deleted when *none* of its chunks is referenced or pinned. With ``compact``,
+        a pack of whose chunk bytes more than ``Config.gc_compact_percent`` per cent are dead
+        has its live chunks rewritten into a new pack, which is made durable before the old
+        one is deleted (``storage.compact``: manifests name chunks by digest, so none is
+        touched; a crash at any step leaves only garbage). Compaction needs the root to
+        itself: it is skipped (a note says so) while transactions of this object are open,
+        and a Checkpointer's retention passes ``compact=False``, so that rewriting packs never
+        competes with the next save's writes. If any manifest is unreadable, no pack is
+        deleted or compacted at all: its references are unknown (``GcReport.unreadable``).
 
         ``fresh=False`` takes the manifests this object has already read or committed from
         its cache (the list of manifest files is always read afresh): a Checkpointer's
@@ -781,7 +806,7 @@ class Repository:
                     raise
                 return GcReport(skipped=True, notes=(str(exc),))
             self._confirm_lease("gc: confirming the writer lease")
-            return self._gc_locked(keep_last, fresh)
+            return self._gc_locked(keep_last, fresh, compact=compact, alone=lock is not None)
         finally:
             if lock is not None:
                 lock.release()
@@ -814,9 +839,14 @@ class Repository:
             )
         return got[0] if got else None
 
-    def _gc_locked(self, keep_last: int | None, fresh: bool = True) -> GcReport:
+    def _gc_locked(self, keep_last: int | None, fresh: bool = True, *, compact: bool = False,
+                   alone: bool = False) -> GcReport:
+        """gc with the lease held (and the exclusive root lock when ``alone``)."""
         notes: builtins.list[str] = []
         freed = 0
+        compaction = Compaction()
+        partly: builtins.list[PackIndex] = []
+        dead_bytes = 0
         manifests, bad = self._scan(fresh=fresh)
         deleted_ids: builtins.list[str] = []
         if keep_last is not None and len(manifests) > keep_last:
@@ -850,14 +880,25 @@ class Repository:
                 for path, err in errors:
                     notes.append(f"kept pack with unreadable index {self.backend.describe(path)}: {err}")
                 retained = [m for m in manifests if m.id not in deleted_ids]
-                doomed_packs, partly, dead_bytes = self._doom_packs(retained, set(deleted_ids))
+                doomed_packs, live = self._doom_packs(retained, set(deleted_ids))
                 for index in doomed_packs:
                     with self._io("gc: deleting pack", index.path):
                         self.backend.remove(index.path)
                     deleted_packs.append(index.path)
                     freed += index.size
+                if compact and alone:
+                    compaction = self._compact(live)
+                    freed += compaction.freed_bytes
+                with self._mutex:
+                    partly = [i for i in self._collectable() if 0 < pack_dead_bytes(i, live)]
+                dead_bytes = sum(pack_dead_bytes(i, live) for i in partly)
             if partly:
-                notes.append(f"{partly} pack(s) are partly live: {dead_bytes} dead bytes kept (no compaction yet)")
+                why = (f"each at most {self.config.gc_compact_percent}% dead: Config.gc_compact_percent"
+                       + ("; a pack with a corrupt chunk is kept whole" if compaction.problems else "")
+                       if compact and alone else
+                       "compaction needs the root to itself: this object's saves are writing" if compact else
+                       f"compaction off: `gpusnap gc {self.root}` compacts")
+                notes.append(f"{len(partly)} pack(s) are partly live: {dead_bytes} dead bytes kept ({why})")
 
         names = self._listdir(TMP)
         with self._mutex:
@@ -874,13 +915,24 @@ class Repository:
                 pass
             except OSError as exc:
                 notes.append(f"could not delete temporary {self.backend.describe(path)}: {os_reason(exc)}")
-        return GcReport(tuple(deleted_ids), tuple(deleted_packs), freed, False, tuple(notes), tuple(bad))
+        return GcReport(tuple(deleted_ids), tuple(deleted_packs), freed, False, tuple(notes), tuple(bad),
+                        compacted_packs=compaction.compacted, written_packs=compaction.written,
+                        rewritten_bytes=compaction.rewritten_bytes, compacted_bytes=compaction.freed_bytes,
+                        dead_bytes=dead_bytes, problems=compaction.problems)
+
+    def _compact(self, live: set[str]) -> Compaction:
+        """Compact this root's mostly dead packs (``storage.compact``), the root held alone."""
+        with self._mutex:
+            packs = self._collectable()
+        chosen = mostly_dead(packs, live, self.config.gc_compact_percent)
+        paths = {i.path for i in chosen}
+        return compact_packs(self, chosen, [i for i in packs if i.path not in paths], live)
 
     def _doom_packs(
         self, retained: builtins.list[Manifest], deleted: set[str]
-    ) -> tuple[builtins.list[PackIndex], int, int]:
+    ) -> tuple[builtins.list[PackIndex], set[str]]:
         """Packs no manifest needs and no open transaction pinned, forgotten at once (so no
-        transaction reuses their chunks from now on), with the partly live count and bytes.
+        transaction reuses their chunks from now on), and the live digests.
 
         Live: every manifest listed or committed (``retained``, and the cache less what this
         gc deleted: a commit that finished after the listing is in it) and every pin, in one
@@ -891,19 +943,12 @@ class Repository:
             for m in self._manifest_cache.values():
                 if m.id not in deleted:
                     live.update(d for st in m.storages for d in st.chunks)
-            doomed, partly, dead_bytes = [], 0, 0
-            for index in self._collectable():
-                live_entries = sum(1 for e in index.entries if e[0] in live)
-                if not live_entries:
-                    doomed.append(index)
-                elif live_entries < len(index.entries):
-                    partly += 1
-                    dead_bytes += sum(n for d, _, n in index.entries if d not in live)
+            doomed = [i for i in self._collectable() if not any(e[0] in live for e in i.entries)]
             for index in doomed:
                 del self._packs[index.path]
             if doomed:
                 self._rebuild_chunk_map()
-        return doomed, partly, dead_bytes
+        return doomed, live
 
     def _collectable(self) -> builtins.list[PackIndex]:
         """The packs this root's gc may delete: all it knows (a distributed root's rank packs
@@ -917,6 +962,16 @@ class Repository:
     ) -> VerifyReport:
         """Re-hash every chunk of one checkpoint (id or tag) or of all (``storage.verify``)."""
         return verify(self, checkpoint_id, progress=progress)
+
+
+def merge_reports(reports: Sequence[GcReport]) -> GcReport:
+    """One report of several gc runs (a distributed root's ranks): tuples joined, counts added."""
+    tuples = ("deleted_checkpoints", "deleted_packs", "notes", "unreadable", "compacted_packs", "written_packs",
+              "problems")
+    counts = ("freed_bytes", "rewritten_bytes", "compacted_bytes", "dead_bytes")
+    fields: dict[str, Any] = {k: tuple(x for r in reports for x in getattr(r, k)) for k in tuples}
+    fields.update({k: sum(getattr(r, k) for r in reports) for k in counts})
+    return GcReport(skipped=any(r.skipped for r in reports), **fields)
 
 
 def fresh_id(created: float) -> str:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import secrets
 import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -22,7 +24,7 @@ from gpusnap.storage.pack import PackIndex, PackWriter, pack_path
 if TYPE_CHECKING:
     from gpusnap.storage.repository import Repository
 
-__all__ = ["WriteTxn"]
+__all__ = ["WriteTxn", "publish_packs"]
 
 
 class WriteTxn:
@@ -227,22 +229,7 @@ class WriteTxn:
             with repo._io("writing pack", writer.tmp_path, writing=True):
                 packs.append(writer.finish())
         self._free = []
-        fans = sorted({pack_path(p.pack_id).rsplit("/", 1)[0] for p in packs})
-        for fan in fans:
-            with repo._io("creating", fan, writing=True):
-                backend.makedirs(fan)
-        published: list[PackIndex] = []
-        for index in packs:
-            dst = pack_path(index.pack_id)
-            with repo._io("publishing pack", dst, writing=True):
-                backend.rename(index.path, dst)
-            published.append(PackIndex(dst, index.pack_id, index.size, index.entries))
-        if fsync and fans:
-            for d in [*fans, PACKS]:
-                with repo._io("syncing", d, writing=True):
-                    backend.sync_dir(d)
-        for index in published:
-            repo._add_pack(index)
+        publish_packs(repo, packs, lambda doing, path: repo._io(doing, path, writing=True))
 
         tmp = f"{TMP}/{self._token}-{manifest.id}.json"
         with repo._io("writing manifest", tmp, writing=True):
@@ -301,3 +288,29 @@ class WriteTxn:
             lock.release()
         if registered:
             repo._lease.drop()
+
+
+def publish_packs(
+    repo: Repository, packs: list[PackIndex], io: Callable[[str, str], AbstractContextManager[None]]
+) -> list[PackIndex]:
+    """Rename finished temporary packs into ``packs/`` under their content names, sync the
+    directories (``config.fsync``), then make them known to ``repo``; returns their indexes
+    at the final paths. ``io(doing, path)`` turns a backend failure into the caller's error."""
+    backend = repo.backend
+    fans = sorted({pack_path(p.pack_id).rsplit("/", 1)[0] for p in packs})
+    for fan in fans:
+        with io("creating", fan):
+            backend.makedirs(fan)
+    published: list[PackIndex] = []
+    for index in packs:
+        dst = pack_path(index.pack_id)
+        with io("publishing pack", dst):
+            backend.rename(index.path, dst)
+        published.append(PackIndex(dst, index.pack_id, index.size, index.entries))
+    if repo.config.fsync and fans:
+        for d in [*fans, PACKS]:
+            with io("syncing", d):
+                backend.sync_dir(d)
+    for index in published:
+        repo._add_pack(index)
+    return published

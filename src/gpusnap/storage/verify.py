@@ -41,8 +41,10 @@ def verify(
     (a fast tier: re-read every chunk from its slab and check its device hash).
 
     Works from freshly read pack indexes, not from what this object remembers. Holds the
-    shared lock (best effort) so a concurrent gc cannot pull packs away mid-check; a fast
-    tier's verify holds none, so its writer's retention never waits for it.
+    shared lock (best effort) so a concurrent gc cannot pull packs away mid-check; without
+    it (a gc held the root longer than verify waits) a chunk whose pack vanished is looked
+    up again in a fresh listing, where a compaction put it. A fast tier's verify holds no
+    lock, so its writer's retention never waits for it.
     """
     # (imported here: fast_tier imports repository.py, which imports this module)
     from gpusnap.storage.fast_tier import FastTier
@@ -84,19 +86,7 @@ def _verify(repo: Repository, checkpoint_id: str | None, progress: Callable[[int
 
     packs: dict[str, PackIndex] = {}
     pack_errors: list[str] = []
-    for path in repo._pack_paths():
-        try:
-            packs[path] = read_pack_index(repo.backend, path)
-        except FileNotFoundError:
-            continue
-        except IntegrityError as exc:
-            pack_errors.append(str(exc))
-        except OSError as exc:
-            where = repo.backend.describe(path)
-            pack_errors.append(str(storage_error(exc, "reading pack index", where, writing=False)))
-    where_is: dict[str, tuple[str, int, int]] = {}
-    for index in packs.values():
-        map_chunks(where_is, index)
+    where_is = _index_packs(repo, packs, pack_errors)
     if checkpoint_id is None:
         problems.extend(pack_errors)
 
@@ -113,8 +103,14 @@ def _verify(repo: Repository, checkpoint_id: str | None, progress: Callable[[int
                         hint = f" ({len(pack_errors)} pack(s) have unreadable indexes)" if pack_errors else ""
                         results[digest] = f"chunk {digest} is missing: no pack holds it{hint}"
                     else:
-                        used_packs.add(loc[0])
                         results[digest] = _verify_chunk(repo, digest, *loc)
+                        if results[digest] is _GONE:  # a gc elsewhere deleted or compacted it since
+                            where_is = _index_packs(repo, packs, [])
+                            loc = where_is.get(digest, loc)
+                            results[digest] = _verify_chunk(repo, digest, *loc)
+                            if results[digest] is _GONE:
+                                results[digest] = f"chunk {digest} is missing: no pack holds it (deleted meanwhile)"
+                        used_packs.add(loc[0])
                         checked_chunks += 1
                         checked_bytes += loc[2]
                         if progress is not None:
@@ -131,7 +127,7 @@ def _verify(repo: Repository, checkpoint_id: str | None, progress: Callable[[int
         if len(problems) > found and _deleted_meanwhile(repo, m.id):
             del problems[found:]  # the writer's retention retired it while this ran
 
-    for path in sorted(packs if checkpoint_id is None else used_packs):
+    for path in sorted(packs if checkpoint_id is None else used_packs & set(packs)):
         problems.extend(_verify_pack_header(repo, packs[path]))
     return VerifyReport(not problems, tuple(problems), len(selected), checked_chunks, checked_bytes)
 
@@ -229,11 +225,38 @@ def _deleted_meanwhile(repo: Repository, checkpoint_id: str) -> bool:
         return False
 
 
+_GONE = "(its pack is gone)"  # the chunk's pack vanished since it was listed: look again
+
+
+def _index_packs(repo: Repository, packs: dict[str, PackIndex], errors: list[str]) -> dict[str, tuple[str, int, int]]:
+    """List the packs now: ``packs`` (path -> index) forgets the vanished ones and gains the
+    new ones (a damaged index goes to ``errors``); returns where each chunk is."""
+    present = set(repo._pack_paths())
+    for path in set(packs) - present:
+        del packs[path]
+    for path in sorted(present - set(packs)):
+        try:
+            packs[path] = read_pack_index(repo.backend, path)
+        except FileNotFoundError:
+            continue
+        except IntegrityError as exc:
+            errors.append(str(exc))
+        except OSError as exc:
+            where = repo.backend.describe(path)
+            errors.append(str(storage_error(exc, "reading pack index", where, writing=False)))
+    where_is: dict[str, tuple[str, int, int]] = {}
+    for index in packs.values():
+        map_chunks(where_is, index)
+    return where_is
+
+
 def _verify_chunk(repo: Repository, digest: str, path: str, offset: int, length: int) -> str | None:
-    """The problem with one chunk, or None."""
+    """The problem with one chunk, or None (``_GONE`` when its pack no longer exists)."""
     try:
         data = repo.backend.read_range(path, offset, length)
         repo._check(digest, data, path, offset, length, "")
+    except FileNotFoundError:
+        return _GONE
     except OSError as exc:
         return str(repo._read_error(exc, path, ""))
     except CheckpointError as exc:
