@@ -40,6 +40,7 @@ import torch
 
 from gpusnap.device import outside_graph_captures, waitable_event
 from gpusnap.errors import IntegrityError
+from gpusnap.restore.apply_bytes import apply_range, apply_ranges, apply_span
 from gpusnap.restore.device_check import DeviceCheck, ScratchSlot
 from gpusnap.restore.schedule import LoadSpan, Piece, Schedule
 from gpusnap.restore.sources import Region
@@ -163,7 +164,7 @@ class Copier:
             ls = item.span
             assert ls.buffer is not None
             self._start_timing(ls.devices)
-            self.plan.apply_span(ls.index, ls.buffer)  # pageable source: copied before it returns
+            apply_span(self.plan, ls.index, ls.buffer)  # pageable source: copied before it returns
             ls.applied_bytes = ls.nbytes
             self._loaded([ls])
             return
@@ -254,12 +255,12 @@ class Copier:
         event per device (returned; empty when no span completed)."""
         if len(pieces) == 1:
             piece, offset = pieces[0]
-            self.plan.apply_range(piece.span.index, piece.offset, data[offset : offset + piece.nbytes],
-                                  non_blocking=pinned)
+            apply_range(self.plan, piece.span.index, piece.offset, data[offset : offset + piece.nbytes],
+                        non_blocking=pinned)
         else:  # small whole spans: one call queues every copy
             try:
-                self.plan.apply_ranges([(p.span.index, p.offset, o, p.nbytes) for p, o in pieces], data,
-                                       non_blocking=pinned)
+                apply_ranges(self.plan, [(p.span.index, p.offset, o, p.nbytes) for p, o in pieces], data,
+                             non_blocking=pinned)
             except BaseException as exc:
                 # the members before the failing one are written (the error lists them as
                 # restored), the failing one perhaps partly, the rest not at all

@@ -25,7 +25,7 @@ shared by the spans the batch completes).
 
 Spans whose targets are not byte-for-byte contiguous (transposed, strided, overlapping) are
 read whole into a host buffer (verified on the host) and applied at once
-(``RestorePlan.apply_span``), so no tensor of theirs is ever half-written. Streamed spans are
+(``apply_bytes.apply_span``), so no tensor of theirs is ever half-written. Streamed spans are
 verified piece by piece before each piece is copied into its targets: a corrupt chunk never
 lands, but pieces before it in the same span may have; the error then names those tensors
 (see docs/restore.md, "Guarantees").
@@ -42,6 +42,7 @@ import torch
 
 from gpusnap.device import host_buffer
 from gpusnap.errors import CheckpointError
+from gpusnap.restore.apply_bytes import apply_range, apply_span
 from gpusnap.restore.copier import Copier
 from gpusnap.restore.device_check import DeviceCheck
 from gpusnap.restore.direct import DirectCopies
@@ -241,7 +242,7 @@ class Loader:
             stream.wait_event(event)
         for ls in self.schedule.spans:
             if ls.chunks == 0:
-                self.plan.apply_span(ls.index, torch.empty(0, dtype=torch.uint8))
+                apply_span(self.plan, ls.index, torch.empty(0, dtype=torch.uint8))
         self._alive = self.threads
         self._launched = True
         self.copier.start()
@@ -306,7 +307,7 @@ class Loader:
         try:
             for j, (p, offset) in enumerate(batch):  # each member checked before it is written
                 region.settle(j)
-                self.plan.apply_range(p.span.index, p.offset, region.data[offset : offset + p.nbytes])
+                apply_range(self.plan, p.span.index, p.offset, region.data[offset : offset + p.nbytes])
                 # each member counts once written: a later member's failure must not
                 # hide the tensors already restored (the error lists them)
                 if self.schedule.piece_done(p, p.nbytes):
