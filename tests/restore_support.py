@@ -249,6 +249,21 @@ def states_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
 
 
+def log_ranges(monkeypatch: pytest.MonkeyPatch, log: Any) -> None:
+    """Call ``log(span index)`` on every ``apply_range`` of a restore (the copy thread's and
+    the readers' own, for host targets), before it copies."""
+    from gpusnap.restore import apply_bytes, copier, loader
+
+    real = apply_bytes.apply_range
+
+    def apply_range(plan: Any, index: int, offset: int, data: Any, **kw: Any) -> None:
+        log(index)
+        real(plan, index, offset, data, **kw)
+
+    for module in (copier, loader):
+        monkeypatch.setattr(module, "apply_range", apply_range)
+
+
 def loader_batches(monkeypatch: pytest.MonkeyPatch, keep: Any) -> list[int]:
     """The reader threads of the batches the loader takes whose first span passes ``keep``
     (a ``LoadSpan`` predicate), in the order taken."""

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from gpusnap.state import SpanInfo, flatten, plan_restore
+from gpusnap.restore.apply_bytes import apply_all
 
 __all__ = ["Snap", "snapshot", "restore"]
 
@@ -24,4 +25,4 @@ def snapshot(app_state: dict[str, Any]) -> Snap:
 
 def restore(app_state: dict[str, Any], snap: Snap) -> None:
     tree, infos, data = snap
-    plan_restore(app_state, tree, infos).apply(data)
+    apply_all(plan_restore(app_state, tree, infos), data)

@@ -390,6 +390,7 @@ def test_a_broken_device_still_ends_the_load_and_gives_every_region_back(monkeyp
     broken: the thread must still give every region back and report, or a reader waiting
     for a region and every waiter on the load hang (found by review)."""
     from gpusnap.restore.copier import Copier
+    from gpusnap.restore.sources import Region
     from gpusnap.restore.staging import SlotPool
 
     monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)  # (a CPU stand-in for the stream)
@@ -406,18 +407,18 @@ def test_a_broken_device_still_ends_the_load_and_gives_every_region_back(monkeyp
 
     pool = SlotPool(1, 4096, pinned=False)
     closed: list[BaseException | None] = []
-    copier = Copier(None, None, Schedule(), pool, {torch.device("cuda", 0): _StickyStream()}, None,  # type: ignore[arg-type]
+    copier = Copier(None, None, Schedule(), {torch.device("cuda", 0): _StickyStream()}, None,  # type: ignore[arg-type]
                     Stats(), lambda i: "", closed.append)
 
     def handle(item: Any) -> None:
-        copier._holding = item.region  # ("none": still held when the load ends, given back by _finish)
+        copier._holding = item  # ("none": still held when the load ends, given back by _finish)
         if fail_in == "handle":
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr(copier, "_handle", handle)
-    region = pool.acquire()
+    region = Region([], pool.acquire(), pool)
     copier.start()
-    copier.put_pieces([], region)  # the only region: handed over, then the copy thread fails
+    copier.put(region)  # the only region: handed over, then the copy thread fails
     got: list[torch.Tensor] = []
     reader = threading.Thread(target=lambda: got.append(pool.acquire()), daemon=True)
     reader.start()

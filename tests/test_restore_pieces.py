@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from restore_support import add_device_hashes, corrupt_chunk, held_root, on_demand, tiny_config
+from restore_support import add_device_hashes, corrupt_chunk, held_root, log_ranges, on_demand, tiny_config
 
 import gpusnap
 from gpusnap import IntegrityError
@@ -21,6 +21,7 @@ from gpusnap.restore.schedule import Schedule
 from gpusnap.restore.staging import SlotPool
 from gpusnap.state import SpanInfo, plan_restore
 from gpusnap.storage.repository import Repository
+from gpusnap.restore.apply_bytes import apply_ranges
 
 CS = 512  # tiny_config's chunk size
 
@@ -158,7 +159,7 @@ def test_device_check_mismatch_raises_and_the_corrupt_piece_never_lands(tmp_path
 
 # -- per-span readiness --------------------------------------------------------------------------
 @pytest.mark.parametrize("on_device", [False, True])
-def test_a_span_is_loaded_right_after_its_last_piece(tmp_path, on_device):
+def test_a_span_is_loaded_right_after_its_last_piece(tmp_path, monkeypatch, on_device):
     root = tmp_path / "ck"
     source = {f"t{i}": torch.full((128 * 6,), float(i)) for i in range(5)}  # 6 chunks: 3 pieces of 2
     checkpoint = _save(root, source)
@@ -168,8 +169,8 @@ def test_a_span_is_loaded_right_after_its_last_piece(tmp_path, on_device):
     target = {k: torch.zeros(128 * 6) for k in source}
     plan = plan_restore(target, manifest.tree, [SpanInfo(e.nbytes, e.device) for e in manifest.storages])
     log: list[tuple[str, int]] = []
-    real_apply, real_loaded = plan.apply_range, Schedule.mark_loaded_many
-    plan.apply_range = lambda i, off, data, **kw: (log.append(("copy", i)), real_apply(i, off, data, **kw))[1]  # type: ignore[method-assign]
+    real_loaded = Schedule.mark_loaded_many
+    log_ranges(monkeypatch, lambda i: log.append(("copy", i)))
     order = [3, 0, 4, 1, 2]
     loader = Loader(
         repo, manifest, plan, order=order, threads=1, slots=SlotPool(4, 2 * CS, pinned=False), streams={},
@@ -510,7 +511,7 @@ def test_apply_ranges_writes_every_member_of_a_batch(tmp_path, monkeypatch, fail
     if fail_batch_call:
         monkeypatch.setattr(torch, "_foreach_copy_", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no")))
     version = target["p"]._version
-    plan.apply_ranges(ranges, region, non_blocking=False)
+    apply_ranges(plan, ranges, region, non_blocking=False)
     for key, t in source.items():
         assert torch.equal(target[key], t), key
     assert target["p"]._version > version
@@ -525,16 +526,16 @@ def test_apply_ranges_names_the_tensor_it_could_not_write(tmp_path, monkeypatch)
     index = {paths[0]: i for i, paths in plan.span_paths.items() if paths}
     region = torch.cat([source["a"].view(torch.uint8), source["b"].view(torch.uint8)])
     monkeypatch.setattr(torch, "_foreach_copy_", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no")))
-    real = gpusnap.state.apply._copy_bytes
+    real = gpusnap.restore.apply_bytes.copy_bytes
 
     def copy_bytes(dst, src, inference, non_blocking):  # noqa: ANN001 (the second target fails)
         if dst.data_ptr() == target["b"].data_ptr():
             raise RuntimeError("device lost")
         real(dst, src, inference, non_blocking)
 
-    monkeypatch.setattr(gpusnap.state.apply, "_copy_bytes", copy_bytes)
+    monkeypatch.setattr(gpusnap.restore.apply_bytes, "copy_bytes", copy_bytes)
     with pytest.raises(gpusnap.CheckpointError, match=r"b: copying the restored bytes failed.*device lost"):
-        plan.apply_ranges([(index["a"], 0, 0, 16), (index["b"], 0, 16, 16)], region, non_blocking=False)
+        apply_ranges(plan, [(index["a"], 0, 0, 16), (index["b"], 0, 16, 16)], region, non_blocking=False)
     assert torch.equal(target["a"], source["a"])  # written before the failure
 
 
@@ -553,14 +554,14 @@ def test_a_batch_copy_failure_on_the_copy_thread_counts_what_it_wrote(tmp_path, 
     monkeypatch.setattr(torch, "_foreach_copy_", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no")))
     target = {k: torch.zeros_like(v) for k, v in source.items()}
     bad = target["s9"].data_ptr()
-    real = gpusnap.state.apply._copy_bytes
+    real = gpusnap.restore.apply_bytes.copy_bytes
 
     def copy_bytes(dst, src, inference, non_blocking):  # noqa: ANN001
         if dst.data_ptr() == bad:
             raise RuntimeError("device lost")
         real(dst, src, inference, non_blocking)
 
-    monkeypatch.setattr(gpusnap.state.apply, "_copy_bytes", copy_bytes)
+    monkeypatch.setattr(gpusnap.restore.apply_bytes, "copy_bytes", copy_bytes)
     with gpusnap.Checkpointer(root, config=tiny_config(io_threads=1, staging_bytes=64 * CS, restore_piece_bytes=16 * CS)) as ck:
         with pytest.raises(gpusnap.CheckpointError, match="s9: copying the restored bytes failed") as error:
             ck.restore(target, checkpoint, verify="stream")

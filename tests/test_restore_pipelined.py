@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from restore_support import held_root, tiny_config
+from restore_support import held_root, log_ranges, tiny_config
 from torch import nn
 
 import gpusnap
@@ -19,6 +19,7 @@ from gpusnap.restore.loader import Loader
 from gpusnap.restore.staging import SlotPool
 from gpusnap.state import SpanInfo, flatten, plan_restore
 from gpusnap.storage.repository import Repository
+from gpusnap.restore.apply_bytes import apply_range, apply_span
 
 MODES = ["upfront", "stream", "off"]
 
@@ -114,7 +115,7 @@ def test_apply_range_in_any_order_from_many_threads():
     pieces = [(i, off, min(off + 37, d.numel())) for i, d in data.items() for off in range(0, d.numel(), 37)]
     random.Random(0).shuffle(pieces)
     threads = [
-        threading.Thread(target=lambda chunk=pieces[k::4]: [plan.apply_range(i, a, data[i][a:b]) for i, a, b in chunk])
+        threading.Thread(target=lambda chunk=pieces[k::4]: [apply_range(plan, i, a, data[i][a:b]) for i, a, b in chunk])
         for k in range(4)
     ]
     for t in threads:
@@ -124,13 +125,13 @@ def test_apply_range_in_any_order_from_many_threads():
     assert not plan.pending_spans
     assert torch.equal(target["a"], source["a"]) and torch.equal(target["b"], source["b"])
     with pytest.raises(CheckpointError, match="already applied"):
-        plan.apply_range(0, 0, data[0][:4])
+        apply_range(plan, 0, 0, data[0][:4])
     fresh = plan_restore(target, flat.tree, [SpanInfo(s.nbytes, "cpu") for s in flat.spans])
     with pytest.raises(CheckpointError, match="outside"):
-        fresh.apply_range(0, 3990, data[0][:20])
-    fresh.apply_range(0, 0, data[0][:4000])
+        apply_range(fresh, 0, 3990, data[0][:20])
+    apply_range(fresh, 0, 0, data[0][:4000])
     with pytest.raises(CheckpointError, match="already applied"):
-        fresh.apply_span(0, data[0])
+        apply_span(fresh, 0, data[0])
 
 
 def _corrupt_last_chunk(root: Path, tensor: torch.Tensor) -> None:
@@ -208,7 +209,7 @@ def test_read_errors_stop_the_stream_and_are_raised(tmp_path, monkeypatch):
     assert target["t"].eq(1).all()
 
 
-def test_loader_follows_the_order_with_one_reader(tmp_path):
+def test_loader_follows_the_order_with_one_reader(tmp_path, monkeypatch):
     root = tmp_path / "ck"
     source = {f"t{i}": torch.full((256,), float(i)) for i in range(6)}  # 2 chunks each
     with gpusnap.Checkpointer(root, config=tiny_config()) as ck:
@@ -219,8 +220,7 @@ def test_loader_follows_the_order_with_one_reader(tmp_path):
     spans = [SpanInfo(e.nbytes, e.device) for e in manifest.storages]
     plan = plan_restore(target, manifest.tree, spans)
     seen: list[int] = []
-    real_apply = plan.apply_range
-    plan.apply_range = lambda i, off, data, **kw: (seen.append(i), real_apply(i, off, data, **kw))[1]  # type: ignore[method-assign]
+    log_ranges(monkeypatch, seen.append)
     order = [4, 1, 5, 0, 3, 2]
     loader = Loader(
         repo, manifest, plan, order=order, threads=1, slots=SlotPool(2, 512, pinned=False), streams={}, verify=True

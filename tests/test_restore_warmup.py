@@ -94,14 +94,16 @@ def test_the_copy_thread_waits_for_the_warmup_before_its_first_device_check(
         real_stage(self, *args, **kwargs)
 
     monkeypatch.setattr(DeviceCheck, "stage", stage)
-    real_read = restorer_mod.Loader._read_into
+    from gpusnap.restore.source_host import HostReads
+
+    real_read = HostReads.read_into
 
     def read_into(self: Any, *args: Any, **kwargs: Any) -> None:
         events.append("read")
         release.set()  # the readers run while the warm-up is still loading
         real_read(self, *args, **kwargs)
 
-    monkeypatch.setattr(restorer_mod.Loader, "_read_into", read_into)
+    monkeypatch.setattr(HostReads, "read_into", read_into)
     source = {"w": torch.randn(4000), "v": torch.randn(3000)}
     with gpusnap.Checkpointer(tmp_path, config=tiny_config()) as ck:
         ck.save(source, blocking=True).wait()

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from gpusnap.state import SpanInfo, flatten, plan_restore
+from gpusnap.restore.apply_bytes import apply_all
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -52,7 +53,7 @@ def test_cuda_restore_in_place(host: bool) -> None:
         p.data.normal_()
     for state in app_state["optim"].state.values():
         state["exp_avg"].zero_()
-    plan_restore(app_state, tree, infos).apply(data)
+    apply_all(plan_restore(app_state, tree, infos), data)
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(bits(app_state), expected))
     assert [p.data_ptr() for p in app_state["model"].parameters()] == pointers
@@ -63,7 +64,7 @@ def test_cuda_optimizer_state_created_on_recorded_device() -> None:
     tree, infos, data = capture(source, host=True)
     target = trained("cuda")
     target["optim"] = torch.optim.AdamW(target["model"].parameters(), lr=1e-2)
-    plan_restore(target, tree, infos).apply(data)
+    apply_all(plan_restore(target, tree, infos), data)
     torch.cuda.synchronize()
     for p, state in target["optim"].state.items():
         assert state["exp_avg"].device == p.device
@@ -75,7 +76,7 @@ def test_cuda_checkpoint_into_cpu_program() -> None:
     tree, infos, data = capture(source, host=False)
     target = trained("cpu")
     target["optim"] = torch.optim.AdamW(target["model"].parameters(), lr=1e-2)
-    plan_restore(target, tree, infos).apply(data)
+    apply_all(plan_restore(target, tree, infos), data)
     for p, state in target["optim"].state.items():
         assert state["exp_avg"].device == p.device == torch.device("cpu")
     assert all(torch.equal(a, b) for a, b in zip(bits(target), bits(source)))

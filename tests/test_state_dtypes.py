@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gpusnap.state import SpanInfo, flatten, plan_restore
+from gpusnap.restore.apply_bytes import apply_all
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _QUANTIZED = {getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4") if hasattr(torch, n)}
@@ -59,7 +60,7 @@ def snapshot_restore(app_state: dict[str, Any], mutate: Any) -> None:
     infos = [SpanInfo(s.nbytes, str(s.device)) for s in flat.spans]
     data = {s.index: s.as_bytes().clone() for s in flat.spans}
     mutate()
-    plan_restore(app_state, tree, infos).apply(data)
+    apply_all(plan_restore(app_state, tree, infos), data)
 
 
 def test_all_float8_and_special_dtypes_are_covered() -> None:

@@ -14,6 +14,7 @@ import torch
 
 from gpusnap.errors import CheckpointError
 from gpusnap.state import SpanInfo, decode_plain, flatten, plan_restore
+from gpusnap.restore.apply_bytes import apply_all
 
 
 class _WritesMarker:
@@ -67,5 +68,5 @@ def test_unpicklable_value_needs_opt_in_on_both_sides() -> None:
     app_state["ratio"] = fractions.Fraction(0)
     with pytest.raises(CheckpointError, match="allow_pickle"):
         plan_restore(app_state, flat.tree, [])
-    plan_restore(app_state, flat.tree, [], allow_pickle=True).apply({})
+    apply_all(plan_restore(app_state, flat.tree, [], allow_pickle=True), {})
     assert app_state["ratio"] == fractions.Fraction(2, 3)

@@ -16,6 +16,7 @@ from torch import nn
 import gpusnap
 from gpusnap.errors import RestoreMismatchError
 from gpusnap.state import plan_restore
+from gpusnap.restore.apply_bytes import apply_all
 
 
 @pytest.mark.parametrize("live", [torch.ones(2), nn.Linear(2, 2), gpusnap.RNGState()],
@@ -65,7 +66,7 @@ def test_a_dict_of_tensors_restores_into_a_module_and_an_optimizer_state_into_an
     target_optim = torch.optim.AdamW(target.parameters())
     target_sgd = torch.optim.SGD([torch.zeros(1)], lr=0.1)
     weight = target.weight
-    plan_restore({"model": target, "optim": target_optim, "sgd": target_sgd}, tree, infos).apply(data)
+    apply_all(plan_restore({"model": target, "optim": target_optim, "sgd": target_sgd}, tree, infos), data)
     assert target.weight is weight and torch.equal(target.weight, source.weight)
     assert torch.equal(target.bias, source.bias)
     restored = target_optim.state_dict()["state"]

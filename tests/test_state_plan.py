@@ -12,6 +12,7 @@ from torch import nn
 
 from gpusnap.errors import CheckpointError
 from gpusnap.state import RestorePlan, plan_restore
+from gpusnap.restore.apply_bytes import apply_all, apply_span
 
 
 def plan(app_state: dict[str, Any], snap: Snap) -> RestorePlan:
@@ -49,7 +50,7 @@ def test_spans_in_any_order_and_finish_first_lazy_style() -> None:
     restore.finish()  # before any byte: the optimizer must already hold the tensors to be filled
     assert target["step"] == 2 and len(target["optim"].state) == 4
     for index in reversed(range(len(snap[1]))):
-        restore.apply_span(index, snap[2][index])
+        apply_span(restore, index, snap[2][index])
     assert not restore.pending_spans
     assert all(torch.equal(a, b) for a, b in zip(flat_bits(target), expected))
 
@@ -69,17 +70,17 @@ def test_bookkeeping_errors() -> None:
     snap = snapshot(app_state)
     restore = plan(app_state, snap)
     with pytest.raises(CheckpointError, match="does not exist"):
-        restore.apply_span(5, snap[2][0])
+        apply_span(restore, 5, snap[2][0])
     with pytest.raises(CheckpointError, match="16 bytes"):
-        restore.apply_span(0, torch.zeros(15, dtype=torch.uint8))
+        apply_span(restore, 0, torch.zeros(15, dtype=torch.uint8))
     with pytest.raises(CheckpointError, match="uint8"):
-        restore.apply_span(0, torch.zeros(4))
+        apply_span(restore, 0, torch.zeros(4))
     with pytest.raises(CheckpointError, match=r"span\(s\) \[1\]"):
-        restore.apply({0: snap[2][0]})
+        apply_all(restore, {0: snap[2][0]})
     assert app_state["a"].eq(0).all()  # refused before writing
-    restore.apply_span(1, snap[2][1])
+    apply_span(restore, 1, snap[2][1])
     with pytest.raises(CheckpointError, match="already applied"):
-        restore.apply_span(1, snap[2][1])
+        apply_span(restore, 1, snap[2][1])
     restore.finish()
     with pytest.raises(CheckpointError, match="already called"):
         restore.finish()
@@ -93,7 +94,7 @@ def test_unaligned_source_buffer() -> None:
     host[3:] = snap[2][0]
     expected = value.clone().view(torch.int64)
     value.zero_()
-    plan(app_state, snap).apply({0: host[3:]})
+    apply_all(plan(app_state, snap), {0: host[3:]})
     assert torch.equal(value.view(torch.int64), expected)
 
 
@@ -114,7 +115,7 @@ def test_created_tensor_falls_back_to_cpu_when_device_absent() -> None:
     node = snap[0]["items"][0][1]["state"]["items"][0][1]
     node["device"] = "cuda:63"  # a device this machine does not have
     target = Holder()
-    plan_restore({"h": target}, snap[0], snap[1]).apply(snap[2])
+    apply_all(plan_restore({"h": target}, snap[0], snap[1]), snap[2])
     assert target.state["count"] == 3
     buf = target.state["buf"]
     assert buf.device.type == "cpu" and buf.stride() == (1, 3)  # dense layout kept
@@ -142,7 +143,7 @@ def test_module_extra_state_goes_through_load_state_dict() -> None:
     model.note["calls"] = 9
     with torch.no_grad():
         model.lin.weight.zero_()
-    plan({"m": model}, snap).apply(snap[2])
+    apply_all(plan({"m": model}, snap), snap[2])
     assert model.note == {"calls": 5} and torch.equal(model.lin.weight, expected)
 
 
@@ -157,7 +158,7 @@ def test_plain_module_does_not_call_load_state_dict(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(model, "load_state_dict", forbidden)
     with torch.no_grad():
         model.weight.add_(1)
-    plan({"m": model}, snap).apply(snap[2])
+    apply_all(plan({"m": model}, snap), snap[2])
     assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
 
 
@@ -167,7 +168,7 @@ def test_inference_tensor_target() -> None:
     snap = snapshot({"kv": cache})
     with torch.inference_mode():
         cache.zero_()
-    plan({"kv": cache}, snap).apply(snap[2])
+    apply_all(plan({"kv": cache}, snap), snap[2])
     assert torch.equal(cache, torch.arange(8.0))
 
 
@@ -176,7 +177,7 @@ def test_parameter_requires_grad_and_autograd_untouched() -> None:
     snap = snapshot({"w": weight})
     with torch.no_grad():
         weight.mul_(3)
-    plan({"w": weight}, snap).apply(snap[2])
+    apply_all(plan({"w": weight}, snap), snap[2])
     assert weight.requires_grad and weight.grad_fn is None and weight.is_leaf
     assert torch.equal(weight.detach(), torch.ones(3))
 

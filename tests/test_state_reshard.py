@@ -13,6 +13,7 @@ from gpusnap.errors import RestoreMismatchError
 from gpusnap.state.apply import SpanInfo, plan_restore
 from gpusnap.state.dtensor import intersect, slices
 from gpusnap.state.tree import signature, signature_lines
+from gpusnap.restore.apply_bytes import apply_span
 
 WHOLE = torch.arange(30, dtype=torch.float32).reshape(5, 6)
 
@@ -34,7 +35,7 @@ def _restore(boxes: list[tuple[tuple[int, int], tuple[int, int]]], placements: l
                         [SpanInfo(d.numel(), "cpu") for d in data])
     assert plan.resharded == ("w",) and not any(plan.streamable(i) for i in range(len(data)) if plan.targets(i))
     for i, d in enumerate(data):
-        plan.apply_span(i, d)
+        apply_span(plan, i, d)
     plan.finish()
     return target
 

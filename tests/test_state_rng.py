@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from gpusnap.state import RNGState, SpanInfo, flatten, is_plain, plan_restore
+from gpusnap.restore.apply_bytes import apply_all
 
 
 def draw() -> tuple[Any, ...]:
@@ -27,7 +28,7 @@ def roundtrip_draws() -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     data = {s.index: s.as_bytes().clone() for s in flat.spans}
     first = draw()
     draw()  # move every generator on
-    plan_restore(app_state, tree, infos).apply(data)
+    apply_all(plan_restore(app_state, tree, infos), data)
     return first, draw()
 
 

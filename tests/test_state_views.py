@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from gpusnap.state import SpanInfo, flatten, plan_restore
+from gpusnap.restore.apply_bytes import apply_all
 
 
 def snapshot(app_state: dict[str, Any]) -> tuple[dict[str, Any], list[SpanInfo], dict[int, torch.Tensor]]:
@@ -21,7 +22,7 @@ def snapshot(app_state: dict[str, Any]) -> tuple[dict[str, Any], list[SpanInfo],
 
 def restore(app_state: dict[str, Any], snap: tuple[dict[str, Any], list[SpanInfo], dict[int, torch.Tensor]]) -> None:
     tree, infos, data = snap
-    plan_restore(app_state, tree, infos).apply(data)
+    apply_all(plan_restore(app_state, tree, infos), data)
 
 
 def tensor_nodes(node: Any) -> list[dict[str, Any]]:

@@ -1,7 +1,8 @@
 """The copy thread: the one thread of a restore that issues device copies and waits on CUDA.
 
-Readers only read files and hash (both release the GIL) and hand over filled host regions;
-this thread, in the order pieces arrive::
+Readers only read files and hash (both release the GIL) and hand over settled regions
+(``restore.sources.Region``: host memory, or a landing slot a direct copy filled on the
+device); this thread, in the order pieces arrive::
 
     batch (one piece, or several small whole spans of one kind; Schedule.take_batch)
           -> H2D copies into the targets (host-verified)          -> region in flight (event)
@@ -13,7 +14,8 @@ this thread, in the order pieces arrive::
                                loaded (the gate may let ops through: their streams wait
                                for that event)
 
-A region goes back to the pool once the event after its copy has completed; the thread polls
+A region goes back to its pool (``Region.release``, whichever pool that is) once the event
+after its copy has completed; the thread polls
 events between pieces and blocks on the oldest only when it has nothing else to do. Keeping
 every CUDA call and wait on one thread avoids a dozen threads spinning in the driver, and
 the GIL ping-pong of per-chunk CUDA calls from every reader. Events are ``waitable_event``
@@ -38,23 +40,16 @@ import torch
 
 from gpusnap.device import outside_graph_captures, waitable_event
 from gpusnap.errors import IntegrityError
+from gpusnap.restore.apply_bytes import apply_range, apply_ranges, apply_span
 from gpusnap.restore.device_check import DeviceCheck, ScratchSlot
 from gpusnap.restore.schedule import LoadSpan, Piece, Schedule
-from gpusnap.restore.staging import SlotPool
+from gpusnap.restore.sources import Region
 from gpusnap.restore.stats import LoadStats
 from gpusnap.state.apply import RestorePlan
 from gpusnap.storage.manifest import DEVICE_HASH, Manifest
 
 __all__ = ["Copier"]
 WARMUP_WAIT_S = 300.0  # the kernel warm-up should take about a second; past this, go on without it
-
-
-@dataclass(frozen=True, eq=False)
-class _PieceItem:
-    pieces: list[tuple[Piece, int]]  # a batch: (piece, offset in region); spans of one kind
-    region: torch.Tensor
-    landed: bool = False  # region is a direct-copy landing slot on the device (restore.direct)
-    after: Any = None  # landed: the helper's CUDA event its copies are done after (None: done)
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,8 +63,9 @@ _END = object()
 class Copier:
     """Copies what the readers staged into the targets; see the module docstring.
 
-    Call order: ``start()`` -> readers ``put_pieces``/``put_whole`` -> the last reader
-    ``put_end()`` -> ``on_close(error)`` runs on this thread once every copy has completed.
+    Call order: ``start()`` -> readers ``put``/``put_whole`` -> the last reader ``put_end()``
+    -> ``on_close(error)`` runs on this thread once every copy has completed. Every region
+    put here is released by this thread exactly once (``Region.release``), whatever happens.
     """
 
     def __init__(
@@ -77,7 +73,6 @@ class Copier:
         manifest: Manifest,
         plan: RestorePlan,
         schedule: Schedule,
-        slots: SlotPool,
         streams: dict[torch.device, Any],
         check: DeviceCheck | None,
         stats: LoadStats,
@@ -86,12 +81,10 @@ class Copier:
         *,
         span_events: bool = True,
         warmup: Any = None,
-        direct: Any = None,
     ) -> None:
         self.manifest = manifest
         self.plan = plan
         self.schedule = schedule
-        self.slots = slots
         self.streams = streams
         self.check = check
         self.stats = stats
@@ -99,24 +92,20 @@ class Copier:
         self.on_close = on_close
         self.span_events = span_events  # False: nobody waits for single spans (eager restore)
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._in_flight: deque[tuple[torch.Tensor, Any]] = deque()  # (region, event after its copy)
+        self._in_flight: deque[tuple[Region, Any]] = deque()  # (region, event after its copy)
         self._checking: deque[ScratchSlot] = deque()  # staged on the device, hashes not yet compared
         self._timing: dict[torch.device, Any] = {}  # timing event before each stream's first copy
-        self._holding: torch.Tensor | None = None  # the region being handled, until it is held
-        self._holding_after: Any = None  # its helper's event, when it is a landing slot
+        self._holding: Region | None = None  # the region being handled, until it is held
         self._ended = False  # the readers' end was taken from the queue
         self._checked = False  # a batch was staged for a device check (stats.first_check_s)
         self._warmup = warmup  # restore.warmup.WarmUp: joined before the first device check
-        self._direct = direct  # restore.direct.DirectCopies: owns the landing slots
         self.thread: threading.Thread | None = None
 
     # -- readers -------------------------------------------------------------------------------
-    def put_pieces(self, pieces: list[tuple[Piece, int]], region: torch.Tensor, *, landed: bool = False,
-                   after: Any = None) -> None:
-        """A batch read into ``region`` (each piece at its offset): schedule.take_batch.
-        ``landed``: a direct-copy landing slot on the batch's device, its bytes there once
-        the helper's event ``after`` has completed."""
-        self._queue.put(_PieceItem(pieces, region, landed, after))
+    def put(self, region: Region) -> None:
+        """A settled batch (``Region.pieces``, each at its offset in ``region.data``); this
+        thread owns ``region`` from now on."""
+        self._queue.put(region)
 
     def put_whole(self, ls: LoadSpan) -> None:
         self._queue.put(_WholeItem(ls))
@@ -175,14 +164,13 @@ class Copier:
             ls = item.span
             assert ls.buffer is not None
             self._start_timing(ls.devices)
-            self.plan.apply_span(ls.index, ls.buffer)  # pageable source: copied before it returns
+            apply_span(self.plan, ls.index, ls.buffer)  # pageable source: copied before it returns
             ls.applied_bytes = ls.nbytes
             self._loaded([ls])
             return
-        assert isinstance(item, _PieceItem)
-        pieces, region = item.pieces, item.region
-        self._holding = region  # given back in _finish if this raises
-        self._holding_after = item.after  # (a helper's copy into it, for _drain to wait for)
+        assert isinstance(item, Region)
+        pieces, region = item.pieces, item
+        self._holding = region  # given back in _drain or _finish if this raises
         ls = pieces[0][0].span  # every piece of a batch has the same devices and check
         if ls.device_check:
             assert self.check is not None
@@ -197,21 +185,23 @@ class Copier:
                 self._warmup.join(WARMUP_WAIT_S)
                 self.stats.add(kernels_wait_s=time.perf_counter() - started)
             started = time.perf_counter() if first else 0.0
-            if item.after is not None:  # the helper's copies, queued in its process: the hash waits for them
-                self.streams[device].wait_event(item.after)
-            self.check.stage(slot, pieces, region, pinned_region=self.slots.pinned, landed=item.landed)
+            if region.after is not None:  # the helper's copies, queued in its process: the hash waits for them
+                self.streams[device].wait_event(region.after)
+            if region.on_device:  # (held by the slot too: released once, whichever lets go first)
+                slot.landing = region
+            self.check.stage(slot, pieces, region.data, pinned_region=region.pinned, landed=region.on_device)
             if first:
                 self._checked = True
                 self.stats.add(first_check_s=time.perf_counter() - started)
             slot.event = self._event(device) if self._evented(device) else None
             self._checking.append(slot)
-            if item.landed:  # the slot reads it until its batch is applied: given back in _resolve
+            if region.on_device:  # the slot reads it until its batch is applied: given back in _resolve
                 self._holding = None
             else:
                 self._hold(region, [slot.event] if slot.event is not None else [])
             return
         self._start_timing(ls.devices)
-        loaded = self._apply(pieces, region)  # its events, when the batch completed spans, also free the region
+        loaded = self._apply(pieces, region.data, region.pinned)  # its events, when the batch completed spans, also free the region
         self._hold(region, [loaded.get(d) or self._event(d) for d in ls.devices if self._evented(d)])
 
     def _resolve(self, slot: ScratchSlot) -> None:
@@ -224,7 +214,7 @@ class Copier:
         if bad is not None:
             slot.pieces = []
             if (landing := self._take_landing(slot)) is not None:
-                self._release(landing)  # (its hash has run: nothing reads it any more)
+                landing.release()  # (its hash has run: nothing reads it any more)
             piece, chunk = bad
             digest = self.manifest.storages[piece.span.index].chunks[chunk]
             raise IntegrityError(
@@ -233,23 +223,24 @@ class Copier:
             )
         slot.pieces = []  # the next stage() of this slot queues after these copies on the same stream
         try:
-            self._apply(pieces, slot.source)
+            self._apply(pieces, slot.source, False)
         finally:
             if (landing := self._take_landing(slot)) is not None:
                 self._release_after_copies(landing, slot.device)
 
     @staticmethod
-    def _take_landing(slot: ScratchSlot) -> torch.Tensor | None:
-        """The direct-copy landing slot ``slot`` was checking, if any; ``slot`` is its own again."""
+    def _take_landing(slot: ScratchSlot) -> Region | None:
+        """The direct-copy landing region ``slot`` was checking, if any; ``slot`` is its own again."""
         if not slot.landed:
             return None
-        landing, slot.source, slot.landed = slot.source, slot.data, False
+        landing, slot.landing = slot.landing, None
+        slot.source, slot.landed = slot.data, False
         return landing
 
-    def _release_after_copies(self, region: torch.Tensor, device: torch.device) -> None:
+    def _release_after_copies(self, region: Region, device: torch.device) -> None:
         """Give ``region`` back once the copies queued so far on ``device`` have run."""
         if not self._evented(device):
-            self._release(region)  # (CPU copies are done on return)
+            region.release()  # (CPU copies are done on return)
             return
         try:
             event = self._event(device)
@@ -258,19 +249,18 @@ class Copier:
             raise
         self._in_flight.append((region, event))
 
-    def _apply(self, pieces: list[tuple[Piece, int]], data: torch.Tensor) -> dict[torch.device, Any]:
-        """Copy each piece of a batch from ``data`` (at its offset) into its targets; then the
-        spans the batch completes are loaded, after one event per device (returned; empty
-        when no span completed)."""
-        pinned = data.device.type == "cpu" and self.slots.pinned  # regions (host) or scratch (device)
+    def _apply(self, pieces: list[tuple[Piece, int]], data: torch.Tensor, pinned: bool) -> dict[torch.device, Any]:
+        """Copy each piece of a batch from ``data`` (at its offset; ``pinned``: page-locked host
+        memory) into its targets; then the spans the batch completes are loaded, after one
+        event per device (returned; empty when no span completed)."""
         if len(pieces) == 1:
             piece, offset = pieces[0]
-            self.plan.apply_range(piece.span.index, piece.offset, data[offset : offset + piece.nbytes],
-                                  non_blocking=pinned)
+            apply_range(self.plan, piece.span.index, piece.offset, data[offset : offset + piece.nbytes],
+                        non_blocking=pinned)
         else:  # small whole spans: one call queues every copy
             try:
-                self.plan.apply_ranges([(p.span.index, p.offset, o, p.nbytes) for p, o in pieces], data,
-                                       non_blocking=pinned)
+                apply_ranges(self.plan, [(p.span.index, p.offset, o, p.nbytes) for p, o in pieces], data,
+                             non_blocking=pinned)
             except BaseException as exc:
                 # the members before the failing one are written (the error lists them as
                 # restored), the failing one perhaps partly, the rest not at all
@@ -311,14 +301,7 @@ class Copier:
         event.record(self.streams[device])
         return event
 
-    def _release(self, region: torch.Tensor) -> None:
-        """Back to its pool: a direct-copy landing slot, or a host region."""
-        if self._direct is not None and self._direct.landing.owns(region):
-            self._direct.landing.release(region)
-        else:
-            self.slots.release(region)
-
-    def _hold(self, region: torch.Tensor, events: list[Any]) -> None:
+    def _hold(self, region: Region, events: list[Any]) -> None:
         """Keep ``region`` until the copies reading it have run (none on CPU: give it back now)."""
         self._holding = None
         for extra in events[:-1]:
@@ -326,17 +309,17 @@ class Copier:
         if events:
             self._in_flight.append((region, events[-1]))
         else:
-            self._release(region)
+            region.release()
 
     def _reap(self) -> None:
         """Give back the regions whose copies have completed, without waiting."""
         while self._in_flight and (self._in_flight[0][1] is None or self._in_flight[0][1].query()):
-            self._release(self._in_flight.popleft()[0])
+            self._in_flight.popleft()[0].release()
 
     def _release_oldest(self) -> None:
         region, event = self._in_flight.popleft()
         self._wait(event)
-        self._release(region)
+        region.release()
 
     def _wait(self, event: Any) -> None:
         if event is None:
@@ -358,21 +341,23 @@ class Copier:
         self._checking.clear()
         self._quiet(lambda: [stream.synchronize() for stream in self.streams.values()])
         while self._in_flight:  # (nothing queued reads them any more)
-            self._release(self._in_flight.popleft()[0])
+            self._in_flight.popleft()[0].release()
         if self._holding is not None:
-            if self._holding_after is not None:
-                self._quiet(self._holding_after.synchronize)
-            self._release(self._holding)
+            self._give_back(self._holding)
             self._holding = None
         while not self._ended:
             item = self._queue.get()
             if item is _END:
                 self._ended = True
                 return
-            if isinstance(item, _PieceItem):
-                if item.after is not None:  # (a helper's copy into the slot may still run)
-                    self._quiet(item.after.synchronize)
-                self._release(item.region)
+            if isinstance(item, Region):
+                self._give_back(item)
+
+    def _give_back(self, region: Region) -> None:
+        """Release a region no copy of this thread reads, once a helper's copy into it has run."""
+        if region.after is not None:
+            self._quiet(region.after.synchronize)
+        region.release()
 
     @staticmethod
     def _quiet(wait: Callable[[], object]) -> None:
@@ -392,9 +377,9 @@ class Copier:
                 stream.synchronize()
         finally:
             while self._in_flight:
-                self._release(self._in_flight.popleft()[0])
+                self._in_flight.popleft()[0].release()
             if self._holding is not None:
-                self._release(self._holding)
+                self._holding.release()
                 self._holding = None
         spans = []
         for device, start in self._timing.items():

@@ -80,6 +80,7 @@ class ScratchSlot:
     event: Any = None  # after the batch's hash and its copy to the host (None on CPU)
     source: Any = None  # where the batch's bytes are: ``data``, or a landing slot (``landed``)
     landed: bool = False  # the batch arrived on the device in a direct-copy landing slot (restore.direct)
+    landing: Any = None  # landed: that slot's owned Region (restore.sources), given back once applied
     host_rows: Any = field(default=None, repr=False)  # numpy view of host_hashes
 
 

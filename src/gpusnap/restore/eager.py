@@ -10,12 +10,14 @@ of holding the checkpoint in host memory; ``restore.loader`` streams instead). T
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
 
 from gpusnap.device import host_buffer
+from gpusnap.restore.apply_bytes import apply_span
 from gpusnap.restore.loader import describe_span
 from gpusnap.state.apply import RestorePlan
 from gpusnap.storage.manifest import Manifest
@@ -38,8 +40,11 @@ def load_spans(
     plan: RestorePlan,
     *,
     pool: ThreadPoolExecutor,
+    apply: Callable[[int, torch.Tensor], None] | None = None,
 ) -> RestoreCounters:
-    """Read, verify and apply every span of ``manifest`` through ``plan``."""
+    """Read, verify and apply every span of ``manifest`` through ``plan``: by
+    ``apply_bytes.apply_span``, or ``apply(index, data)`` when given (``gpusnap.load`` keeps
+    the buffers instead)."""
     counters = RestoreCounters()
     cs = manifest.chunk_size
     per = max(1, _PIECE_BYTES // cs)  # chunks per read task: one system call per run stored back to back
@@ -60,5 +65,8 @@ def load_spans(
     for f in futures:
         f.result()  # re-raise the first IntegrityError/StorageError before any byte moves
     for index, buf in enumerate(buffers):
-        plan.apply_span(index, buf)
+        if apply is None:
+            apply_span(plan, index, buf)
+        else:
+            apply(index, buf)
     return counters

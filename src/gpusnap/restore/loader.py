@@ -1,11 +1,20 @@
-"""The pipelined loader: reader threads stage pieces, one copy thread moves them into the targets.
+"""The pipelined loader: reader threads fill regions from a source, one copy thread moves them into the targets.
 
-    readers (N):  take a piece (Schedule) -> a host region (SlotPool) -> read its chunks, one
-                  system call per run stored back to back -> verify each chunk's BLAKE2b
-                  digest (host path) -> hand the region to the copy thread
+    readers (N):  take a batch (Schedule) -> ``source.fill``: an owned region (restore/sources.py)
+                  -> ``settle`` each piece: read its chunks, one system call per run stored
+                  back to back, verify each chunk's BLAKE2b digest (host path) -> hand the
+                  region to the copy thread (``Copier.put``)
     copy thread:  H2D copy into the targets (or into a device scratch slot, checked there
                   against the manifest's device hashes: ``restore.device_check``) -> span
-                  loaded once its last piece is copied -> regions back after their events
+                  loaded once its last piece is copied -> ``region.release()`` after its events
+
+The source is one of three, picked by configuration when the loader is made: reader threads
+(``source_host.HostReads``), reader processes (``source_procs.ProcReads``) or direct copies
+into landing slots on the device (``source_direct.DirectReads``); each falls back to the
+host path for what it cannot do. Neither the readers' loop nor the copy thread knows which
+source filled a region: a region says only where its bytes are (host, page-locked or not, or
+already on the device after a helper's event) and goes back to its own pool through its one
+``release``, exactly once, on every path.
 
 Readers do only file I/O and hashing, which release the GIL; every CUDA call and every wait
 on a CUDA event happens on the copy thread (``restore.copier``). A span is *loaded* once the
@@ -16,7 +25,7 @@ shared by the spans the batch completes).
 
 Spans whose targets are not byte-for-byte contiguous (transposed, strided, overlapping) are
 read whole into a host buffer (verified on the host) and applied at once
-(``RestorePlan.apply_span``), so no tensor of theirs is ever half-written. Streamed spans are
+(``apply_bytes.apply_span``), so no tensor of theirs is ever half-written. Streamed spans are
 verified piece by piece before each piece is copied into its targets: a corrupt chunk never
 lands, but pieces before it in the same span may have; the error then names those tensors
 (see docs/restore.md, "Guarantees").
@@ -26,7 +35,6 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,10 +42,15 @@ import torch
 
 from gpusnap.device import host_buffer
 from gpusnap.errors import CheckpointError
+from gpusnap.restore.apply_bytes import apply_range, apply_span
 from gpusnap.restore.copier import Copier
 from gpusnap.restore.device_check import DeviceCheck
 from gpusnap.restore.direct import DirectCopies
-from gpusnap.restore.read_procs import ReaderDied, ReaderProcs
+from gpusnap.restore.read_procs import ReaderProcs
+from gpusnap.restore.source_direct import DirectReads
+from gpusnap.restore.source_host import HostReads
+from gpusnap.restore.source_procs import ProcReads
+from gpusnap.restore.sources import Source
 from gpusnap.restore.warmup import WarmUp
 from gpusnap.restore.schedule import LoadSpan, Piece, Schedule, SpanState
 from gpusnap.restore.staging import SlotPool
@@ -85,18 +98,19 @@ class Loader:
     passes False: one event and one torch call fewer per batch on the copy thread.
 
     ``procs``: reader processes (``read_procs``), one per reader thread at most, over
-    ``slots``'s shared memory: reader thread ``k`` has process ``k`` read its batches' runs
-    (one request per batch) and only plans, checks and hands over. A batch whose request
-    fails (a process gone, a pack removed by a gc, a short read) is read again by the thread
-    itself, which raises the error the thread path raises.
+    ``slots``'s shared memory: the source is then ``ProcReads`` (reader thread ``k`` has
+    process ``k`` read its batches' runs, one request per batch, and only plans, checks and
+    hands over). A batch whose request fails (a process gone, a pack removed by a gc, a short
+    read) is read again by the thread itself, which raises the error the thread path raises.
 
     ``warmup``: the hash kernels loading on a side thread (``restore.warmup``); the copy
     thread waits for it before its first device check.
 
-    ``direct``: direct-copy helpers (``restore.direct``): reader thread ``k`` has helper
-    ``k``, once it is ready, copy each device-checked batch for the helpers' device from the
-    page cache straight into a landing slot on the device; the copy thread hashes it there.
-    Any failure falls back to the host path for that batch (and a broken helper for good).
+    ``direct``: direct-copy helpers (``restore.direct``): the source is then ``DirectReads``
+    (reader thread ``k`` has helper ``k``, once it is ready, copy each device-checked batch
+    for the helpers' device from the page cache straight into a landing slot on the device;
+    the copy thread hashes it there), over the host path of the two above. Any failure falls
+    back to the host path for that batch (and a broken helper for good).
     """
 
     def __init__(
@@ -121,7 +135,6 @@ class Loader:
     ) -> None:
         if slots.slot_bytes < manifest.chunk_size:
             raise ValueError(f"staging slots of {slots.slot_bytes} bytes cannot hold {manifest.chunk_size}-byte chunks")
-        self.repo = repo
         self.manifest = manifest
         self.plan = plan
         self.slots = slots
@@ -175,12 +188,14 @@ class Loader:
         if self.direct is not None:
             # a thread per helper: it mostly sleeps in a pipe read while its helper copies
             self.threads = max(self.threads, min(len(self.direct), pieces or 1))
-        self._no_proc: set[int] = set()  # reader threads whose process is gone
-        self._no_direct: set[int] = set()  # reader threads whose direct-copy helper is gone
-        self._local: dict[str, str | None] = {}  # pack path -> local path for the processes
-        self._what: dict[int, str] = {}  # span index -> describe_span (for errors)
         self.stats = LoadStats(reader_procs=min(self.threads, len(self.procs)) if self.procs is not None else 0,
                                direct_helpers=len(self.direct) if self.direct is not None else 0)
+        # the one source the reader threads fill regions from (restore/sources.py)
+        self.host = HostReads(repo, manifest, slots, self.stats, lambda index: describe_span(plan, index),
+                              verify=verify)
+        self.source: Source = self.host if self.procs is None else ProcReads(self.procs, self.host)
+        if self.direct is not None:
+            self.source = DirectReads(self.direct, self.host, self.source)
         self.started = 0.0
         self.finished: float | None = None
         self.error: BaseException | None = None
@@ -192,7 +207,6 @@ class Loader:
             manifest,
             plan,
             self.schedule,
-            slots,
             streams,
             self.check,
             self.stats,
@@ -200,7 +214,6 @@ class Loader:
             self._close,
             span_events=span_events,
             warmup=warmup,
-            direct=self.direct,
         )
 
     @property
@@ -229,7 +242,7 @@ class Loader:
             stream.wait_event(event)
         for ls in self.schedule.spans:
             if ls.chunks == 0:
-                self.plan.apply_span(ls.index, torch.empty(0, dtype=torch.uint8))
+                apply_span(self.plan, ls.index, torch.empty(0, dtype=torch.uint8))
         self._alive = self.threads
         self._launched = True
         self.copier.start()
@@ -266,196 +279,41 @@ class Loader:
 
     def _read(self, batch: list[tuple[Piece, int]], k: int = 0) -> None:
         """Read a batch (one piece, or several whole small spans of one kind; schedule.py) on
-        reader thread ``k``."""
+        reader thread ``k``, from the source."""
         piece = batch[0][0]
         ls = piece.span
         self.stats.add(batches=1, batched_spans=len(batch) if len(batch) > 1 else 0)
-        if ls.streamed:
-            if ls.device_check and self._copy_direct(batch, k):
-                return
-            started = time.perf_counter()
-            region = self.slots.acquire()
-            self.stats.add(region_wait_s=time.perf_counter() - started)
-            view = self.slots.bytes_of(region)
-            if ls.device_check or any(Copier._evented(d) for d in ls.devices):
-                try:
-                    host_verify = self.verify and not ls.device_check
-                    read = self._read_in_process(batch, region, k)
-                    for p, offset in batch:
-                        self._fill(p, offset, view, read, host_verify=host_verify)
-                except BaseException:
-                    self.slots.release(region)  # never handed over: no copy reads it
-                    raise
-                self.copier.put_pieces(batch, region)
-                return
-            # Host targets only: the copy is a memcpy done on return, no CUDA involved, so each
-            # reader does its own rather than queueing every byte behind one copy thread.
-            try:
-                read = self._read_in_process(batch, region, k)
-                for p, offset in batch:  # each member checked before it is written (as the thread path)
-                    self._fill(p, offset, view, read, host_verify=self.verify)
-                    self.plan.apply_range(p.span.index, p.offset, region[offset : offset + p.nbytes])
-                    # each member counts once written: a later member's failure must not
-                    # hide the tensors already restored (the error lists them)
-                    if self.schedule.piece_done(p, p.nbytes):
-                        self.schedule.mark_loaded(p.span, ())
-            finally:
-                self.slots.release(region)
+        if not ls.streamed:
+            with self._lock:
+                if ls.buffer is None:
+                    ls.buffer = host_buffer(ls.nbytes, pinned=False)
+                buffer = ls.buffer
+            self.host.read_into(piece, memoryview(buffer[piece.offset : piece.offset + piece.nbytes].numpy()),
+                                host_verify=self.verify)
+            if self.schedule.piece_done(piece, 0):
+                self.copier.put_whole(ls)
             return
-        with self._lock:
-            if ls.buffer is None:
-                ls.buffer = host_buffer(ls.nbytes, pinned=False)
-            buffer = ls.buffer
-        self._read_into(piece, memoryview(buffer[piece.offset : piece.offset + piece.nbytes].numpy()),
-                        host_verify=self.verify)
-        if self.schedule.piece_done(piece, 0):
-            self.copier.put_whole(ls)
-
-    def _plan_runs(self, batch: list[tuple[Piece, int]], base: int) -> tuple[dict[int, _Read], list[tuple[str, int, int, int]]] | None:
-        """Each piece's read (by ``id(piece)``) and the runs ``(local path, pack offset, length,
-        base + offset in the batch)`` a worker process reads for the batch; None when a pack
-        has no local path (the thread reads it)."""
-        reads: dict[int, _Read] = {}
-        requests: list[tuple[str, int, int, int]] = []
-        for p, offset in batch:
-            what = self._describe(p.span.index)
-            digests = self.manifest.storages[p.span.index].chunks[p.first : p.first + p.count]
-            runs = self.repo.chunk_runs(digests, self.chunk_size, p.nbytes, what=what)
-            for path, pack_offset, first, n in runs:
-                local = self._local.get(path, "")
-                if local == "":
-                    local = self._local[path] = self.repo.local_path(path)
-                if local is None:
-                    return None
-                lo, hi = first * self.chunk_size, min(p.nbytes, (first + n) * self.chunk_size)
-                requests.append((local, pack_offset, hi - lo, base + offset + lo))
-            reads[id(p)] = _Read(p, offset, digests, runs, what)
-        return reads, requests
-
-    def _read_in_process(self, batch: list[tuple[Piece, int]], region: torch.Tensor, k: int) -> dict[int, _Read] | None:
-        """Have reader process ``k`` read the whole batch into ``region`` (one request): each
-        piece's read (by ``id(piece)``), to check and count with ``_check_read``; None when the
-        thread must read the batch itself."""
-        if self.procs is None or k in self._no_proc:
-            return None
-        planned = self._plan_runs(batch, self.slots.offset_of(region))
-        if planned is None:
-            return None
-        reads, requests = planned
-        started = time.perf_counter()
-        if self._ask(lambda: (self.procs.read(k, requests), None), requests, k, self._no_proc,
-                     "proc_fallbacks") is None:
-            return None
-        self.stats.add(proc_batches=1, read_s=time.perf_counter() - started)
-        return reads
-
-    def _copy_direct(self, batch: list[tuple[Piece, int]], k: int) -> bool:
-        """Have direct-copy helper ``k`` copy a device-checked batch into a landing slot and hand
-        it to the copy thread; False (nothing done) when the host path must stage it: no
-        helper here, or still starting, or broken, or the copy failed."""
-        direct = self.direct
-        if direct is None or k in self._no_direct or batch[0][0].span.devices != {direct.device}:
-            return False
+        region = self.source.fill(batch, k, host_verify=self.verify and not ls.device_check)
+        if ls.device_check or any(Copier._evented(d) for d in ls.devices):
+            try:
+                region.settle_all()
+            except BaseException:
+                region.release()  # never handed over: no copy reads it
+                raise
+            self.copier.put(region)  # the copy thread owns it now
+            return
+        # Host targets only: the copy is a memcpy done on return, no CUDA involved, so each
+        # reader does its own rather than queueing every byte behind one copy thread.
         try:
-            if not direct.ready(k):
-                return False  # still starting (a Checkpointer's first restores): stage on the host
-        except ReaderDied:
-            self._no_direct.add(k)
-            self.stats.add(direct_fallbacks=1)
-            return False
-        started = time.perf_counter()
-        landing = direct.landing.acquire()
-        self.stats.add(region_wait_s=time.perf_counter() - started)
-        handed = False
-        try:
-            planned = self._plan_runs(batch, direct.landing.offset_of(landing))
-            if planned is None:
-                return False
-            reads, requests = planned
-            started = time.perf_counter()
-            answer = self._ask(lambda: direct.copy(k, requests), requests, k, self._no_direct, "direct_fallbacks")
-            if answer is None:
-                return False
-            self.stats.add(direct_batches=1, direct_s=time.perf_counter() - started)
-            for read in reads.values():
-                self._count(read.piece, reads=len(read.runs), read_s=0.0, verify_s=0.0, host_verify=False)
-            self.copier.put_pieces(batch, landing, landed=True, after=answer[1])
-            handed = True
-            return True
+            for j, (p, offset) in enumerate(batch):  # each member checked before it is written
+                region.settle(j)
+                apply_range(self.plan, p.span.index, p.offset, region.data[offset : offset + p.nbytes])
+                # each member counts once written: a later member's failure must not
+                # hide the tensors already restored (the error lists them)
+                if self.schedule.piece_done(p, p.nbytes):
+                    self.schedule.mark_loaded(p.span, ())
         finally:
-            if not handed:
-                direct.landing.release(landing)
-
-    def _ask(self, request: Callable[[], tuple[list[int], Any]], runs: list[tuple[str, int, int, int]], k: int,
-             gone: set[int], fallbacks: str) -> tuple[list[int], Any] | None:
-        """A worker process's answer to reader thread ``k``'s ``request`` for ``runs`` (bytes
-        got per run, and what else it returns); None, counted under stats ``fallbacks``, when
-        the thread's host path must do the batch instead: the worker died (thread ``k`` goes
-        into ``gone``, for the rest of the load), a pack is gone (a gc) or unreadable, or a run
-        came back short (the host path explains either, naming the chunk)."""
-        try:
-            answer = request()
-        except ReaderDied:
-            gone.add(k)
-            self.stats.add(**{fallbacks: 1})
-            return None
-        except OSError:
-            self.stats.add(**{fallbacks: 1})
-            return None
-        if any(g != r[2] for g, r in zip(answer[0], runs)):
-            self.stats.add(**{fallbacks: 1})
-            return None
-        return answer
-
-    def _fill(self, piece: Piece, offset: int, view: memoryview, read: dict[int, _Read] | None, *,
-              host_verify: bool) -> None:
-        """``piece``'s bytes at ``offset`` of ``view``: read by this thread when its process did
-        not read the batch (``read`` is None), else checked as its process read them."""
-        if read is None:
-            self._read_into(piece, view[offset : offset + piece.nbytes], host_verify=host_verify)
-        else:
-            self._check_read(read[id(piece)], view, host_verify=host_verify)
-
-    def _describe(self, index: int) -> str:
-        """``describe_span`` of span ``index``, made once (every read of it names it for errors)."""
-        what = self._what.get(index)
-        if what is None:
-            what = self._what[index] = describe_span(self.plan, index)
-        return what
-
-    def _check_read(self, read: _Read, view: memoryview, *, host_verify: bool) -> None:
-        """A piece a reader process read: its chunks' digests checked on the host if asked; counted."""
-        p = read.piece
-        started = time.perf_counter()
-        if host_verify:
-            self.repo.check_runs(read.digests, view[read.offset : read.offset + p.nbytes], self.chunk_size,
-                                 read.runs, what=read.what)
-        self._count(p, reads=len(read.runs), read_s=0.0, verify_s=time.perf_counter() - started,
-                    host_verify=host_verify)
-
-    def _count(self, piece: Piece, *, reads: int, read_s: float, verify_s: float, host_verify: bool) -> None:
-        verified = piece.nbytes if self.verify else 0
-        self.stats.add(
-            bytes_read=piece.nbytes,
-            chunks_read=piece.count,
-            pieces=1,
-            reads=reads,
-            read_s=read_s,
-            verify_s=verify_s,
-            host_verified_bytes=verified if host_verify else 0,
-            device_verified_bytes=0 if host_verify else verified,
-        )
-
-    def _read_into(self, piece: Piece, out: memoryview, *, host_verify: bool) -> None:
-        digests = self.manifest.storages[piece.span.index].chunks[piece.first : piece.first + piece.count]
-        cost = self.repo.read_chunks_into(
-            digests,
-            out,
-            self.chunk_size,
-            what=self._describe(piece.span.index),
-            verify=host_verify,
-        )
-        self._count(piece, reads=cost.reads, read_s=cost.read_s, verify_s=cost.verify_s, host_verify=host_verify)
+            region.release()
 
     # -- copy thread, at the end ---------------------------------------------------------------
     def _close(self, error: BaseException | None) -> None:
@@ -493,17 +351,6 @@ class Loader:
             explained = CheckpointError(message)
         explained.__cause__ = error
         return explained
-
-
-@dataclass
-class _Read:
-    """A piece a reader process read, with what checking it needs."""
-
-    piece: Piece
-    offset: int  # in the region
-    digests: tuple[str, ...]
-    runs: list[tuple[str, int, int, int]]  # Repository.chunk_runs
-    what: str
 
 
 def _checkable(hashes: tuple[str, ...] | None, devices: frozenset[torch.device], on_device: bool | None) -> bool:

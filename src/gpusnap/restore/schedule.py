@@ -46,7 +46,7 @@ class LoadSpan:
     index: int
     nbytes: int
     chunks: int
-    streamed: bool  # applied piece by piece (RestorePlan.apply_range), else as a whole
+    streamed: bool  # applied piece by piece (apply_bytes.apply_range), else as a whole
     devices: frozenset[torch.device]
     device_check: bool = False  # verified on the device against StorageEntry.hashes (restore.device_check)
     checkable: bool = False  # could be: a small span is, when it shares a batch (Schedule.take_batch)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from gpusnap.host_map import MappedMemory
+from gpusnap.restore.apply_bytes import apply_span
 from gpusnap.serving.cuda_ipc import CudaError, bus_id, mem_handle, segment
 from gpusnap.serving.held import ALIGN
 from gpusnap.state.apply import RestorePlan
@@ -89,9 +90,9 @@ class ServerRequest:
         copies = []
         try:
             with torch.cuda.device(device):  # (the driver's calls need the device's context current)
-                for start, stop, dst in self.plan.byte_targets(index):
-                    k, offset = self._dest_of(dst.data_ptr(), stop - start)
-                    copies.append([index, start, stop - start, k, offset])
+                for t in self.plan.byte_targets(index):
+                    k, offset = self._dest_of(t.dst.data_ptr(), t.stop - t.start)
+                    copies.append([index, t.start, t.stop - t.start, k, offset])
         except CudaError as exc:
             self.ipc_refused = str(exc)
             return False
@@ -142,7 +143,7 @@ class ServerRequest:
             return
         memory = self._landing.tensor
         for index, at, nbytes in self.landed:
-            self.plan.apply_span(index, memory[at : at + nbytes])
+            apply_span(self.plan, index, memory[at : at + nbytes])
 
     def mark_written(self) -> None:
         """Count the server's writes as in-place changes of the targets, as an eager restore's

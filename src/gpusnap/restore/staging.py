@@ -1,8 +1,10 @@
 """Host regions that pieces are read into on their way to the targets, reused across restores.
 
 A region is busy from ``acquire`` (a reader) until the device copy that reads it has run;
-only the copy thread (``restore.copier``) knows when that is, so only it calls ``release``.
-Readers therefore never touch CUDA: acquiring a region is a plain queue wait. Pinned memory
+only the copy thread (``restore.copier``) knows when that is. Regions travel as owned
+``restore.sources.Region`` objects, whose one ``release`` calls :meth:`SlotPool.release`
+exactly once, whoever holds them when the load ends or fails. Readers never touch CUDA:
+acquiring a region is a plain queue wait. Pinned memory
 is slow to allocate, so the pool is made once per ``Restorer`` and kept (DESIGN.md pitfalls).
 """
 

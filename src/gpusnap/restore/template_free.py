@@ -48,7 +48,7 @@ from gpusnap.state.apply import (
     _kind,
     _Planner,
     _Slot,
-    _Spec,
+    TensorSpec,
 )
 from gpusnap.state.dtensor import slices
 from gpusnap.state.plain import join_path
@@ -121,7 +121,7 @@ def load(
         cut = manifest.without_data(set(range(len(manifest.storages))) - planner.wanted)
         landing = _Landing(slot, planner, [e.nbytes for e in cut.storages], target)
         with ThreadPoolExecutor(reader_threads(repo.config.io_threads), thread_name_prefix="gpusnap-load-io") as pool:
-            load_spans(repo, cut, landing, pool=pool)
+            load_spans(repo, cut, landing, pool=pool, apply=landing.keep_span)
         result = slot.build()
     finally:
         repo.close()
@@ -249,7 +249,7 @@ class _View:
     """A tensor node: a view of its span's buffer, made once the buffer is filled."""
 
     buffers: dict[int, torch.Tensor]
-    spec: _Spec
+    spec: TensorSpec
     requires_grad: bool
 
     def build(self) -> torch.Tensor:
@@ -274,6 +274,7 @@ class _Landing(RestorePlan):
         self._buffers = planner.buffers
         self._device = device
 
-    def apply_span(self, index: int, data: torch.Tensor) -> None:
-        self._claim(index, data)
+    def keep_span(self, index: int, data: torch.Tensor) -> None:
+        """Span ``index``'s verified bytes become the buffer its tensors view."""
+        self.claim_span(index, data)
         self._buffers[index] = data if data.device == self._device else data.to(self._device)

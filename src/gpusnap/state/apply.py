@@ -1,11 +1,15 @@
-"""Plan a restore against the live ``app_state``, then fill it in place.
+"""Plan a restore against the live ``app_state``: where every restored byte goes.
 
 Call order::
 
     plan = plan_restore(app_state, manifest_tree, span_infos)   # checks everything, writes nothing
-    plan.apply_span(i, data_i)   # any order, once per span, possibly from several threads
-    plan.apply_range(i, off, b)  # or piecewise, for spans where plan.streamable(i)
-    plan.finish()                # before or after the spans: load_state_dict, plain values
+    plan.span_targets(i)          # the frozen targets of span i (restore/ copies into them:
+    plan.byte_targets(i)          #   restore.apply_bytes, after plan.claim_span / claim_range)
+    plan.finish()                 # before or after the spans: load_state_dict, plain values
+
+The plan hands back typed, frozen targets (:class:`SpanTarget`, :class:`ByteTarget`) and keeps
+the books of which bytes were claimed; moving bytes into them is ``restore``'s
+(``restore/apply_bytes.py``: ``apply_span``, ``apply_range``, ``apply_ranges``).
 
 ``plan_restore`` pairs every checkpoint node with its target and raises one
 RestoreMismatchError listing every key that does not fit before a single byte is written.
@@ -18,8 +22,7 @@ each module's ``state_dict()`` entries. Inside a Stateful value's
 state_dict (an optimizer's, say) the checkpoint's structure wins, as with strict=True. Spans
 that only skipped keys use are in ``plan.unused_spans``: the plan takes 0 bytes of them.
 Shapes, dtypes and kinds of the keys on both sides are checked as with strict=True.
-Tensors are filled bitwise through an integer view of the same item size, so every dtype
-(float8, bits, bool, complex...) and every NaN payload survives exactly.
+Tensors are filled bitwise (``restore.apply_bytes``), so every dtype and NaN payload survives.
 
 Where the bytes land:
 
@@ -41,11 +44,9 @@ Where the bytes land:
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, MutableMapping, MutableSequence, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -66,10 +67,8 @@ from .plain import (
     type_name,
 )
 
-__all__ = ["RestorePlan", "SpanInfo", "plan_restore"]
+__all__ = ["ByteTarget", "RestorePlan", "SpanInfo", "SpanTarget", "TensorSpec", "plan_restore"]
 
-# Copying through an integer dtype of the same width moves bits, never values.
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _QUANTIZED = frozenset(
     d for d in (getattr(torch, n, None) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")) if d is not None
 )
@@ -95,7 +94,7 @@ def plan_restore(
     """Pair ``tree`` with ``app_state``; RestoreMismatchError (all problems at once) if it does not fit.
 
     Missing Stateful tensors are allocated here. Nothing in ``app_state`` changes until
-    :meth:`RestorePlan.apply_span` / :meth:`RestorePlan.finish`. ``strict=False``: keys on one
+    its spans are applied (``restore.apply_bytes``) / :meth:`RestorePlan.finish`. ``strict=False``: keys on one
     side only are skipped and reported instead (see the module docstring).
     """
     planner = _Planner(spans, allow_pickle, strict=strict)
@@ -134,8 +133,8 @@ def plan_restore(
 
 
 @dataclass(frozen=True)
-class _Spec:
-    """A checked ``tensor`` node."""
+class TensorSpec:
+    """A checked ``tensor`` node: where a tensor's bytes lie in its stored span."""
 
     storage: int
     dtype: torch.dtype
@@ -168,15 +167,33 @@ class _Spec:
 
 
 @dataclass(frozen=True)
-class _Copy:
+class SpanTarget:
     """Fill ``target`` from the bytes of span ``spec.storage``; a *box copy* (resharding,
     state/reshard.py) fills ``target[dst]`` from ``stored[src]`` only (it needs the whole span)."""
 
     target: torch.Tensor
-    spec: _Spec
+    spec: TensorSpec
     path: str
     src: tuple[slice, ...] | None = None
     dst: tuple[slice, ...] | None = None
+
+    def writable(self, versioned: bool) -> torch.Tensor:
+        """``target``'s memory, through an alias that shares its autograd version counter
+        (``detach``) or not (``.data``: the write is invisible to autograd's in-place checks)."""
+        return self.target.detach() if versioned else self.target.data
+
+
+@dataclass(frozen=True, slots=True)
+class ByteTarget:
+    """A target of a :meth:`RestorePlan.streamable` span: bytes ``[start, stop)`` of the span
+    are ``dst`` (a flat ``uint8`` alias of the target's memory); ``inference``: the target is
+    an inference tensor (written under inference mode); ``path`` names it for errors."""
+
+    start: int
+    stop: int
+    dst: torch.Tensor
+    inference: bool
+    path: str
 
 
 class _Slot(Protocol):
@@ -307,7 +324,7 @@ class RestorePlan:
     def __init__(
         self,
         root: _Slot,
-        copies: dict[int, list[_Copy]],
+        copies: dict[int, list[SpanTarget]],
         span_nbytes: list[int],
         span_paths: dict[int, list[str]],
         stateful_spans: set[int],
@@ -331,9 +348,9 @@ class RestorePlan:
         self._span_nbytes = span_nbytes
         self._lock = threading.Lock()
         self._applied: set[int] = set()
-        self._filled: dict[int, int] = {}  # bytes given to apply_range so far, per span
+        self._filled: dict[int, int] = {}  # bytes claimed by claim_range so far, per span
         self._streamable: dict[int, bool] = {}
-        self._byte_views: dict[int, tuple[bool, list[tuple[int, int, torch.Tensor, bool, str]]]] = {}
+        self._byte_views: dict[int, tuple[bool, tuple[ByteTarget, ...]]] = {}
         self._finished = False
         # Whether the restore's writes advance the targets' autograd version counters. A lazy
         # restore turns this off: autograd records an op's inputs (and their versions) above
@@ -347,18 +364,9 @@ class RestorePlan:
         with self._lock:
             return frozenset(range(len(self._span_nbytes))) - self._applied
 
-    def apply_span(self, index: int, data: torch.Tensor) -> None:
-        """Fill every target on span ``index`` from ``data`` (uint8, the span's nbytes, any device).
-
-        When ``data`` is pinned host memory and a target is on a device, the copy is queued
-        on the current stream: keep ``data`` unchanged until that stream has passed this point.
-        """
-        self._claim(index, data)
-        for copy in self._copies.get(index, ()):
-            try:
-                _copy_into(copy.target, data, copy.spec, versioned=self.versioned_writes, src=copy.src, dst=copy.dst)
-            except Exception as exc:
-                raise CheckpointError(f"{copy.path}: copying the restored bytes failed: {exc!r}") from exc
+    def span_targets(self, index: int) -> tuple[SpanTarget, ...]:
+        """What span ``index`` fills: each target with where its bytes lie in the span."""
+        return tuple(self._copies.get(index, ()))
 
     def targets(self, index: int) -> list[torch.Tensor]:
         """The live tensors span ``index`` fills (a lazy restore gates the program on them)."""
@@ -369,11 +377,11 @@ class RestorePlan:
         return {copy.target.device for copy in self._copies.get(index, ())}
 
     def streamable(self, index: int) -> bool:
-        """Whether span ``index`` may be applied piecewise with :meth:`apply_range`.
+        """Whether span ``index`` may be applied piecewise (``restore.apply_bytes.apply_range``).
 
         True when every target's bytes are one run of the span's bytes in the same order:
         the checkpoint's layout and the target are both row-major contiguous. Transposed,
-        strided or overlapping layouts need the whole span (:meth:`apply_span`).
+        strided or overlapping layouts need the whole span (``apply_span``).
         """
         known = self._streamable.get(index)
         if known is None:
@@ -382,102 +390,26 @@ class RestorePlan:
             )
         return known
 
-    def apply_range(self, index: int, offset: int, data: torch.Tensor, *, non_blocking: bool | None = None) -> None:
-        """Fill the targets' bytes that span ``index`` holds in ``[offset, offset + len(data))``.
-
-        Ranges of one span may come in any order and from several threads; once they cover
-        the span it counts as applied. Only for :meth:`streamable` spans. Like
-        :meth:`apply_span`, a copy from pinned memory to a device is queued on the current
-        stream: keep ``data`` unchanged until that stream has passed this point.
-        ``non_blocking``: whether host ``data`` is pinned, when the caller knows (None: ask).
-        """
-        self._claim_range(index, offset, data)
-        if non_blocking is None:
-            non_blocking = data.device.type == "cpu" and data.is_pinned()
-        for dst, src, inference, path in self._range_copies(index, offset, data):
-            try:
-                _copy_bytes(dst, src, inference, non_blocking)
-            except Exception as exc:
-                raise CheckpointError(f"{path}: copying the restored bytes failed: {exc!r}") from exc
-
-    def apply_ranges(
-        self, ranges: Sequence[tuple[int, int, int, int]], data: torch.Tensor, *, non_blocking: bool
-    ) -> None:
-        """:meth:`apply_range` for several ranges of one buffer at once: ``(index, offset, at,
-        nbytes)`` fills span ``index``'s bytes ``[offset, offset + nbytes)`` with
-        ``data[at : at + nbytes]``. ``data`` is a restore's host region or device scratch;
-        ``non_blocking``: it is pinned host memory. All copies are queued by one call
-        (``torch._foreach_copy_``: one kernel for device-to-device), as a batch of small spans
-        would otherwise cost a Python round of torch calls per tensor. If that call fails, the
-        ranges are copied one by one, so an error names its tensor; its ``ranges_written``
-        attribute counts the ranges before it, which are written. (Every range is claimed
-        before the first copy: after an error the plan is spent.)"""
-        pairs: list[tuple[int, torch.Tensor, torch.Tensor, bool, str]] = []
-        for r, (index, offset, at, nbytes) in enumerate(ranges):
-            piece = data[at : at + nbytes]
-            self._claim_range(index, offset, piece)
-            pairs += [(r, *copy) for copy in self._range_copies(index, offset, piece)]
-        try:
-            for inference in (False, True):
-                group = [(d, s) for _, d, s, inf, _ in pairs if inf is inference]
-                if group:
-                    with _inference_guard(inference):
-                        torch._foreach_copy_([d for d, _ in group], [s for _, s in group], non_blocking=non_blocking)
-        except Exception:
-            for r, dst, src, inference, path in pairs:  # one by one: the error names the tensor
-                try:
-                    _copy_bytes(dst, src, inference, non_blocking)
-                except Exception as exc:
-                    error = CheckpointError(f"{path}: copying the restored bytes failed: {exc!r}")
-                    error.ranges_written = r  # type: ignore[attr-defined]
-                    raise error from exc
-
-    def _range_copies(
-        self, index: int, offset: int, data: torch.Tensor
-    ) -> list[tuple[torch.Tensor, torch.Tensor, bool, str]]:
-        """(target bytes, source bytes, inference target, path) for the targets that span
-        ``index``'s bytes ``[offset, offset + len(data))`` overlap."""
-        end = offset + data.numel()
-        out = []
-        for start, stop, dst, inference, path in self._byte_targets(index):
-            lo, hi = max(offset, start), min(end, stop)
-            if lo >= hi:
-                continue
-            whole_dst = lo == start and hi == stop
-            whole_src = lo == offset and hi == end
-            out.append((
-                dst if whole_dst else dst[lo - start : hi - start],
-                data if whole_src else data[lo - offset : hi - offset],
-                inference,
-                path,
-            ))
-        return out
-
     def prepare_byte_views(self, indices: Iterable[int]) -> None:
-        """Build the cached aliases of these spans' targets now (see :meth:`_byte_targets`).
+        """Build the cached aliases of these spans' targets now (see :meth:`byte_targets`).
 
         The loader calls this on the restoring thread before its readers start: built later,
         on the copy thread, each of the few torch calls per target waits for the GIL against
         the readers, and this work took ~30% of a GPT-2 large restore (BENCHMARKS.md)."""
         for index in indices:
-            self._byte_targets(index)
-
-    def byte_targets(self, index: int) -> list[tuple[int, int, torch.Tensor]]:
-        """For a :meth:`streamable` span: per target, its byte range ``[start, stop)`` in the
-        span and its bytes (a flat uint8 alias): where a copier that writes memory itself (the
-        restore server, over CUDA IPC) puts them."""
-        return [(start, stop, dst) for start, stop, dst, _, _ in self._byte_targets(index)]
+            self.byte_targets(index)
 
     def forget_byte_views(self) -> None:
         """Drop the cached aliases of the targets (the loader calls this when it stops): they
         would keep storages alive that the program swaps out later (``param.data = ...``)."""
         self._byte_views = {}
 
-    def _byte_targets(self, index: int) -> list[tuple[int, int, torch.Tensor, bool, str]]:
-        """Per target of a streamable span: its byte range in the span, its bytes as a flat
-        uint8 alias, whether it is an inference tensor, its path. Built once per span and
-        write mode: a restore applies a large model's spans in thousands of ranges, on the
-        one thread that bounds its rate."""
+    def byte_targets(self, index: int) -> tuple[ByteTarget, ...]:
+        """Per target of a :meth:`streamable` span: its byte range in the span and its bytes as
+        a flat uint8 alias (:class:`ByteTarget`), where a restore's copies (or the restore
+        server, over CUDA IPC) put them. Built once per span and write mode: a restore
+        applies a large model's spans in thousands of ranges, on the one thread that bounds
+        its rate."""
         cached = self._byte_views.get(index)
         if cached is not None and cached[0] == self.versioned_writes:
             return cached[1]
@@ -490,11 +422,12 @@ class RestorePlan:
                 spec = copy.spec
                 if spec.numel == 0:
                     continue
-                dst = _writable(copy.target, self.versioned_writes).view(-1).view(torch.uint8)  # contiguous: views
-                views.append((spec.byte_offset, spec.byte_offset + spec.extent, dst, copy.target.is_inference(),
-                              copy.path))
-        self._byte_views[index] = (self.versioned_writes, views)
-        return views
+                dst = copy.writable(self.versioned_writes).view(-1).view(torch.uint8)  # contiguous: views
+                views.append(ByteTarget(spec.byte_offset, spec.byte_offset + spec.extent, dst,
+                                        copy.target.is_inference(), copy.path))
+        frozen = tuple(views)
+        self._byte_views[index] = (self.versioned_writes, frozen)
+        return frozen
 
     def finish(self) -> None:
         """Call ``load_state_dict`` on Stateful values and put plain values back; once."""
@@ -504,16 +437,9 @@ class RestorePlan:
             self._finished = True
         self._root.build()
 
-    def apply(self, span_data: Mapping[int, torch.Tensor]) -> None:
-        """``apply_span`` for every span in ``span_data``, then :meth:`finish`."""
-        missing = self.pending_spans - set(span_data)
-        if missing:
-            raise CheckpointError(f"RestorePlan.apply: no data for span(s) {sorted(missing)}")
-        for index, data in span_data.items():
-            self.apply_span(index, data)
-        self.finish()
-
-    def _claim(self, index: int, data: torch.Tensor) -> None:
+    def claim_span(self, index: int, data: torch.Tensor) -> None:
+        """Count span ``index`` as applied whole from ``data`` (checked: a contiguous 1-D uint8
+        tensor of the span's length); CheckpointError if it cannot be, or already was."""
         if not 0 <= index < len(self._span_nbytes):
             raise CheckpointError(f"span {index} does not exist (the checkpoint has {len(self._span_nbytes)})")
         nbytes = self._span_nbytes[index]
@@ -527,7 +453,10 @@ class RestorePlan:
                 raise CheckpointError(f"span {index} was already applied")
             self._applied.add(index)
 
-    def _claim_range(self, index: int, offset: int, data: torch.Tensor) -> None:
+    def claim_range(self, index: int, offset: int, data: torch.Tensor) -> None:
+        """Count ``data``'s bytes at ``offset`` of span ``index`` as applied (ranges of a
+        :meth:`streamable` span, any order, from several threads; the span counts as applied
+        once they cover it); CheckpointError for a range outside it, or too many bytes."""
         if not 0 <= index < len(self._span_nbytes):
             raise CheckpointError(f"span {index} does not exist (the checkpoint has {len(self._span_nbytes)})")
         nbytes = self._span_nbytes[index]
@@ -560,7 +489,7 @@ class _Planner(ReshardPlanning):
         self.unexpected: list[str] = []  # ...and of keys only the checkpoint has
         self.modules_differ: list[str] = []  # strict=False: modules whose state_dict keys differ
         self.optimizers: list[str] = []  # optimizers in app_state that the checkpoint restores
-        self.copies: dict[int, list[_Copy]] = {}
+        self.copies: dict[int, list[SpanTarget]] = {}
         self.span_paths: dict[int, list[str]] = {i: [] for i in range(len(spans))}
         self.stateful_spans: set[int] = set()
         self.read_at_finish: set[int] = set()
@@ -773,7 +702,7 @@ class _Planner(ReshardPlanning):
         self.add_copy(target, spec, path)
         return _Value(target)
 
-    def add_copy(self, target: torch.Tensor, spec: _Spec, path: str) -> None:
+    def add_copy(self, target: torch.Tensor, spec: TensorSpec, path: str) -> None:
         self.span_paths[spec.storage].append(path)
         if self._stateful_depth:
             self.stateful_spans.add(spec.storage)
@@ -785,9 +714,9 @@ class _Planner(ReshardPlanning):
                 self.mismatch(path, f"this tensor is also {seen[2]} here, but the checkpoint stores them apart")
             return  # tied: one tensor, one copy
         self._targets[id(target)] = (spec.storage, spec.byte_offset, path)
-        self.copies.setdefault(spec.storage, []).append(_Copy(target, spec, path))
+        self.copies.setdefault(spec.storage, []).append(SpanTarget(target, spec, path))
 
-    def add_box_copy(self, target: torch.Tensor, spec: _Spec, src: tuple[slice, ...], dst: tuple[slice, ...],
+    def add_box_copy(self, target: torch.Tensor, spec: TensorSpec, src: tuple[slice, ...], dst: tuple[slice, ...],
                      path: str) -> None:
         """A box copy: ``target[dst] = stored[src]`` (one of several into one target)."""
         self.span_paths[spec.storage].append(path)
@@ -795,12 +724,12 @@ class _Planner(ReshardPlanning):
             self.stateful_spans.add(spec.storage)
         if self._reader_depth:
             self.read_at_finish.add(spec.storage)
-        self.copies.setdefault(spec.storage, []).append(_Copy(target, spec, path, src, dst))
+        self.copies.setdefault(spec.storage, []).append(SpanTarget(target, spec, path, src, dst))
 
-    def spec(self, node: dict[str, Any], path: str) -> _Spec:
+    def spec(self, node: dict[str, Any], path: str) -> TensorSpec:
         where = path or "<root>"
         try:
-            spec = _Spec(
+            spec = TensorSpec(
                 storage=_int(node["storage"]),
                 dtype=dtype_from_name(node["dtype"], path),
                 shape=tuple(_int(d) for d in node["shape"]),
@@ -886,7 +815,7 @@ def _state_dict(obj: Any, path: str, **kwargs: Any) -> Any:
         raise CheckpointError(f"{path or '<root>'}: {type_name(obj)}.state_dict() failed: {exc!r}") from exc
 
 
-def _target_problem(target: torch.Tensor, spec: _Spec) -> str | None:
+def _target_problem(target: torch.Tensor, spec: TensorSpec) -> str | None:
     """Why ``target`` cannot take the checkpoint's tensor in place, or None."""
     if target.shape != spec.shape or target.dtype != spec.dtype:
         return (
@@ -900,7 +829,7 @@ def _target_problem(target: torch.Tensor, spec: _Spec) -> str | None:
     return None
 
 
-def _allocate(spec: _Spec) -> torch.Tensor:
+def _allocate(spec: TensorSpec) -> torch.Tensor:
     """A new tensor for ``spec`` on its recorded device if this machine has it, else on CPU."""
     device = _device_here(spec.device)
     if spec.numel and _dense(spec.shape, spec.stride):
@@ -937,21 +866,7 @@ def _device_here(name: str) -> torch.device:
     return device if ok else torch.device("cpu")
 
 
-def _copy_into(target: torch.Tensor, data: torch.Tensor, spec: _Spec, *, versioned: bool = True,
-               src: tuple[slice, ...] | None = None, dst: tuple[slice, ...] | None = None) -> None:
-    """Bitwise ``target[...] = span bytes`` through integer views; works for strided targets.
-    ``src``/``dst``: a box copy, ``target[dst] = stored[src]``."""
-    if spec.numel == 0:
-        return
-    source = _source_view(data, spec)
-    dest = _int_view(_writable(target, versioned))
-    if src is not None and dst is not None:
-        source, dest = source[src], dest[dst]
-    non_blocking = source.device.type == "cpu" and dest.device.type != "cpu" and source.is_pinned()
-    _copy_bytes(dest, source, target.is_inference(), non_blocking)
-
-
-def _byte_contiguous(target: torch.Tensor, spec: _Spec) -> bool:
+def _byte_contiguous(target: torch.Tensor, spec: TensorSpec) -> bool:
     """Target and stored layout are both row-major contiguous: byte ``i`` maps to byte ``i``."""
     if spec.numel == 0:
         return True
@@ -961,39 +876,3 @@ def _byte_contiguous(target: torch.Tensor, spec: _Spec) -> bool:
             return False
         expected *= n
     return target.is_contiguous()
-
-
-def _copy_bytes(dst: torch.Tensor, src: torch.Tensor, inference: bool, non_blocking: bool) -> None:
-    # dst is a detached (or .data) alias: the write is never recorded by autograd
-    with _inference_guard(inference):
-        dst.copy_(src, non_blocking=non_blocking)
-
-
-def _inference_guard(inference: bool) -> AbstractContextManager[Any]:
-    """Inference tensors may only be written inside inference mode; others need no mode (the
-    restore writes through detached aliases, which autograd never records)."""
-    return torch.inference_mode() if inference else contextlib.nullcontext()
-
-
-def _writable(target: torch.Tensor, versioned: bool) -> torch.Tensor:
-    """``target``'s memory, through an alias that shares its autograd version counter
-    (``detach``) or not (``.data``: the write is invisible to autograd's in-place checks)."""
-    return target.detach() if versioned else target.data
-
-
-def _int_view(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.element_size() == 16:  # complex128: two int64 lanes per element
-        return torch.view_as_real(tensor).view(torch.int64)
-    return tensor.view(_INT_OF_SIZE[tensor.element_size()])
-
-
-def _source_view(data: torch.Tensor, spec: _Spec) -> torch.Tensor:
-    """The tensor's bytes within ``data``, seen as the integer layout :func:`_int_view` gives."""
-    raw = data[spec.byte_offset : spec.byte_offset + spec.extent]
-    item = spec.itemsize
-    if raw.storage_offset() % item or raw.data_ptr() % item:
-        raw = raw.clone()  # views of mixed dtypes can leave this one unaligned in the span
-    if item == 16:
-        flat = raw.view(torch.int64)
-        return flat.as_strided(spec.shape + (2,), tuple(2 * s for s in spec.stride) + (1,))
-    return raw.view(_INT_OF_SIZE[item]).as_strided(spec.shape, spec.stride)

@@ -27,7 +27,7 @@ from .dtensor import Box, box_of, encode_placements, intersect, is_dtensor, resh
 from .plain import dtype_from_name, dtype_name
 
 if TYPE_CHECKING:
-    from .apply import _Slot, _Spec
+    from .apply import TensorSpec, _Slot
 
 __all__ = ["DTensorNode", "ReshardPlanning"]
 
@@ -35,7 +35,7 @@ __all__ = ["DTensorNode", "ReshardPlanning"]
 @dataclass(frozen=True)
 class Piece:
     box: Box
-    spec: _Spec
+    spec: TensorSpec
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class DTensorNode:
     dtype: torch.dtype
     placements: list[str]
     mesh: tuple[int, ...]
-    own: _Spec | None
+    own: TensorSpec | None
     pieces: tuple[Piece, ...]
 
     def describe(self) -> str:
@@ -122,7 +122,7 @@ class ReshardPlanning:
 
         return self.mismatch(path, f"the checkpoint has {d.describe()}, app_state has a {type_name(live)}")  # type: ignore[attr-defined,no-any-return]
 
-    def tensor_into_dtensor(self, live: Any, spec: _Spec, path: str) -> _Slot:
+    def tensor_into_dtensor(self, live: Any, spec: TensorSpec, path: str) -> _Slot:
         """A plain ``tensor`` node (the whole tensor) into DTensor ``live``: its box of it."""
         from .apply import _Value
 
