@@ -17,10 +17,15 @@ from typing import Any
 from gpusnap.errors import CheckpointError, IntegrityError
 from gpusnap.kernels.hashing import chunk_digest
 
-__all__ = ["DEVICE_HASH", "FORMAT", "VERSION", "Manifest", "RankPart", "StorageEntry", "canonical_json"]
+__all__ = ["DEVICE_HASH", "FAST_VERSION", "FORMAT", "READABLE_VERSIONS", "VERSION", "Manifest", "RankPart",
+           "StorageEntry", "canonical_json"]
 
 FORMAT = "gpusnap"
 VERSION = 1
+# a manifest that stores fast-tier spans compactly (storage/fast_chunks.py); every other
+# manifest keeps VERSION, so a durable root stays readable by a gpusnap that predates it
+FAST_VERSION = 2
+READABLE_VERSIONS = (VERSION, FAST_VERSION)
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -145,10 +150,11 @@ class Manifest:
             raise IntegrityError(f"manifest {where} is unreadable (truncated or corrupt): {exc}") from None
         if not isinstance(doc, dict):
             raise IntegrityError(f"manifest {where} is not a JSON object (corrupt)")
-        if doc.get("format") != FORMAT or doc.get("version") != VERSION:
+        if doc.get("format") != FORMAT or doc.get("version") not in READABLE_VERSIONS:
             raise CheckpointError(
                 f"manifest {where} has format {doc.get('format')!r} version {doc.get('version')!r}; "
-                f"this gpusnap reads {FORMAT!r} version {VERSION} (upgrade gpusnap to read it)"
+                f"this gpusnap reads {FORMAT!r} versions {', '.join(map(str, READABLE_VERSIONS))} "
+                "(upgrade gpusnap to read it)"
             )
         checksum = doc.pop("checksum", None)
         try:
