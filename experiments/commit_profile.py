@@ -58,11 +58,15 @@ class Block(nn.Module):
         self.norm2 = nn.Parameter(torch.ones(hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x * self.norm1
+        h = rms_norm(x, self.norm1)
         h = self.o(self.q(h) + self.k(h).repeat(1, 4) + self.v(h).repeat(1, 4))
         x = x + h
-        h = x * self.norm2
+        h = rms_norm(x, self.norm2)
         return x + self.down(torch.relu(self.gate(h)) * self.up(h))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * weight
 
 
 class Model(nn.Module):
@@ -77,7 +81,7 @@ class Model(nn.Module):
         x = self.embed(ids)
         for b in self.blocks:
             x = b(x)
-        return self.head(x * self.norm)
+        return self.head(rms_norm(x, self.norm))
 
 
 def make_state(args: argparse.Namespace) -> dict:
@@ -91,7 +95,7 @@ def make_state(args: argparse.Namespace) -> dict:
 
 def train(state: dict) -> None:
     model, optim = state["model"], state["optim"]
-    ids = torch.randint(0, model.embed.num_embeddings, (4,))
+    ids = torch.randint(0, model.embed.num_embeddings, (64,))
     model(ids).float().square().mean().backward()
     optim.step()
     optim.zero_grad(set_to_none=False)
@@ -209,7 +213,7 @@ def main() -> None:
     }
     print(json.dumps(summary, indent=1))
     if meter.profiler is not None:
-        for key in ("tottime", "cumulative"):
+        for key in ("tottime", "cumulative", "ncalls"):
             out = io.StringIO()
             stats = pstats.Stats(meter.profiler, stream=out)
             stats.sort_stats(key).print_stats(args.top)

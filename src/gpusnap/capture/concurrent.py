@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping
+from itertools import chain
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -34,6 +35,7 @@ from gpusnap.capture.window import CaptureWindow, SnapshotBuffer, WindowSpan
 from gpusnap.errors import CheckpointError, ValidationError
 from gpusnap.kernels.hashing import chunk_digest
 from gpusnap.state.flatten import FlatState
+from gpusnap.storage.fast_chunks import FastChunks, chunk_location, span_runs
 from gpusnap.storage.manifest import StorageEntry
 from gpusnap.storage.txn import WriteTxn
 
@@ -97,6 +99,11 @@ class ConcurrentSave:
         self._first: list[int] = (np.cumsum(counts) - counts).tolist()
         self._counts: list[int] = counts.tolist()
         self.digests: list[str | None] = [None] * int(counts.sum())
+        # fast: where each chunk lies instead (slab -1: not placed yet), made into runs of
+        # slab bytes at finish() with a few array operations (storage/fast_chunks.py)
+        if fast:
+            self._slabs = np.full(len(self.digests), -1, dtype=np.int64)
+            self._offsets = np.zeros(len(self.digests), dtype=np.int64)
         self.bytes_written = 0
         self.bytes_skipped = 0
         self._futures: list[Future[None]] = []
@@ -280,7 +287,12 @@ class ConcurrentSave:
         if same:  # pinned by the transaction until it commits (a retention meanwhile keeps
             same = self.txn.reuse(same)  # their packs); those already deleted are copied
         for k, digest in same.items():
-            self.digests[self._first[ws.index] + k] = digest
+            if self.fast:
+                _h, slab, offset, _n = chunk_location(digest)
+                self._slabs[self._first[ws.index] + k] = slab
+                self._offsets[self._first[ws.index] + k] = offset
+            else:
+                self.digests[self._first[ws.index] + k] = digest
             size = min(self.chunk_size, span.nbytes - k * self.chunk_size)
             with self._lock:
                 self.bytes_skipped += size
@@ -355,7 +367,7 @@ class ConcurrentSave:
 
     def _locate_many(self, pieces: list[Piece]) -> None:
         """Fast tier, on the copier thread: the pieces' bytes are where they will stay, so
-        storing is recording each chunk's slab location (named in :meth:`finish`)."""
+        storing is recording where each segment's chunks lie (named in :meth:`finish`)."""
         cs = self.chunk_size
         for segments, region in pieces:
             for ws, start, n, offset in segments:
@@ -364,18 +376,28 @@ class ConcurrentSave:
                     self.after.fill(ws.index, region.data[offset : offset + n], start // cs)  # the stored bytes
                 base = self._first[ws.index] + start // cs
                 at = region.start + offset
-                for k, off in enumerate(range(0, n, cs)):
-                    self.digests[base + k] = f"{region.slab}:{at + off}:{min(cs, n - off)}"
+                k = -(-n // cs)
+                self._slabs[base : base + k] = region.slab
+                self._offsets[base : base + k] = np.arange(at, at + k * cs, cs)
                 with self._lock:
                     self.bytes_written += n
 
-    def _fast_names(self, hashes: list[tuple[str, ...]]) -> None:
-        """Each copied chunk's name: its device hash, then its location (storage/fast_tier.py)."""
-        for i, (first, count) in enumerate(zip(self._first, self._counts)):
-            for k in range(count):
-                loc = self.digests[first + k]
-                if loc is not None and "@" not in loc:
-                    self.digests[first + k] = f"{hashes[i][k]}@{loc}"
+    def _fast_entries(self, hashes: list[tuple[str, ...]]) -> tuple[StorageEntry, ...]:
+        """Fast tier: each span's chunks as runs of slab bytes, named by their device hashes
+        (storage/fast_chunks.py), found for the whole save at once."""
+        cs = self.chunk_size
+        unplaced = int(np.count_nonzero(self._slabs < 0))
+        if unplaced:  # (every chunk was copied or reused: a bug, never committed)
+            raise CheckpointError(f"{unplaced} chunk(s) of this save were never placed in the fast tier; "
+                                  "nothing was committed")
+        runs = span_runs(self._slabs, self._offsets, self._first, self._counts, cs)
+        devices: dict[torch.device, str] = {}  # (str() of a torch.device is slow; a save has a few)
+        entries = []
+        for s, r, h in zip(self.flat.spans, runs, hashes):
+            n, device = s.nbytes, s.device
+            name = devices.get(device) or devices.setdefault(device, str(device))
+            entries.append(StorageEntry(n, name, FastChunks(h, r, nbytes=n, chunk_size=cs), h))
+        return tuple(entries)
 
     def _store(self, index: int, start: int, data: torch.Tensor) -> None:
         """Hash and store the chunks of span ``index`` that start at byte ``start`` (``data``
@@ -422,10 +444,10 @@ class ConcurrentSave:
             raise
         self.validation = self._validate()
         hashes = self.before_hex() if self.before is not None else [None] * len(self.flat.spans)
-        if self.fast:
-            self._fast_names(hashes)  # type: ignore[arg-type]  (fast: every span is hashed)
         if self.previous and not self.compared:
             self.bytes_unchanged = self._unchanged_bytes(hashes)
+        if self.fast:  # (every span is hashed: its chunks are named by their hashes)
+            return self._fast_entries(hashes)  # type: ignore[arg-type]
         return tuple(
             StorageEntry(
                 nbytes=s.nbytes,
@@ -453,14 +475,15 @@ class ConcurrentSave:
         """Bytes whose chunk hash the previous checkpoint holds: what comparing would have
         skipped. A save that copied at once learns it after the fact, for a few dict lookups,
         so the next save can decide whether comparing pays (``CaptureHistory.should_compare``)."""
-        cs, known, total = self.chunk_size, self.previous, 0
-        for span, h in zip(self.flat.spans, hashes):
-            same = sum(1 for x in h if x in known)
-            if same:
-                total += same * cs
-                if h[-1] in known and span.nbytes % cs:  # the last chunk is short
-                    total -= cs - span.nbytes % cs
-        return total
+        cs, known = self.chunk_size, self.previous.keys()
+        # (C loops and array operations: no Python per chunk, nor per span)
+        found = np.fromiter(map(known.__contains__, chain.from_iterable(hashes)), dtype=bool, count=len(self.digests))
+        sizes = np.full(len(found), cs, dtype=np.int64)
+        counts = np.asarray(self._counts, dtype=np.int64)
+        nbytes = np.fromiter((s.end - s.start for s in self.flat.spans), dtype=np.int64, count=len(counts))
+        last = (np.asarray(self._first, dtype=np.int64) + counts - 1)[counts > 0]
+        sizes[last] = nbytes[counts > 0] - (counts[counts > 0] - 1) * cs  # each span's last chunk may be short
+        return int(sizes[found].sum())
 
     def reap(self) -> bool:
         """Pop the tracker if the window is closed and this is its thread (top of stack only)."""
