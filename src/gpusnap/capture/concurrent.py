@@ -104,6 +104,7 @@ class ConcurrentSave:
         if fast:
             self._slabs = np.full(len(self.digests), -1, dtype=np.int64)
             self._offsets = np.zeros(len(self.digests), dtype=np.int64)
+            self._placed: list[tuple[int, int, int, int]] = []  # (first chunk, chunks, slab, offset) a segment
         self.bytes_written = 0
         self.bytes_skipped = 0
         self._futures: list[Future[None]] = []
@@ -374,11 +375,8 @@ class ConcurrentSave:
                 if (self.after is not None and ws.span.device.type == "cpu"
                         and ws.index not in self.window.snapshotted):
                     self.after.fill(ws.index, region.data[offset : offset + n], start // cs)  # the stored bytes
-                base = self._first[ws.index] + start // cs
-                at = region.start + offset
-                k = -(-n // cs)
-                self._slabs[base : base + k] = region.slab
-                self._offsets[base : base + k] = np.arange(at, at + k * cs, cs)
+                # (one tuple a segment: the arrays are filled at finish(), in one go)
+                self._placed.append((self._first[ws.index] + start // cs, -(-n // cs), region.slab, region.start + offset))
                 with self._lock:
                     self.bytes_written += n
 
@@ -386,6 +384,13 @@ class ConcurrentSave:
         """Fast tier: each span's chunks as runs of slab bytes, named by their device hashes
         (storage/fast_chunks.py), found for the whole save at once."""
         cs = self.chunk_size
+        if self._placed:  # each copied segment's chunks lie back to back from its offset
+            base, count, slab, offset = np.array(self._placed, dtype=np.int64).T
+            within = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+            where = np.repeat(base, count) + within
+            self._slabs[where] = np.repeat(slab, count)
+            self._offsets[where] = np.repeat(offset, count) + within * cs
+            self._placed = []
         unplaced = int(np.count_nonzero(self._slabs < 0))
         if unplaced:  # (every chunk was copied or reused: a bug, never committed)
             raise CheckpointError(f"{unplaced} chunk(s) of this save were never placed in the fast tier; "

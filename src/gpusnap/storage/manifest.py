@@ -246,7 +246,8 @@ _device_text: dict[str, str] = {}  # device -> its JSON string (a handful of dev
 def _check_fast(s: StorageEntry, chunk_size: int) -> None:
     fast = s.chunks
     assert isinstance(fast, FastChunks)
-    if s.hashes is None or s.hashes != fast.hashes or (fast.nbytes, fast.chunk_size) != (s.nbytes, chunk_size):
+    if (s.hashes is not fast.hashes and (s.hashes is None or s.hashes != fast.hashes)) or (
+            fast.nbytes, fast.chunk_size) != (s.nbytes, chunk_size):
         raise CheckpointError(
             "a fast span's record must carry its entry's device hashes, byte count and the manifest's chunk size"
         )
