@@ -188,3 +188,22 @@ def test_a_new_save_on_a_version_1_tier_reuses_its_chunks_keeps_its_bytes_and_pr
     promoted.close()
     assert main(["gc", str(v1_root), "--keep-last", "1"]) == 0
     assert _versions(v1_root) == [FAST_VERSION] and FastTier.open(v1_root).verify().ok
+
+
+def test_the_ranges_a_save_placed_are_those_its_manifest_names(tmp_path: Path) -> None:
+    from fast_support import CFG, make_state, train
+
+    from gpusnap.storage.fast_tier import _add_ranges
+
+    state = make_state(1)
+    with gpusnap.Checkpointer(tmp_path / "durable", fast_root=tmp_path / "fast", config=CFG) as ck:
+        for step in (2, 3, 4):  # (the second reuses the first's unchanged chunks: ranges of two saves)
+            if step > 2:
+                train(state, step)
+            info = ck.save(state).wait()
+            tier = ck._fast_tier()
+            manifest = tier.resolve(info.id)
+            parsed: dict[int, list[tuple[int, int]]] = {}
+            _add_ranges(parsed, manifest)
+            assert tier._ranges[info.id][1] == {s: _merge(r) for s, r in parsed.items()}
+            assert tier._ranges[info.id][0] is manifest

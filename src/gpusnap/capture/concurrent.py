@@ -35,7 +35,7 @@ from gpusnap.capture.window import CaptureWindow, SnapshotBuffer, WindowSpan
 from gpusnap.errors import CheckpointError, ValidationError
 from gpusnap.kernels.hashing import chunk_digest
 from gpusnap.state.flatten import FlatState
-from gpusnap.storage.fast_chunks import FastChunks, chunk_location, span_runs
+from gpusnap.storage.fast_chunks import FastChunks, chunk_location, chunk_ranges, span_runs
 from gpusnap.storage.manifest import StorageEntry
 from gpusnap.storage.txn import WriteTxn
 
@@ -107,6 +107,7 @@ class ConcurrentSave:
             self._placed: list[tuple[int, int, int, int]] = []  # (first chunk, chunks, slab, offset) a segment
         self.bytes_written = 0
         self.bytes_skipped = 0
+        self._sizes: np.ndarray | None = None  # see _chunk_sizes
         self._futures: list[Future[None]] = []
         self._lock = threading.Lock()
         # The consistent point's hashes, enqueued in the program's stream order (validation.py)
@@ -396,6 +397,8 @@ class ConcurrentSave:
             raise CheckpointError(f"{unplaced} chunk(s) of this save were never placed in the fast tier; "
                                   "nothing was committed")
         runs = span_runs(self._slabs, self._offsets, self._first, self._counts, cs)
+        # the slab ranges this save's manifest names, for the tier's used map at the commit
+        self.txn.placed_ranges = chunk_ranges(self._slabs, self._offsets, self._chunk_sizes())  # type: ignore[attr-defined]
         devices: dict[torch.device, str] = {}  # (str() of a torch.device is slow; a save has a few)
         entries = []
         for s, r, h in zip(self.flat.spans, runs, hashes):
@@ -480,15 +483,23 @@ class ConcurrentSave:
         """Bytes whose chunk hash the previous checkpoint holds: what comparing would have
         skipped. A save that copied at once learns it after the fact, for a few dict lookups,
         so the next save can decide whether comparing pays (``CaptureHistory.should_compare``)."""
-        cs, known = self.chunk_size, self.previous.keys()
+        known = self.previous.keys()
         # (C loops and array operations: no Python per chunk, nor per span)
         found = np.fromiter(map(known.__contains__, chain.from_iterable(hashes)), dtype=bool, count=len(self.digests))
-        sizes = np.full(len(found), cs, dtype=np.int64)
-        counts = np.asarray(self._counts, dtype=np.int64)
-        nbytes = np.fromiter((s.end - s.start for s in self.flat.spans), dtype=np.int64, count=len(counts))
-        last = (np.asarray(self._first, dtype=np.int64) + counts - 1)[counts > 0]
-        sizes[last] = nbytes[counts > 0] - (counts[counts > 0] - 1) * cs  # each span's last chunk may be short
-        return int(sizes[found].sum())
+        return int(self._chunk_sizes()[found].sum())
+
+    def _chunk_sizes(self) -> np.ndarray:
+        """Each chunk's bytes (``chunk_size``, but each span's last may be short), made once."""
+        if self._sizes is None:
+            cs = self.chunk_size
+            counts = np.asarray(self._counts, dtype=np.int64)
+            nbytes = (np.asarray(self.before.spans_nbytes, dtype=np.int64) if self.before is not None else
+                      np.fromiter((s.end - s.start for s in self.flat.spans), dtype=np.int64, count=len(counts)))
+            sizes = np.full(int(counts.sum()), cs, dtype=np.int64)
+            some = counts > 0
+            sizes[(np.asarray(self._first, dtype=np.int64) + counts - 1)[some]] = nbytes[some] - (counts[some] - 1) * cs
+            self._sizes = sizes
+        return self._sizes
 
     def reap(self) -> bool:
         """Pop the tracker if the window is closed and this is its thread (top of stack only)."""

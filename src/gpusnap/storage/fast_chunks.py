@@ -25,7 +25,7 @@ from typing import Any, overload
 
 import numpy as np
 
-__all__ = ["HASH_HEX", "FastChunks", "chunk_location", "fast_name", "merged_ranges", "span_runs"]
+__all__ = ["HASH_HEX", "FastChunks", "chunk_location", "fast_name", "chunk_ranges", "merged_ranges", "span_runs"]
 
 HASH_HEX = 32  # hex digits of one nh128 device hash
 _NAME = re.compile(r"^([0-9a-f]{32})@(\d+):(\d+):(\d+)$")
@@ -220,7 +220,15 @@ def merged_ranges(records: Sequence[FastChunks]) -> dict[int, list[tuple[int, in
     per = np.fromiter(map(len, (r.runs for r in records)), dtype=np.int64, count=len(records))
     short = np.fromiter((len(r.hashes) * r.chunk_size - r.nbytes for r in records), dtype=np.int64, count=len(records))
     his[(np.cumsum(per) - 1)[per > 0]] -= short[per > 0]
-    line_lo, line_hi = slabs * _SLAB_SPAN + los, slabs * _SLAB_SPAN + his
+    return chunk_ranges(slabs, los, his - los)
+
+
+def chunk_ranges(slabs: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> dict[int, list[tuple[int, int]]]:
+    """Slab -> the sorted, merged byte ranges of chunks ``g`` at ``offsets[g]`` of slab
+    ``slabs[g]``, ``sizes[g]`` bytes long (as :func:`merged_ranges`), in array operations."""
+    if not len(slabs):
+        return {}
+    line_lo, line_hi = slabs * _SLAB_SPAN + offsets, slabs * _SLAB_SPAN + offsets + sizes
     order = np.argsort(line_lo, kind="stable")
     line_lo, line_hi = line_lo[order], line_hi[order]
     reach = np.maximum.accumulate(line_hi)

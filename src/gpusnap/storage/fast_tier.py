@@ -212,16 +212,21 @@ class FastTier(Repository):
                 used.setdefault(slab, []).extend(ranges)
         return {s: _merge(r) for s, r in used.items()}
 
-    def _ranges_of(self, manifest: Manifest) -> dict[int, builtins.list[tuple[int, int]]]:
+    def _ranges_of(self, manifest: Manifest,
+                   placed: dict[int, builtins.list[tuple[int, int]]] | None = None) -> dict[int, builtins.list[tuple[int, int]]]:
         """The slab ranges ``manifest``'s chunks lie in (merged: a save's regions are mostly
-        contiguous, so these are few), parsed once per manifest object."""
+        contiguous, so these are few), parsed once per manifest object; ``placed``: those
+        ranges, as the save that wrote the manifest worked them out."""
         with self._mutex:
             known = self._ranges.get(manifest.id)
         if known is not None and known[0] is manifest:
             return known[1]
-        ranges: dict[int, builtins.list[tuple[int, int]]] = {}
-        _add_ranges(ranges, manifest)
-        merged = {s: _merge(r) for s, r in ranges.items()}
+        if placed is not None:
+            merged = placed
+        else:
+            ranges: dict[int, builtins.list[tuple[int, int]]] = {}
+            _add_ranges(ranges, manifest)
+            merged = {s: _merge(r) for s, r in ranges.items()}
         with self._mutex:
             self._ranges[manifest.id] = (manifest, merged)
         return merged
@@ -519,6 +524,9 @@ class FastTxn:
         self.extents: list[_Extent] = []
         self.held: list[tuple[int, int, int]] = []  # (slab, lo, hi) of reused chunks
         self._reused: set[str] = set()
+        # the slab ranges the manifest to commit names, when its capture worked them out
+        # (from where it placed each chunk, in array operations); else parsed from the manifest
+        self.placed_ranges: dict[int, list[tuple[int, int]]] | None = None
         self.map_s = 0.0  # seconds spent creating and mapping slabs (take)
         with tier._alloc:
             tier._fast_txns.add(self)
@@ -596,7 +604,7 @@ class FastTxn:
                         handle.close(sync=tier.config.fsync)
                 with tier._io("publishing manifest", final, writing=True):
                     backend.rename(tmp, final)
-                ranges = tier._ranges_of(manifest)  # (outside the lock: parsing takes a while)
+                ranges = tier._ranges_of(manifest, self.placed_ranges)  # (outside the lock: parsing takes a while)
                 with tier._alloc:
                     tier._manifest_cache[f"{manifest.id}.json"] = manifest
                     tier._used_generation += 1  # (a rebuild listing from before the rename scans again)
