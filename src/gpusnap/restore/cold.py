@@ -146,6 +146,8 @@ class _WarmUp:
     """``fn(model)`` on a daemon thread (the program's current device, no autograd)."""
 
     def __init__(self, fn: Callable[[M], object], model: M, device: torch.device) -> None:
+        if device.type == "cuda" and device.index is None:  # ("cuda": the caller's current device)
+            device = torch.device("cuda", torch.cuda.current_device())
         self._fn, self._model, self._device = fn, model, device
         self._lock = threading.Lock()
         self._outcome: tuple[str, float] | None = None
