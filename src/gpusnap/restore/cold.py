@@ -143,7 +143,7 @@ def cold_start(
 
 
 class _WarmUp:
-    """``fn(model)`` on a daemon thread (the program's current device, no autograd)."""
+    """``fn(model)`` on a thread of its own (the program's current device, no autograd)."""
 
     def __init__(self, fn: Callable[[M], object], model: M, device: torch.device) -> None:
         if device.type == "cuda" and device.index is None:  # ("cuda": the caller's current device)
@@ -152,7 +152,8 @@ class _WarmUp:
         self._lock = threading.Lock()
         self._outcome: tuple[str, float] | None = None
         self._handle: RestoreHandle | None = None
-        self._thread = threading.Thread(target=self._run, name="gpusnap-warm-up", daemon=True)
+        # not a daemon: one forward, bounded; a daemon thread still in CUDA at interpreter exit aborts it
+        self._thread = threading.Thread(target=self._run, name="gpusnap-warm-up")
         self._thread.start()
 
     def _run(self) -> None:
