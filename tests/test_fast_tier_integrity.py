@@ -171,6 +171,77 @@ def test_promotion_checks_back_to_back_chunks_in_one_pass_and_names_a_corrupt_on
     assert Repository.open(durable).list() == []
 
 
+@pytest.mark.parametrize("corrupt", [None, 0, 3, -1])
+def test_a_promotion_on_a_pool_digests_a_run_only_once_checked_and_raises_only_once_nothing_runs(
+        tmp_path: Path, corrupt: int | None) -> None:
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gpusnap.storage import promote as promote_mod
+
+    durable, fast = roots(tmp_path)
+    state = make_state(3)
+    with gpusnap.Checkpointer(durable, fast_root=fast, config=CFG) as ck:
+        info = ck.save(state).wait()
+    tier = FastTier.open(fast)
+    manifest = tier.load_manifest(info.id)
+    runs = promote_mod.check_runs([n for e in manifest.storages for n in e.chunks], CFG.chunk_size)
+    assert len(runs) >= 4
+    if corrupt is not None:
+        _flip(fast, runs[corrupt][0])
+    checked: set[str] = set()  # the first chunk of each run checked
+    digested: list[str] = []
+    check_run, read_view = tier.check_run, tier.read_view
+    later_runs_may_go = threading.Event()
+    in_check = threading.local()
+
+    def checking(names: list[str], chunk_size: int, device: object = None) -> None:
+        if corrupt is not None and names[0] != runs[corrupt][0]:
+            later_runs_may_go.wait()  # every other run is still in flight when the corrupt one fails
+        in_check.on = True
+        try:
+            check_run(names, chunk_size, device)  # type: ignore[arg-type]
+        finally:
+            in_check.on = False
+        checked.add(names[0])
+
+    def reading(name: str) -> memoryview:
+        run = next(r for r in runs if name in r)
+        if name == run[0] and not getattr(in_check, "on", False):
+            assert name in checked, "a run is digested only after its check passed"
+            digested.append(name)
+        return read_view(name)
+
+    def failed_check(names: list[str], chunk_size: int, device: object = None) -> None:
+        try:
+            checking(names, chunk_size, device)
+        except BaseException:
+            later_runs_may_go.set()  # (promote() is now unwinding: the others run while it waits)
+            raise
+
+    tier.check_run = failed_check  # type: ignore[method-assign]
+    tier.read_view = reading  # type: ignore[method-assign]
+    repo = Repository.open(durable, create=True, config=CFG)
+    pool = ThreadPoolExecutor(len(runs))  # (every run starts at once)
+    try:
+        if corrupt is None:
+            promoted = promote_mod.promote(tier, manifest, repo, pool)
+            assert checked == {r[0] for r in runs}
+            assert Repository.open(durable).list()[0].id == promoted.id
+        else:
+            bad = runs[corrupt][0]
+            with pytest.raises(gpusnap.IntegrityError, match=bad.split("@")[0]):
+                promote_mod.promote(tier, manifest, repo, pool)
+            after = len(digested)
+            assert bad not in digested
+            pool.submit(lambda: None).result()
+            assert len(digested) == after, "a run was still read or written after promote() raised"
+            assert Repository.open(durable).list() == []
+    finally:
+        pool.shutdown()
+        repo.close()
+
+
 def test_verify_during_saves_neither_holds_back_retention_nor_reports_a_retired_checkpoint(tmp_path: Path) -> None:
     durable, fast = roots(tmp_path)
     state = make_state(1, width=128, extra=200_000)

@@ -3,6 +3,7 @@ corruption (CI runs the scratch path with a CPU "device"; the H200 runs it on CU
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -51,3 +52,32 @@ def test_a_promotion_checked_on_a_scratch_device_refuses_a_corrupt_slab(tmp_path
         with pytest.raises(IntegrityError, match="does not match its hash"):
             promote(tier, manifest, ck._repository(create=True))
     assert Repository.open(durable).list() == []  # nothing corrupt became durable
+
+
+@pytest.mark.cuda
+def test_the_cuda_scratch_comes_from_its_own_streams_pool_never_the_programs() -> None:
+    # A block the caching allocator hands out on the program's stream may be memory that
+    # kernels the program queued before freeing it still read or write: the scratch, written
+    # on the hash's own stream, would race them. Allocated on its own stream, the allocator
+    # only ever gives it blocks that stream freed.
+    from gpusnap.storage import host_bytes_hash
+
+    n = 64 << 20
+    x = torch.ones(n, dtype=torch.uint8, device="cuda")
+    del x  # (a free block of the right size on the program's stream)
+    data = torch.zeros(n, dtype=torch.uint8).pin_memory()
+    got: list[object] = []
+
+    def hash_on_a_fresh_thread() -> None:  # (a fresh thread: a fresh scratch)
+        got.append(hash_host_bytes(memoryview(data.numpy()), 4 << 20, torch.device("cuda")))
+        got.append(host_bytes_hash._local.scratch)
+
+    worker = threading.Thread(target=hash_on_a_fresh_thread)
+    worker.start()
+    worker.join()
+    assert got[0] == hex_rows(chunk_hashes(data, 4 << 20, impl="torch").numpy())
+    _device, stream, buf = got[1]  # type: ignore[misc]
+    ptr = buf.data_ptr()
+    segment = next(s for s in torch.cuda.memory_snapshot()
+                   if s["address"] <= ptr < s["address"] + s["total_size"])
+    assert segment["stream"] == stream.cuda_stream != torch.cuda.current_stream().cuda_stream

@@ -59,11 +59,18 @@ def hash_host_bytes(data: bytes | memoryview, chunk_size: int, device: torch.dev
 
 def _scratch(device: torch.device, nbytes: int) -> tuple[torch.cuda.Stream | None, torch.Tensor]:
     have = getattr(_local, "scratch", None)
-    if have is None or have[0] != device or have[2].numel() < nbytes:
-        stream = None
-        if device.type == "cuda":
-            low, _high = torch.cuda.Stream.priority_range()
-            stream = torch.cuda.Stream(device, priority=low)
+    if have is not None and have[0] == device and have[2].numel() >= nbytes:
+        return have[1], have[2]
+    stream = have[1] if have is not None and have[0] == device else None
+    if stream is None and device.type == "cuda":
+        low, _high = torch.cuda.Stream.priority_range()
+        stream = torch.cuda.Stream(device, priority=low)
+    have = _local.scratch = None  # (a smaller scratch goes back to the pool before a larger one is made)
+    # Allocated on the stream that uses it. A block the caching allocator hands out on the
+    # program's stream may be memory that kernels the program queued before freeing it still
+    # read or write: our copy on another stream would race them both ways (a good chunk seen
+    # as corrupt, or the program reading our bytes).
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         buf = torch.empty(max(nbytes, 16), dtype=torch.uint8, device=device)
-        have = _local.scratch = (device, stream, buf)
-    return have[1], have[2]
+    _local.scratch = (device, stream, buf)
+    return stream, buf

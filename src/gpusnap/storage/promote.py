@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 from gpusnap.kernels.hashing import chunk_digest
 from gpusnap.storage.host_bytes_hash import hash_device
@@ -28,12 +28,17 @@ RUN_BYTES = 64 << 20
 
 def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: ThreadPoolExecutor | None = None,
             extra_stats: dict[str, object] | None = None) -> Manifest:
-    """Commit ``manifest``'s checkpoint (from ``fast``) to ``durable``; returns the durable manifest."""
+    """Commit ``manifest``'s checkpoint (from ``fast``) to ``durable``; returns the durable manifest.
+
+    ``pool`` checks, digests and writes runs of chunks (each run's device hashes first); a
+    failure raises once no run is still being read or written."""
     started, cpu, cpu_pool = time.perf_counter(), time.thread_time(), pool_cpu_s(pool)
     device = hash_device(e.device for e in manifest.storages)  # (its own GPU: one host copy and one launch a run)
     fast.pin_checkpoint(manifest.id)
     try:
         with durable.begin_write() as txn:
+            runs = check_runs([n for e in manifest.storages for n in e.chunks], manifest.chunk_size, RUN_BYTES)
+
             def store(run: list[str]) -> list[str]:
                 # device hashes first: corrupt fast bytes must not become a clean durable checkpoint
                 fast.check_run(run, manifest.chunk_size, device)
@@ -46,9 +51,14 @@ def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: Threa
                     digests.append(digest)
                 return digests
 
-            runs = check_runs([n for e in manifest.storages for n in e.chunks], manifest.chunk_size, RUN_BYTES)
-            done = pool.map(store, runs) if pool is not None else map(store, runs)
-            digests = [d for run in done for d in run]
+            stores = [pool.submit(store, run) for run in runs] if pool is not None else []
+            try:
+                done = (f.result() for f in stores) if pool is not None else map(store, runs)
+                digests = [d for run in done for d in run]
+            finally:  # (after a failure: nothing more starts, and nothing still runs once the txn ends)
+                for f in stores:
+                    f.cancel()
+                wait(stores)
             entries, at = [], 0
             for e in manifest.storages:
                 k = len(e.chunks)
