@@ -17,6 +17,7 @@ from gpusnap import Config
 from gpusnap.cli.main import main
 from gpusnap.storage.backend import LocalBackend
 from gpusnap.storage.fast_tier import chunk_location
+from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.pack import read_pack_index
 
 CHUNK = 64 * 1024
@@ -163,8 +164,8 @@ def test_du_of_a_fast_root_counts_slab_ranges(fast, capsys) -> None:
     assert rows == [(ids[0], 2, 9), (ids[1], 1, 10), (ids[2], 1, 10)]
     used: dict[int, set[int]] = {}
     for path in (root / "manifests").glob("*.json"):
-        for storage in json.loads(path.read_bytes())["storages"]:
-            for name in storage["chunks"]:
+        for storage in Manifest.from_json(path.read_bytes(), str(path)).storages:  # (either format version)
+            for name in storage.chunks:
                 _h, slab, off, n = chunk_location(name)
                 used.setdefault(slab, set()).update(range(off, off + n))
     total = doc["total"]

@@ -77,9 +77,12 @@ def test_every_truncation_is_an_integrity_error() -> None:
 
 
 def test_unknown_version_is_not_called_corruption() -> None:
+    from gpusnap.storage.manifest import READABLE_VERSIONS
+
+    unknown = max(READABLE_VERSIONS) + 1
     doc = json.loads(_manifest().to_json())
-    doc["version"] = 2
-    with pytest.raises(CheckpointError, match="version 2") as info:
+    doc["version"] = unknown
+    with pytest.raises(CheckpointError, match=f"version {unknown}") as info:
         Manifest.from_json(json.dumps(doc).encode(), "m.json")
     assert not isinstance(info.value, IntegrityError)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping
+from itertools import chain
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -34,6 +35,7 @@ from gpusnap.capture.window import CaptureWindow, SnapshotBuffer, WindowSpan
 from gpusnap.errors import CheckpointError, ValidationError
 from gpusnap.kernels.hashing import chunk_digest
 from gpusnap.state.flatten import FlatState
+from gpusnap.storage.fast_chunks import FastChunks, chunk_location, chunk_ranges, span_runs
 from gpusnap.storage.manifest import StorageEntry
 from gpusnap.storage.txn import WriteTxn
 
@@ -97,8 +99,15 @@ class ConcurrentSave:
         self._first: list[int] = (np.cumsum(counts) - counts).tolist()
         self._counts: list[int] = counts.tolist()
         self.digests: list[str | None] = [None] * int(counts.sum())
+        # fast: where each chunk lies instead (slab -1: not placed yet), made into runs of
+        # slab bytes at finish() with a few array operations (storage/fast_chunks.py)
+        if fast:
+            self._slabs = np.full(len(self.digests), -1, dtype=np.int64)
+            self._offsets = np.zeros(len(self.digests), dtype=np.int64)
+            self._placed: list[tuple[int, int, int, int]] = []  # (first chunk, chunks, slab, offset) a segment
         self.bytes_written = 0
         self.bytes_skipped = 0
+        self._sizes: np.ndarray | None = None  # see _chunk_sizes
         self._futures: list[Future[None]] = []
         self._lock = threading.Lock()
         # The consistent point's hashes, enqueued in the program's stream order (validation.py)
@@ -280,7 +289,12 @@ class ConcurrentSave:
         if same:  # pinned by the transaction until it commits (a retention meanwhile keeps
             same = self.txn.reuse(same)  # their packs); those already deleted are copied
         for k, digest in same.items():
-            self.digests[self._first[ws.index] + k] = digest
+            if self.fast:
+                _h, slab, offset, _n = chunk_location(digest)
+                self._slabs[self._first[ws.index] + k] = slab
+                self._offsets[self._first[ws.index] + k] = offset
+            else:
+                self.digests[self._first[ws.index] + k] = digest
             size = min(self.chunk_size, span.nbytes - k * self.chunk_size)
             with self._lock:
                 self.bytes_skipped += size
@@ -355,27 +369,43 @@ class ConcurrentSave:
 
     def _locate_many(self, pieces: list[Piece]) -> None:
         """Fast tier, on the copier thread: the pieces' bytes are where they will stay, so
-        storing is recording each chunk's slab location (named in :meth:`finish`)."""
+        storing is recording where each segment's chunks lie (named in :meth:`finish`)."""
         cs = self.chunk_size
         for segments, region in pieces:
             for ws, start, n, offset in segments:
                 if (self.after is not None and ws.span.device.type == "cpu"
                         and ws.index not in self.window.snapshotted):
                     self.after.fill(ws.index, region.data[offset : offset + n], start // cs)  # the stored bytes
-                base = self._first[ws.index] + start // cs
-                at = region.start + offset
-                for k, off in enumerate(range(0, n, cs)):
-                    self.digests[base + k] = f"{region.slab}:{at + off}:{min(cs, n - off)}"
+                # (one tuple a segment: the arrays are filled at finish(), in one go)
+                self._placed.append((self._first[ws.index] + start // cs, -(-n // cs), region.slab, region.start + offset))
                 with self._lock:
                     self.bytes_written += n
 
-    def _fast_names(self, hashes: list[tuple[str, ...]]) -> None:
-        """Each copied chunk's name: its device hash, then its location (storage/fast_tier.py)."""
-        for i, (first, count) in enumerate(zip(self._first, self._counts)):
-            for k in range(count):
-                loc = self.digests[first + k]
-                if loc is not None and "@" not in loc:
-                    self.digests[first + k] = f"{hashes[i][k]}@{loc}"
+    def _fast_entries(self, hashes: list[tuple[str, ...]]) -> tuple[StorageEntry, ...]:
+        """Fast tier: each span's chunks as runs of slab bytes, named by their device hashes
+        (storage/fast_chunks.py), found for the whole save at once."""
+        cs = self.chunk_size
+        if self._placed:  # each copied segment's chunks lie back to back from its offset
+            base, count, slab, offset = np.array(self._placed, dtype=np.int64).T
+            within = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+            where = np.repeat(base, count) + within
+            self._slabs[where] = np.repeat(slab, count)
+            self._offsets[where] = np.repeat(offset, count) + within * cs
+            self._placed = []
+        unplaced = int(np.count_nonzero(self._slabs < 0))
+        if unplaced:  # (every chunk was copied or reused: a bug, never committed)
+            raise CheckpointError(f"{unplaced} chunk(s) of this save were never placed in the fast tier; "
+                                  "nothing was committed")
+        runs = span_runs(self._slabs, self._offsets, self._first, self._counts, cs)
+        # the slab ranges this save's manifest names, for the tier's used map at the commit
+        self.txn.placed_ranges = chunk_ranges(self._slabs, self._offsets, self._chunk_sizes())  # type: ignore[attr-defined]
+        devices: dict[torch.device, str] = {}  # (str() of a torch.device is slow; a save has a few)
+        entries = []
+        for s, r, h in zip(self.flat.spans, runs, hashes):
+            n, device = s.nbytes, s.device
+            name = devices.get(device) or devices.setdefault(device, str(device))
+            entries.append(StorageEntry(n, name, FastChunks(h, r, nbytes=n, chunk_size=cs), h))
+        return tuple(entries)
 
     def _store(self, index: int, start: int, data: torch.Tensor) -> None:
         """Hash and store the chunks of span ``index`` that start at byte ``start`` (``data``
@@ -422,10 +452,10 @@ class ConcurrentSave:
             raise
         self.validation = self._validate()
         hashes = self.before_hex() if self.before is not None else [None] * len(self.flat.spans)
-        if self.fast:
-            self._fast_names(hashes)  # type: ignore[arg-type]  (fast: every span is hashed)
         if self.previous and not self.compared:
             self.bytes_unchanged = self._unchanged_bytes(hashes)
+        if self.fast:  # (every span is hashed: its chunks are named by their hashes)
+            return self._fast_entries(hashes)  # type: ignore[arg-type]
         return tuple(
             StorageEntry(
                 nbytes=s.nbytes,
@@ -453,14 +483,23 @@ class ConcurrentSave:
         """Bytes whose chunk hash the previous checkpoint holds: what comparing would have
         skipped. A save that copied at once learns it after the fact, for a few dict lookups,
         so the next save can decide whether comparing pays (``CaptureHistory.should_compare``)."""
-        cs, known, total = self.chunk_size, self.previous, 0
-        for span, h in zip(self.flat.spans, hashes):
-            same = sum(1 for x in h if x in known)
-            if same:
-                total += same * cs
-                if h[-1] in known and span.nbytes % cs:  # the last chunk is short
-                    total -= cs - span.nbytes % cs
-        return total
+        known = self.previous.keys()
+        # (C loops and array operations: no Python per chunk, nor per span)
+        found = np.fromiter(map(known.__contains__, chain.from_iterable(hashes)), dtype=bool, count=len(self.digests))
+        return int(self._chunk_sizes()[found].sum())
+
+    def _chunk_sizes(self) -> np.ndarray:
+        """Each chunk's bytes (``chunk_size``, but each span's last may be short), made once."""
+        if self._sizes is None:
+            cs = self.chunk_size
+            counts = np.asarray(self._counts, dtype=np.int64)
+            nbytes = (np.asarray(self.before.spans_nbytes, dtype=np.int64) if self.before is not None else
+                      np.fromiter((s.end - s.start for s in self.flat.spans), dtype=np.int64, count=len(counts)))
+            sizes = np.full(int(counts.sum()), cs, dtype=np.int64)
+            some = counts > 0
+            sizes[(np.asarray(self._first, dtype=np.int64) + counts - 1)[some]] = nbytes[some] - (counts[some] - 1) * cs
+            self._sizes = sizes
+        return self._sizes
 
     def reap(self) -> bool:
         """Pop the tracker if the window is closed and this is its thread (top of stack only)."""

@@ -18,6 +18,7 @@ False
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,7 +49,7 @@ class CaptureHistory:
         self.access_paths: list[str] | None = None  # key paths in the first logged window's read order
         self.eager_paths: set[str] = set()  # written unseen once: captured at save() from now on
         self.unchanged_share: float | None = None  # of the last incremental save, compared or not
-        self._previous: dict[str, str] | None = None  # latest checkpoint: device hash -> digest
+        self._previous: Mapping[str, str] | None = None  # latest checkpoint: device hash -> digest
         self._order_memo: tuple[FlatPlan | None, list[str], list[int]] | None = None  # plan, write order, copy order
         self._devices_memo: tuple[Any, list[torch.device], int] | None = None
 
@@ -102,7 +103,7 @@ class CaptureHistory:
         share = self.unchanged_share
         return share is None or share >= SKIP_WORTH
 
-    def previous_spans(self, repo: Repository) -> dict[str, str]:
+    def previous_spans(self, repo: Repository) -> Mapping[str, str]:
         """Device hash -> stored digest of the latest checkpoint's chunks in ``repo``
         (incremental saves skip chunks found here)."""
         if self._previous is None:

@@ -24,8 +24,9 @@ is trusted as identity: documented).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from itertools import pairwise
+from bisect import bisect_right
+from collections.abc import Iterator, KeysView, Mapping, Sequence
+from itertools import accumulate, chain, count, pairwise
 from typing import Any
 
 import numpy as np
@@ -42,7 +43,7 @@ from gpusnap.kernels.chunk_hash_many import chunk_hashes_many, chunk_hashes_pack
 from gpusnap.state.flatten import StorageSpan
 from gpusnap.storage.manifest import Manifest
 
-__all__ = ["HashTable", "known_chunks", "unchanged_chunks"]
+__all__ = ["HashTable", "KnownChunks", "known_chunks", "unchanged_chunks"]
 
 
 class HashTable:
@@ -163,15 +164,44 @@ class HashTable:
         return [tuple(text[d][f : f + c]) for d, f, c in zip(self.devices, self.first, self.counts)]
 
 
-def known_chunks(manifest: Manifest) -> dict[str, str]:
+class KnownChunks(Mapping[str, str]):
+    """Device hash -> stored digest (chunk name), for every chunk of a manifest that has a
+    device hash; a later chunk with the same hash wins.
+
+    Built after every commit on the writer thread, so it indexes hashes with C loops and
+    makes a chunk's name only when it is looked up: a fast span's names are made from its
+    runs (storage/fast_chunks.py), and a save that changed every chunk looks none up.
+    ``keys()`` is a dict's: membership there costs no Python call."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self._entries = [e for e in manifest.storages if e.hashes is not None]
+        self._starts = [0, *accumulate(len(e.hashes) for e in self._entries)]  # type: ignore[arg-type]
+        self._where = dict(zip(chain.from_iterable(e.hashes for e in self._entries), count()))  # type: ignore[misc]
+
+    def __getitem__(self, device_hash: str) -> str:
+        at = self._where[device_hash]
+        e = bisect_right(self._starts, at) - 1
+        return self._entries[e].chunks[at - self._starts[e]]
+
+    def __contains__(self, device_hash: object) -> bool:
+        return device_hash in self._where
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def keys(self) -> KeysView[str]:
+        return self._where.keys()
+
+
+def known_chunks(manifest: Manifest) -> KnownChunks:
     """Device hash -> stored digest, for every chunk of ``manifest`` that has a device hash."""
-    out: dict[str, str] = {}
-    for entry in manifest.storages:
-        if entry.hashes is not None:
-            out.update(zip(entry.hashes, entry.chunks))
-    return out
+    return KnownChunks(manifest)
 
 
-def unchanged_chunks(hashes: Sequence[str], known: dict[str, str]) -> dict[int, str]:
+def unchanged_chunks(hashes: Sequence[str], known: Mapping[str, str]) -> dict[int, str]:
     """Chunk index -> stored digest, for the chunks whose bytes are already stored."""
-    return {k: known[h] for k, h in enumerate(hashes) if h in known}
+    stored = known.keys()  # (a dict's keys: a C lookup per chunk)
+    return {k: known[h] for k, h in enumerate(hashes) if h in stored}

@@ -8,7 +8,8 @@ write system call and no host hash: a chunk's integrity is its device hash (``nh
 bits, computed on the device at the consistent point: ``kernels/chunk_hash.py``).
 
 A chunk's name in a fast manifest says where it lives and what it hashes to:
-``<nh128 hex>@<slab>:<offset>:<length>``. Nothing but committed manifests records which
+``<nh128 hex>@<slab>:<offset>:<length>``; the manifest stores a span's names compactly, as
+runs of slab bytes and its hashes in one string (storage/fast_chunks.py). Nothing but committed manifests records which
 slab bytes are used: a writer that opens the tier rebuilds the map from them, so a crash
 at any moment leaves every committed checkpoint intact and the crashed save's bytes free.
 Deduplication is positional, as for incremental saves: a chunk whose device hash the
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import builtins
 import os
-import re
 import threading
 import time
 from dataclasses import dataclass
@@ -37,6 +37,8 @@ import torch
 from gpusnap.config import Config
 from gpusnap.errors import CheckpointError, IntegrityError, StorageError
 from gpusnap.storage.backend import Backend, BackendLock, LocalBackend
+from gpusnap.storage.canonical import TreeCodes
+from gpusnap.storage.fast_chunks import FastChunks, chunk_location, fast_name, merged_ranges
 from gpusnap.storage.host_bytes_hash import hash_host_bytes
 from gpusnap.storage.layout import ID_RE, MANIFESTS, ROOT_FILE, TMP, storage_error
 from gpusnap.storage.manifest import Manifest
@@ -48,20 +50,6 @@ __all__ = ["SLABS", "FastTier", "FastTxn", "chunk_location", "fast_name"]
 SLABS = "slabs"
 _SLAB_ROUND = 2 << 20  # slab sizes are whole 2 MiB (huge-page friendly)
 ALIGN = 4096  # each region starts on a page: DMA-friendly, and no two saves share a page
-_NAME = re.compile(r"^([0-9a-f]{32})@(\d+):(\d+):(\d+)$")
-
-
-def fast_name(device_hash: str, slab: int, offset: int, length: int) -> str:
-    """A fast chunk's name: its device hash and where its bytes lie."""
-    return f"{device_hash}@{slab}:{offset}:{length}"
-
-
-def chunk_location(name: str) -> tuple[str, int, int, int]:
-    """``(device hash, slab, offset, length)`` of a fast chunk name; IntegrityError if malformed."""
-    m = _NAME.match(name)
-    if m is None:
-        raise IntegrityError(f"{name!r} is not a fast-tier chunk name")
-    return m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))
 
 
 def slab_path(slab: int) -> str:
@@ -105,6 +93,7 @@ class FastTier(Repository):
         # are parsed once, not at every rebuild of the used map (which follows every retention)
         self._ranges: dict[str, tuple[Manifest, dict[int, list[tuple[int, int]]]]] = {}
         self._fast_txns: set[FastTxn] = set()
+        self._trees = TreeCodes()  # the tree nodes the last commit encoded (used under _commit_lock)
         self._pinned_ids: dict[str, int] = {}  # manifest id -> holds (a promotion reading it)
         self._capacity: int | None = None
         self.pinned = torch.cuda.is_available()
@@ -245,16 +234,21 @@ class FastTier(Repository):
                 used.setdefault(slab, []).extend(ranges)
         return {s: _merge(r) for s, r in used.items()}
 
-    def _ranges_of(self, manifest: Manifest) -> dict[int, builtins.list[tuple[int, int]]]:
+    def _ranges_of(self, manifest: Manifest,
+                   placed: dict[int, builtins.list[tuple[int, int]]] | None = None) -> dict[int, builtins.list[tuple[int, int]]]:
         """The slab ranges ``manifest``'s chunks lie in (merged: a save's regions are mostly
-        contiguous, so these are few), parsed once per manifest object."""
+        contiguous, so these are few), parsed once per manifest object; ``placed``: those
+        ranges, as the save that wrote the manifest worked them out."""
         with self._mutex:
             known = self._ranges.get(manifest.id)
         if known is not None and known[0] is manifest:
             return known[1]
-        ranges: dict[int, builtins.list[tuple[int, int]]] = {}
-        _add_ranges(ranges, manifest)
-        merged = {s: _merge(r) for s, r in ranges.items()}
+        if placed is not None:
+            merged = placed
+        else:
+            ranges: dict[int, builtins.list[tuple[int, int]]] = {}
+            _add_ranges(ranges, manifest)
+            merged = {s: _merge(r) for s, r in ranges.items()}
         with self._mutex:
             self._ranges[manifest.id] = (manifest, merged)
         return merged
@@ -557,6 +551,9 @@ class FastTxn:
         self.extents: list[_Extent] = []
         self.held: list[tuple[int, int, int]] = []  # (slab, lo, hi) of reused chunks
         self._reused: set[str] = set()
+        # the slab ranges the manifest to commit names, when its capture worked them out
+        # (from where it placed each chunk, in array operations); else parsed from the manifest
+        self.placed_ranges: dict[int, list[tuple[int, int]]] | None = None
         self.map_s = 0.0  # seconds spent creating and mapping slabs (take)
         with tier._alloc:
             tier._fast_txns.add(self)
@@ -629,12 +626,12 @@ class FastTxn:
                 with tier._io("writing manifest", tmp, writing=True):
                     handle = backend.open_write(tmp)
                     try:
-                        handle.write(manifest.to_json())
+                        handle.write(manifest.to_json(tier._trees))
                     finally:
                         handle.close(sync=tier.config.fsync)
                 with tier._io("publishing manifest", final, writing=True):
                     backend.rename(tmp, final)
-                ranges = tier._ranges_of(manifest)  # (outside the lock: parsing takes a while)
+                ranges = tier._ranges_of(manifest, self.placed_ranges)  # (outside the lock: parsing takes a while)
                 with tier._alloc:
                     tier._manifest_cache[f"{manifest.id}.json"] = manifest
                     tier._used_generation += 1  # (a rebuild listing from before the rename scans again)
@@ -677,8 +674,13 @@ class FastTxn:
 
 
 def _add_ranges(used: dict[int, builtins.list[tuple[int, int]]], manifest: Manifest) -> None:
+    records = [e.chunks for e in manifest.storages if isinstance(e.chunks, FastChunks)]
+    for slab, ranges in merged_ranges(records).items():  # (array operations over every run)
+        used.setdefault(slab, []).extend(ranges)
     for entry in manifest.storages:
-        for name in entry.chunks:
+        if isinstance(entry.chunks, FastChunks):
+            continue
+        for name in entry.chunks:  # (a manifest of format version 1)
             try:  # (split, not chunk_location's regex: a manifest has thousands of chunks)
                 slab_s, off_s, n_s = name[name.index("@") + 1 :].split(":")
                 slab, off, n = int(slab_s), int(off_s), int(n_s)

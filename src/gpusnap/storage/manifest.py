@@ -9,28 +9,29 @@ byte or a torn write is an :class:`IntegrityError`, never a silently wrong resto
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
 from gpusnap.errors import CheckpointError, IntegrityError
 from gpusnap.kernels.hashing import chunk_digest
+from gpusnap.storage.canonical import TreeCodes, canonical_json, join_object
+from gpusnap.storage.fast_chunks import FastChunks
 
-__all__ = ["DEVICE_HASH", "FORMAT", "VERSION", "Manifest", "RankPart", "StorageEntry", "canonical_json"]
+__all__ = ["DEVICE_HASH", "DISTRIBUTED_VERSION", "FAST_VERSION", "FORMAT", "READABLE_VERSIONS", "VERSION", "Manifest", "RankPart",
+           "StorageEntry", "canonical_json"]
 
 FORMAT = "gpusnap"
 VERSION = 1
+# a manifest that stores fast-tier spans compactly (storage/fast_chunks.py); every other
+# manifest keeps VERSION, so a durable root stays readable by a gpusnap that predates it
+FAST_VERSION = 2
 # a distributed checkpoint's global manifest (``ranks``): a gpusnap that predates it would read
-# one as an empty checkpoint (listed, verified "ok", 0 bytes), so it must refuse it; every
-# other manifest keeps VERSION (a rank's part is an ordinary manifest)
+# one as an empty checkpoint (listed, verified "ok", 0 bytes), so it must refuse it; a rank's
+# part is an ordinary manifest
 DISTRIBUTED_VERSION = 3
-READABLE_VERSIONS = (VERSION, DISTRIBUTED_VERSION)
-
-
-def canonical_json(obj: Any) -> bytes:
-    """Deterministic JSON (sorted keys, compact, ASCII, no NaN): the bytes the checksum covers."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode("ascii")
+READABLE_VERSIONS = (VERSION, FAST_VERSION, DISTRIBUTED_VERSION)
 
 
 DEVICE_HASH = "nh128-v1"  # kernels.chunk_hash: the algorithm of StorageEntry.hashes
@@ -43,11 +44,14 @@ class StorageEntry:
     ``hashes`` (optional) are the chunks' device hashes (:data:`DEVICE_HASH`, 32 hex digits
     each, computed on the span's device at the consistent point): what incremental saves
     compare against, and what a restore may check on the device instead of re-reading BLAKE2b.
+    ``chunks`` is a tuple of names, or for a fast-tier span a
+    :class:`~gpusnap.storage.fast_chunks.FastChunks` (the same names, held as runs of slab
+    bytes; its manifest is of :data:`FAST_VERSION`).
     """
 
     nbytes: int
     device: str
-    chunks: tuple[str, ...]
+    chunks: Sequence[str]
     hashes: tuple[str, ...] | None = None
 
 
@@ -102,6 +106,14 @@ class Manifest:
         names this exact manifest, e.g. between a restore server and its client."""
         return self.checksum
 
+    @property
+    def version(self) -> int:
+        """The format version its file has: :data:`FAST_VERSION` when a span is stored as
+        runs (a fast tier's), else :data:`VERSION`."""
+        if self.ranks:
+            return DISTRIBUTED_VERSION
+        return FAST_VERSION if any(isinstance(s.chunks, FastChunks) for s in self.storages) else VERSION
+
     def without_data(self, spans: Collection[int]) -> Manifest:
         """This manifest with storages ``spans`` holding no bytes and no chunks: a reader of the
         copy reads nothing of theirs (what a partial restore or a ``load(keys=...)`` skips)."""
@@ -110,35 +122,44 @@ class Manifest:
             for i, e in enumerate(self.storages)
         ))
 
-    def _body(self) -> dict[str, Any]:
-        body = {
+    def _head(self) -> dict[str, Any]:
+        """Every field of the file but ``storages``, ``tree`` and ``checksum``."""
+        head = {
             "format": FORMAT,
-            "version": VERSION,
+            "version": self.version,
             "id": self.id,
             "tag": self.tag,
             "created": self.created,
             "chunk_size": self.chunk_size,
-            "storages": [_entry_json(s) for s in self.storages],
-            "tree": self.tree,
             "stats": self.stats,
         }
         if self.ranks:
-            body["ranks"] = [{"rank": p.rank, "checksum": p.checksum, "nbytes": p.nbytes} for p in self.ranks]
-            body["version"] = DISTRIBUTED_VERSION
-        return body
+            head["ranks"] = [{"rank": p.rank, "checksum": p.checksum, "nbytes": p.nbytes} for p in self.ranks]
+        return head
 
-    def to_json(self) -> bytes:
-        """The file's bytes: canonical JSON of all fields plus ``checksum``."""
-        body = self._body()
+    def _body(self) -> dict[str, Any]:
+        return {**self._head(), "storages": [_entry_json(s, self.chunk_size) for s in self.storages],
+                "tree": self.tree}
+
+    def to_json(self, trees: TreeCodes | None = None) -> bytes:
+        """The file's bytes: canonical JSON of all fields plus ``checksum``.
+
+        ``trees``: a writer's memory of the tree nodes its previous manifests encoded
+        (storage/canonical.py), so that a tree laid out as before is not encoded again."""
         try:
-            encoded = canonical_json(body)
+            # encoded in parts, then spliced: a fast span's record is written from its runs
+            # directly, and the tree's unchanged nodes come from ``trees``
+            parts = {k: canonical_json(v).decode("ascii") for k, v in self._head().items()}
+            parts["storages"] = _storages_text(self.storages, self.chunk_size)
+            parts["tree"] = trees.encode(self.tree) if trees is not None else canonical_json(self.tree).decode("ascii")
+            encoded = join_object(parts).encode("ascii")
             checksum = chunk_digest(encoded)
             self.__dict__["checksum"] = checksum  # (the cached_property, worked out here once)
             # "checksum" sorts before every key of the body: splicing it in front gives the
-            # canonical JSON of {**body, "checksum": ...} without encoding the body twice
-            if min(body) > "checksum":
+            # canonical JSON of {**body, "checksum": ...} without joining the body twice
+            if min(parts) > "checksum":
                 return b'{"checksum":' + canonical_json(checksum) + b"," + encoded[1:]
-            return canonical_json({**body, "checksum": checksum})
+            return join_object({**parts, "checksum": canonical_json(checksum).decode("ascii")}).encode("ascii")
         except (TypeError, ValueError) as exc:
             raise CheckpointError(
                 f"manifest {self.id}: tree/stats must be plain JSON (no NaN, no objects): {exc}"
@@ -167,18 +188,13 @@ class Manifest:
         if checksum != expected:
             raise IntegrityError(f"manifest {where} fails its checksum (corrupt or modified)")
         try:
-            storages = tuple(
-                StorageEntry(
-                    int(s["nbytes"]),
-                    str(s["device"]),
-                    tuple(str(c) for c in s["chunks"]),
-                    None if s.get("hashes") is None else tuple(str(h) for h in s["hashes"]),
-                )
-                for s in doc["storages"]
-            )
+            chunk_size = int(doc["chunk_size"])
+            storages = tuple(_entry(s, chunk_size) for s in doc["storages"])
             for s in storages:
                 if s.hashes is not None and len(s.hashes) != len(s.chunks):
                     raise ValueError("a storage has a different number of hashes and chunks")
+            if any(isinstance(s.chunks, FastChunks) for s in storages) != (doc["version"] == FAST_VERSION):
+                raise ValueError(f"version {doc['version']} names spans stored as runs only in version {FAST_VERSION}")
             tree, stats = doc["tree"], doc["stats"]
             if not isinstance(tree, dict) or not isinstance(stats, dict):
                 raise TypeError("tree and stats must be objects")
@@ -190,7 +206,7 @@ class Manifest:
                 id=str(doc["id"]),
                 tag=None if tag is None else str(tag),
                 created=float(doc["created"]),
-                chunk_size=int(doc["chunk_size"]),
+                chunk_size=chunk_size,
                 storages=storages,
                 tree=tree,
                 stats=stats,
@@ -200,8 +216,59 @@ class Manifest:
             raise CheckpointError(f"manifest {where} is malformed (written by a buggy writer?): {exc!r}") from None
 
 
-def _entry_json(s: StorageEntry) -> dict[str, Any]:
+def _entry_json(s: StorageEntry, chunk_size: int) -> dict[str, Any]:
+    if isinstance(s.chunks, FastChunks):  # runs, and the hashes in one string (both its chunks' and ``hashes``)
+        _check_fast(s, chunk_size)
+        return {"nbytes": s.nbytes, "device": s.device, **s.chunks.to_json()}
     out: dict[str, Any] = {"nbytes": s.nbytes, "device": s.device, "chunks": list(s.chunks)}
     if s.hashes is not None:  # absent, not null: manifests without hashes keep their bytes
         out["hashes"] = list(s.hashes)
     return out
+
+
+def _storages_text(storages: tuple[StorageEntry, ...], chunk_size: int) -> str:
+    """The canonical JSON of ``[_entry_json(s) for s in storages]``, a fast span's written
+    from its record directly (no dict, no list per run for json to walk)."""
+    if not any(isinstance(s.chunks, FastChunks) for s in storages):
+        return canonical_json([_entry_json(s, chunk_size) for s in storages]).decode("ascii")
+    return "[" + ",".join(_fast_entry_text(s, chunk_size) if isinstance(s.chunks, FastChunks)
+                          else canonical_json(_entry_json(s, chunk_size)).decode("ascii") for s in storages) + "]"
+
+
+def _fast_entry_text(s: StorageEntry, chunk_size: int) -> str:
+    fast = s.chunks
+    assert isinstance(fast, FastChunks)
+    _check_fast(s, chunk_size)
+    device = _device_text.get(s.device)
+    if device is None:
+        device = _device_text.setdefault(s.device, canonical_json(s.device).decode("ascii"))
+    runs = ",".join([f"[{a},{b},{c}]" for a, b, c in fast.runs])
+    # (keys in sorted order; the hashes are hex digits: nothing to escape)
+    return f'{{"device":{device},"hashes":"{"".join(fast.hashes)}","nbytes":{int(s.nbytes)},"runs":[{runs}]}}'
+
+
+_device_text: dict[str, str] = {}  # device -> its JSON string (a handful of devices)
+
+
+def _check_fast(s: StorageEntry, chunk_size: int) -> None:
+    fast = s.chunks
+    assert isinstance(fast, FastChunks)
+    if (s.hashes is not fast.hashes and (s.hashes is None or s.hashes != fast.hashes)) or (
+            fast.nbytes, fast.chunk_size) != (s.nbytes, chunk_size):
+        raise CheckpointError(
+            "a fast span's record must carry its entry's device hashes, byte count and the manifest's chunk size"
+        )
+
+
+def _entry(doc: dict[str, Any], chunk_size: int) -> StorageEntry:
+    """A storage entry's document: ``chunks`` (names) and optional ``hashes`` (a list), or a
+    fast span's ``runs`` and ``hashes`` (one string), which are its device hashes too."""
+    nbytes, device = int(doc["nbytes"]), str(doc["device"])
+    if "runs" in doc:
+        if "chunks" in doc:
+            raise ValueError("a storage entry has both chunks and runs")
+        fast = FastChunks.from_json(doc, nbytes=nbytes, chunk_size=chunk_size)
+        return StorageEntry(nbytes, device, fast, fast.hashes)
+    hashes = doc.get("hashes")
+    return StorageEntry(nbytes, device, tuple(str(c) for c in doc["chunks"]),
+                        None if hashes is None else tuple(str(h) for h in hashes))
