@@ -179,16 +179,17 @@ def test_an_existing_destination_is_kept_unless_overwrite(saved, tmp_path: Path)
     assert sorted(os.listdir(tmp_path)) == ["keep.dcp", "keep.pt"]
 
 
-def test_a_corrupt_checkpoint_exports_nothing_and_exits_1(tmp_path: Path, capsys) -> None:
+def test_a_corrupt_checkpoint_exports_nothing_and_exits_2(tmp_path: Path, capsys) -> None:
     root = tmp_path / "ck"
     marked = torch.arange(4096, dtype=torch.float32)
     with gpusnap.Checkpointer(root, config=tiny_config()) as ck:
         ck.save({"marked": marked}, blocking=True).wait()
     corrupt_chunk(root, marked[:64].numpy().tobytes(), at=100)
     out = tmp_path / "out.safetensors"
-    assert main(["export", str(root), "--format", "safetensors", "-o", str(out)]) == 1
+    assert main(["export", str(root), "--format", "safetensors", "-o", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("gpusnap: error:") and "marked" in err[0]
+    assert len(err) == 1 and err[0].startswith("gpusnap: error:") and "marked" in err[0] and str(out) in err[0]
+    assert "packs/" in err[0] or str(root) in err[0]  # the checkpoint file that is corrupt
     assert sorted(os.listdir(tmp_path)) == ["ck"]
 
 
