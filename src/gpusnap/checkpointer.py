@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -161,6 +161,7 @@ class Checkpointer:
         self._fast: FastTier | None = None
         self._promoter: Promoter | None = None
         self._fast_commits = 0  # committed to the fast tier (promote_every counts these)
+        self._save_progress: Callable[[int], None] | None = None  # gpusnap.import_'s, told bytes stored
         self._skipped = 0  # saves skipped (when_busy="skip")
         self.root = os.fspath(root)
         self.keep_last = keep_last
@@ -444,7 +445,7 @@ class Checkpointer:
         else:
             pending = PendingSave(coordinated[0] if coordinated is not None else repo.new_id(created), tag)
         pending._on_wait, pending._waits, pending._on_fail = self._reap, self._wait_for, self._failed
-        job = _SaveJob(pending, flat, created, started, blocking, CaptureCounters())
+        job = _SaveJob(pending, flat, created, started, blocking, CaptureCounters(progress=self._save_progress))
         job.app_state, job.owner = app_state, threading.current_thread()
         job.repo, job.promote = repo, promote
         if retry_of is not None:

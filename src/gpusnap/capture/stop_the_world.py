@@ -8,7 +8,7 @@ consistent. Life of a span here: ``live -> host copy -> chunks hashed -> chunks 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -26,18 +26,22 @@ __all__ = ["CaptureCounters", "snapshot_to_host", "write_host_spans"]
 
 @dataclass
 class CaptureCounters:
-    """Byte counts reported in a checkpoint's stats (thread-safe increments)."""
+    """Byte counts reported in a checkpoint's stats (thread-safe increments). ``progress``
+    is told every chunk's bytes stored (written or already there), one call at a time."""
 
     bytes_total: int = 0
     bytes_copied: int = 0
     bytes_written: int = 0
     bytes_skipped: int = 0
+    progress: Callable[[int], None] | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, *, written: int = 0, skipped: int = 0) -> None:
         with self._lock:
             self.bytes_written += written
             self.bytes_skipped += skipped
+            if self.progress is not None:  # (under the lock: a callback sees no concurrent call)
+                self.progress(written + skipped)
 
 
 def snapshot_to_host(

@@ -6,12 +6,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import replace
 
 from gpusnap.cli.as_json import diff_doc, du_doc, dumps, gc_doc, ls_doc, show_doc, verify_doc
 from gpusnap.cli.exits import EXIT_DAMAGE, EXIT_ERROR, EXIT_OK
 from gpusnap.cli.opening import open_root
-from gpusnap.cli.progress import byte_progress
+from gpusnap.cli.progress import byte_progress, sized_progress
 from gpusnap.cli.render import checkpoint_table, human_bytes, manifest_reason, unreadable_lines
 from gpusnap.cli.show_text import show_lines
 from gpusnap.cli.gc_text import gc_lines
@@ -20,7 +22,7 @@ from gpusnap.errors import CheckpointNotFoundError
 from gpusnap.storage.fast_tier import FastTier
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.ranks import RankedRepository, collect_ranks, whole
-from gpusnap.storage.repository import Repository, merge_reports
+from gpusnap.storage.repository import GcReport, Repository, merge_reports
 
 __all__ = ["cmd_bench", "cmd_demo", "cmd_diff", "cmd_du", "cmd_export", "cmd_gc", "cmd_import", "cmd_ls", "cmd_serve",
            "cmd_show", "cmd_verify"]
@@ -175,20 +177,30 @@ def cmd_gc(args: argparse.Namespace) -> int:
     repo = open_root(args.root)
     if args.compact_percent is not None:  # (Config checks the range; the ranks' roots share it)
         repo.config = dataclasses.replace(repo.config, gc_compact_percent=args.compact_percent)
-    report = repo.gc(args.keep_last, compact=args.compact)
+    with nullcontext(None) if args.json else sized_progress("compacting") as progress:
+        report = _gc_all(repo, args, progress)
     if report.skipped:
         print(f"gpusnap: error: gc skipped: {'; '.join(report.notes)}", file=sys.stderr)
         return EXIT_ERROR
-    if isinstance(repo, RankedRepository):  # then every rank's root: parts and packs no checkpoint needs now
-        ranks = collect_ranks(repo, compact=args.compact)
-        report = replace(merge_reports([report, replace(ranks, deleted_checkpoints=())]),
-                         deleted_checkpoints=report.deleted_checkpoints)
     if args.json:
         print(dumps(gc_doc(repo.root, report, _tier(repo))))
     else:
         for line in gc_lines(report, fast=isinstance(repo, FastTier)):
             print(line)
     return EXIT_DAMAGE if report.problems else EXIT_OK
+
+
+def _gc_all(
+    repo: Repository, args: argparse.Namespace, progress: Callable[[int], Callable[[int], None]] | None
+) -> GcReport:
+    """The root's gc and then, for a distributed root, every rank's root's."""
+    report = repo.gc(args.keep_last, compact=args.compact, progress=progress)
+    if report.skipped or not isinstance(repo, RankedRepository):
+        return report
+    # every rank's root: parts and packs no checkpoint needs now
+    ranks = collect_ranks(repo, compact=args.compact, progress=progress)
+    return replace(merge_reports([report, replace(ranks, deleted_checkpoints=())]),
+                   deleted_checkpoints=report.deleted_checkpoints)
 
 
 def _whole(repo: Repository, m: Manifest) -> Manifest:

@@ -10,6 +10,7 @@ import json
 import sys
 
 from gpusnap.cli.exits import EXIT_ERROR, EXIT_OK
+from gpusnap.cli.progress import sized_progress
 from gpusnap.cli.render import human_bytes
 from gpusnap.errors import IntegrityError
 from gpusnap.interop.detect import identify
@@ -56,8 +57,9 @@ def _selector(text: str) -> Selector:
 def run_export(args: argparse.Namespace) -> int:
     keys = None if args.keys is None else [_selector(k) for k in args.keys]
     try:
-        report = export(args.root, args.output, format=args.format, checkpoint=args.checkpoint, keys=keys,
-                        full_names=args.full_names, overwrite=args.force)
+        with sized_progress("exporting") as progress:  # (a bar on a terminal only)
+            report = export(args.root, args.output, format=args.format, checkpoint=args.checkpoint, keys=keys,
+                            full_names=args.full_names, overwrite=args.force, progress=progress)
     except IntegrityError as exc:  # (its message names the chunk's file and tensor)
         print(f"gpusnap: error: export to {args.output} failed, nothing written: {' '.join(str(exc).split())}",
               file=sys.stderr)
@@ -73,7 +75,8 @@ def run_export(args: argparse.Namespace) -> int:
 
 def run_import(args: argparse.Namespace) -> int:
     kind = identify(args.path)
-    info = import_(args.path, args.root, key=args.key, tag=args.tag)
+    with sized_progress("importing") as progress:
+        info = import_(args.path, args.root, key=args.key, tag=args.tag, progress=progress)
     under = f", under key {args.key!r}" if args.key else ""
     tag = f" (tag {info.tag})" if info.tag else ""
     print(f"imported {args.path} ({kind}) into {args.root} as checkpoint {info.id}{tag}: "

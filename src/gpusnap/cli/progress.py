@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
-__all__ = ["byte_progress"]
+__all__ = ["byte_progress", "sized_progress"]
 
 
 @contextmanager
@@ -27,3 +27,18 @@ def byte_progress(total: int, label: str) -> Iterator[Callable[[int], None]]:
     with Progress("[progress.description]{task.description}", *columns, transient=True) as bar:
         task = bar.add_task(label, total=total)
         yield lambda n: bar.advance(task, n)
+
+
+@contextmanager
+def sized_progress(label: str) -> Iterator[Callable[[int], Callable[[int], None]]]:
+    """Yields ``start(total) -> advance``, the ``progress`` argument of export, import and gc:
+    they know their total only once they have read their input, so the bar (of
+    :func:`byte_progress`) opens then and closes when this block ends. A second ``start``
+    (gc of each rank's root in turn) closes the bar before: one live display at a time."""
+    with ExitStack() as stack:
+
+        def start(total: int) -> Callable[[int], None]:
+            stack.close()
+            return stack.enter_context(byte_progress(total, label))
+
+        yield start

@@ -4,7 +4,7 @@
 Call order::
 
     Repository.resolve(checkpoint)        # which checkpoint: its id, fixed from here on
-    gpusnap.load(root, id, keys=keys)     # the selected entries, every chunk verified
+    gpusnap.load(root, id, keys=keys)     # the selected entries, every chunk verified (progress: bytes read)
     names.dotted_names(state)             # name -> tensor or plain value
     atomic.staged(path): writer(names)    # to a temporary name, then renamed into place
 """
@@ -23,7 +23,7 @@ from gpusnap.interop.atomic import staged
 from gpusnap.interop.names import dotted_names, selected
 from gpusnap.interop.report import ExportReport, Written
 from gpusnap.restore.key_select import Selector, normalize
-from gpusnap.restore.template_free import load
+from gpusnap.restore.template_free import load_reporting
 from gpusnap.storage.repository import Repository
 
 __all__ = ["FORMATS", "export"]
@@ -47,6 +47,7 @@ def export(
     overwrite: bool = False,
     storage_options: dict[str, Any] | None = None,
     config: Config | None = None,
+    progress: Callable[[int], Callable[[int], None]] | None = None,
 ) -> ExportReport:
     """Write checkpoint ``checkpoint`` (id, tag, or None for the newest) of ``root`` to the
     local ``path`` in ``format``: ``"safetensors"`` (a file; ``pip install safetensors``),
@@ -67,6 +68,12 @@ def export(
     FileExistsError unless ``overwrite``). Errors: :class:`~gpusnap.interop.FormatError`
     (a name or dtype the format cannot take, a missing package), ``IntegrityError`` (a
     corrupt checkpoint), and those of :func:`gpusnap.load`.
+
+    ``progress``, for a progress bar over reading the checkpoint (every chunk read and
+    verified; the writing that follows is the format library's one call): called once, when
+    the selected entries are known, with their stored bytes; it returns a callable that is
+    then called with byte counts as chunks are read, summing to that total
+    (``progress=lambda total: tqdm(total=total, unit="B").update``).
 
     >>> import tempfile, os, torch, gpusnap
     >>> from safetensors.torch import load_file
@@ -93,7 +100,8 @@ def export(
     finally:
         repo.close()
     chosen = normalize(keys)
-    state = load(root, ident, keys=chosen, storage_options=storage_options, config=config)
+    state = load_reporting(root, ident, keys=chosen, storage_options=storage_options, config=config,
+                           progress=progress)
     entry = selected(state, chosen[0]) if chosen is not None and len(chosen) == 1 and not full_names else None
     names = dotted_names(entry if isinstance(entry, dict) else state)
     if format == "safetensors":

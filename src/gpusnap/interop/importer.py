@@ -6,7 +6,7 @@ Call order::
     detect.identify(path)                 # what the path holds, from its content
     <format>.read(path)                   # every tensor and value, checked, on CPU
     state.flatten(app_state)              # every entry storable (else an error, root untouched)
-    Checkpointer(root).save(app_state)    # the normal save: content-addressed, atomic commit
+    Checkpointer(root).save(app_state)    # the normal save: content-addressed, atomic commit (progress: bytes stored)
 
 Everything is read and checked before the root is opened, so a file that cannot be
 imported leaves the root as it was; the commit itself is the save's atomic one.
@@ -46,6 +46,7 @@ def import_(
     tag: str | None = None,
     storage_options: dict[str, Any] | None = None,
     config: Config | None = None,
+    progress: Callable[[int], Callable[[int], None]] | None = None,
 ) -> CheckpointInfo:
     """Commit the tensors (and plain values) of the local ``path`` to ``root`` as one
     checkpoint and return its :class:`~gpusnap.CheckpointInfo`. Named ``import_`` because
@@ -63,6 +64,12 @@ def import_(
 
     A corrupt, truncated or unsupported input is a :class:`~gpusnap.interop.FormatError`
     naming the file, raised before ``root`` is touched.
+
+    ``progress``, for a progress bar over the commit (every chunk hashed and stored; reading
+    ``path`` is the format library's one call): called once, when ``path`` has been read,
+    with the bytes of its tensors' storages; it returns a callable that is then called with
+    byte counts as chunks are stored, from the save's worker threads one call at a time,
+    summing to that total (``progress=lambda total: tqdm(total=total, unit="B").update``).
 
     >>> import tempfile, os, torch, gpusnap
     >>> from safetensors.torch import save_file
@@ -88,8 +95,10 @@ def import_(
         raise FormatError(f"{where}: holds a {type_name(content)}, not a dict of named entries; "
                           "pass key=NAME (--key NAME) to store it under one name")
     try:
-        flatten(app_state)  # what save() would refuse, refused before the root is opened
+        flat = flatten(app_state)  # what save() would refuse, refused before the root is opened
     except CheckpointError as exc:
         raise FormatError(f"{where}: cannot be stored: {exc}") from exc
     with Checkpointer(root, config=config, storage_options=storage_options) as ckpt:
+        if progress is not None:  # (the save flattens the same state: the same spans)
+            ckpt._save_progress = progress(sum(span.nbytes for span in flat.spans))
         return ckpt.save(app_state, tag=tag, blocking=True).wait()

@@ -11,8 +11,9 @@ of holding the checkpoint in host memory; ``restore.loader`` streams instead). T
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,27 +42,30 @@ def load_spans(
     *,
     pool: ThreadPoolExecutor,
     apply: Callable[[int, torch.Tensor], None] | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> RestoreCounters:
     """Read, verify and apply every span of ``manifest`` through ``plan``: by
     ``apply_bytes.apply_span``, or ``apply(index, data)`` when given (``gpusnap.load`` keeps
-    the buffers instead)."""
+    the buffers instead). ``progress``: called on this thread with the bytes of each read
+    task as it completes (all of them: they sum to the spans' bytes)."""
     counters = RestoreCounters()
     cs = manifest.chunk_size
     per = max(1, _PIECE_BYTES // cs)  # chunks per read task: one system call per run stored back to back
     buffers: list[torch.Tensor] = []
     futures = []
+    sizes: list[int] = []  # each read task's bytes
     for index, entry in enumerate(manifest.storages):
         buf = host_buffer(entry.nbytes, pinned=False)
         buffers.append(buf)
         view = memoryview(buf.numpy()).cast("B")
         what = describe_span(plan, index)
-        futures += [
-            pool.submit(repo.read_chunks_into, entry.chunks[k : k + per], view[k * cs : (k + per) * cs], cs, what=what)
-            for k in range(0, len(entry.chunks), per)
-        ]
+        for k in range(0, len(entry.chunks), per):
+            piece = view[k * cs : (k + per) * cs]
+            futures.append(pool.submit(repo.read_chunks_into, entry.chunks[k : k + per], piece, cs, what=what))
+            sizes.append(len(piece))
         counters.bytes_read += entry.nbytes
         counters.chunks_read += len(entry.chunks)
-    wait(futures)
+    _wait(futures, sizes, progress)
     for f in futures:
         f.result()  # re-raise the first IntegrityError/StorageError before any byte moves
     for index, buf in enumerate(buffers):
@@ -70,3 +74,14 @@ def load_spans(
         else:
             apply(index, buf)
     return counters
+
+
+def _wait(futures: list[Future[Any]], sizes: list[int], progress: Callable[[int], None] | None) -> None:
+    """Wait for every read task; with ``progress``, tell each one's bytes as it completes."""
+    try:
+        if progress is not None:
+            size = dict(zip(futures, sizes))
+            for f in as_completed(futures):
+                progress(size[f])
+    finally:
+        wait(futures)  # (a raising progress too: no task still writes into the buffers after)

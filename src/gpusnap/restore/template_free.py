@@ -27,7 +27,7 @@ strides, offsets and dtypes exactly as saved.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -55,7 +55,7 @@ from gpusnap.state.plain import join_path
 from gpusnap.state.reshard import DTensorNode
 from gpusnap.storage.repository import Repository
 
-__all__ = ["UnknownKeyError", "load"]
+__all__ = ["UnknownKeyError", "load", "load_reporting"]
 
 
 class UnknownKeyError(CheckpointError, KeyError):
@@ -107,6 +107,23 @@ def load(
     >>> list(gpusnap.load(root, keys=[("model", "bias")])["model"])
     ['bias']
     """
+    return load_reporting(root, checkpoint, keys=keys, device=device, allow_pickle=allow_pickle,
+                          storage_options=storage_options, config=config)
+
+
+def load_reporting(
+    root: str | os.PathLike[str],
+    checkpoint: str | None = None,
+    *,
+    keys: Sequence[Selector] | str | None = None,
+    device: torch.device | str = "cpu",
+    allow_pickle: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    config: Config | None = None,
+    progress: Callable[[int], Callable[[int], None]] | None = None,
+) -> dict[str, Any]:
+    """:func:`load`, telling ``progress`` (``gpusnap.export``'s) the bytes of the selected
+    spans once they are known, then the bytes read and verified as they come."""
     target = torch.device(device)
     selectors = normalize(keys)
     repo = Repository.open(root, storage_options=storage_options, config=config)
@@ -120,8 +137,9 @@ def load(
         # Spans nobody selected are cut to nothing: load_spans then reads no chunk of theirs.
         cut = manifest.without_data(set(range(len(manifest.storages))) - planner.wanted)
         landing = _Landing(slot, planner, [e.nbytes for e in cut.storages], target)
+        advance = None if progress is None else progress(sum(e.nbytes for e in cut.storages))
         with ThreadPoolExecutor(reader_threads(repo.config.io_threads), thread_name_prefix="gpusnap-load-io") as pool:
-            load_spans(repo, cut, landing, pool=pool, apply=landing.keep_span)
+            load_spans(repo, cut, landing, pool=pool, apply=landing.keep_span, progress=advance)
         result = slot.build()
     finally:
         repo.close()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -74,17 +74,28 @@ def mostly_dead(packs: list[PackIndex], live: set[str], percent: int) -> list[Pa
     return chosen
 
 
-def compact(repo: Repository, chosen: list[PackIndex], kept: list[PackIndex], live: set[str]) -> Compaction:
+def compact(
+    repo: Repository,
+    chosen: list[PackIndex],
+    kept: list[PackIndex],
+    live: set[str],
+    progress: Callable[[int], Callable[[int], None]] | None = None,
+) -> Compaction:
     """Rewrite the ``live`` chunks of ``chosen`` into new packs, then delete ``chosen`` (but
     a pack with a corrupt live chunk). ``kept``: the packs gc keeps, whose good copies need
     no rewrite. Raises a :class:`StorageError` when reading or writing fails (nothing was
-    deleted then); call it with the root to itself (writer lease, exclusive lock)."""
+    deleted then); call it with the root to itself (writer lease, exclusive lock).
+
+    ``progress``: called once with the bytes of the live chunks to go through (what is
+    rewritten, but a chunk a kept pack holds a good copy of, or a corrupt one); the
+    callable it returns is called with each chunk's length once it is dealt with."""
     if not chosen:
         return Compaction()
     elsewhere: dict[str, tuple[str, int, int]] = {}
     for index in kept:
         for digest, offset, length in index.entries:
             elsewhere.setdefault(digest, (index.path, offset, length))
+    advance = _advance(chosen, live, progress)
     copier = _Copier(repo)
     problems: list[str] = []
     damaged: set[str] = set()
@@ -93,6 +104,7 @@ def compact(repo: Repository, chosen: list[PackIndex], kept: list[PackIndex], li
             for digest, offset, length in index.entries:
                 if digest not in live or copier.has(digest):
                     continue
+                advance(digest, length)  # (as it begins: each way out below deals with it)
                 held = elsewhere.get(digest)
                 if held is not None:
                     problem = copier.check(digest, *held)
@@ -122,6 +134,27 @@ def compact(repo: Repository, chosen: list[PackIndex], kept: list[PackIndex], li
         freed_bytes=sum(i.size for i in old) - sum(i.size for i in published),
         problems=tuple(problems),
     )
+
+
+def _advance(
+    chosen: list[PackIndex], live: set[str], progress: Callable[[int], Callable[[int], None]] | None
+) -> Callable[[str, int], None]:
+    """``advance(digest, length)`` for each live chunk compaction goes through: the first time
+    a digest comes, its length goes to ``progress``'s callable, whose total (every live
+    digest's length) is told up front. A digest in two packs counts once: its second copy is
+    read only when the first was corrupt."""
+    if progress is None:
+        return lambda digest, length: None
+    sizes = {d: n for index in chosen for d, _, n in index.entries if d in live}
+    step = progress(sum(sizes.values()))
+    seen: set[str] = set()
+
+    def advance(digest: str, length: int) -> None:
+        if digest not in seen:
+            seen.add(digest)
+            step(length)
+
+    return advance
 
 
 def _confirm_lease(repo: Repository) -> None:

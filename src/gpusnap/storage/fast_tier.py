@@ -29,6 +29,7 @@ import builtins
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -489,10 +490,10 @@ class FastTier(Repository):
         return FastTxn(self, lock)
 
     def _gc_locked(self, keep_last: int | None, fresh: bool = True, *, compact: bool = False,
-                   alone: bool = False) -> GcReport:
+                   alone: bool = False, progress: Callable[[int], Callable[[int], None]] | None = None) -> GcReport:
         """Delete the oldest checkpoints beyond ``keep_last`` (not those a promotion reads);
         their slab bytes become free. Slab files are kept: the next save reuses them, so there
-        is nothing to compact (``compact`` and ``alone`` are ignored)."""
+        is nothing to compact (``compact``, ``alone`` and ``progress`` are ignored)."""
         manifests, bad = self._scan(fresh=fresh)
         deleted: builtins.list[str] = []
         freed = 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import builtins
 import os
+from collections.abc import Callable
 from dataclasses import replace
 
 from gpusnap.errors import CheckpointError, CheckpointNotFoundError, IntegrityError
@@ -111,17 +112,21 @@ def retire_rank_manifests(
     return gone
 
 
-def collect_ranks(root_repo: Repository, *, timeout: float = 30.0, compact: bool = True) -> GcReport:
+def collect_ranks(
+    root_repo: Repository, *, timeout: float = 30.0, compact: bool = True,
+    progress: Callable[[int], Callable[[int], None]] | None = None,
+) -> GcReport:
     """``gpusnap gc`` of every rank's root once the global manifests are trimmed: the parts no
     global manifest names, the packs only they used, and (``compact``) the packs mostly
     dead, all in one report (notes name their rank's root). Each rank's root has its own
-    writer lease: a rank still saving there refuses it (a StorageError)."""
+    writer lease: a rank still saving there refuses it (a StorageError). ``progress``:
+    :meth:`Repository.gc`'s, for each rank's compaction in turn."""
     parts: builtins.list[str] = []
     reports: builtins.list[GcReport] = []
     for rank in sorted((n for n in root_repo._listdir(RANKS) if n.isdigit()), key=int):
         sub = Repository.open(rank_root(root_repo.root, int(rank)), config=root_repo.config)
         parts += _drop_orphans(sub, root_repo, None, timeout=timeout)
-        report = sub.gc(None, timeout=timeout, compact=compact)
+        report = sub.gc(None, timeout=timeout, compact=compact, progress=progress)
         reports.append(replace(report, notes=tuple(f"{sub.root}: {n}" for n in report.notes)))
     return replace(merge_reports(reports), deleted_checkpoints=tuple(parts))
 

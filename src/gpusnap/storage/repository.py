@@ -756,7 +756,7 @@ class Repository:
 
     def gc(
         self, keep_last: int | None = None, *, blocking: bool = True, timeout: float = 30.0, fresh: bool = True,
-        compact: bool = True,
+        compact: bool = True, progress: Callable[[int], Callable[[int], None]] | None = None,
     ) -> GcReport:
         """Delete old checkpoints, then packs nothing references, then compact packs that are
         mostly dead, then delete stale ``tmp/`` files.
@@ -787,6 +787,12 @@ class Repository:
         replaced the committed manifest (whose tree shares its nodes with the next save's)
         by a parsed copy: ~10k more objects per retained checkpoint of GPT-2 large for
         Python's full collections to walk.
+
+        ``progress``, for a progress bar over compaction (what takes time): called once, when
+        compaction has chosen its packs, with the bytes of their live chunks (what it
+        rewrites, less a chunk that a kept pack holds a good copy of, or a corrupt one); it
+        returns a callable that is then called with each chunk's length as it goes, the
+        lengths summing to that total. Not called when nothing is compacted.
         """
         if keep_last is not None and keep_last < 0:
             raise ValueError(f"keep_last must be >= 0 or None, got {keep_last}")
@@ -806,7 +812,7 @@ class Repository:
                     raise
                 return GcReport(skipped=True, notes=(str(exc),))
             self._confirm_lease("gc: confirming the writer lease")
-            return self._gc_locked(keep_last, fresh, compact=compact, alone=lock is not None)
+            return self._gc_locked(keep_last, fresh, compact=compact, alone=lock is not None, progress=progress)
         finally:
             if lock is not None:
                 lock.release()
@@ -840,7 +846,7 @@ class Repository:
         return got[0] if got else None
 
     def _gc_locked(self, keep_last: int | None, fresh: bool = True, *, compact: bool = False,
-                   alone: bool = False) -> GcReport:
+                   alone: bool = False, progress: Callable[[int], Callable[[int], None]] | None = None) -> GcReport:
         """gc with the lease held (and the exclusive root lock when ``alone``)."""
         notes: builtins.list[str] = []
         freed = 0
@@ -887,7 +893,7 @@ class Repository:
                     deleted_packs.append(index.path)
                     freed += index.size
                 if compact and alone:
-                    compaction = self._compact(live)
+                    compaction = self._compact(live, progress)
                     freed += compaction.freed_bytes
                 with self._mutex:
                     partly = [i for i in self._collectable() if 0 < pack_dead_bytes(i, live)]
@@ -920,13 +926,13 @@ class Repository:
                         rewritten_bytes=compaction.rewritten_bytes, compacted_bytes=compaction.freed_bytes,
                         dead_bytes=dead_bytes, problems=compaction.problems)
 
-    def _compact(self, live: set[str]) -> Compaction:
+    def _compact(self, live: set[str], progress: Callable[[int], Callable[[int], None]] | None = None) -> Compaction:
         """Compact this root's mostly dead packs (``storage.compact``), the root held alone."""
         with self._mutex:
             packs = self._collectable()
         chosen = mostly_dead(packs, live, self.config.gc_compact_percent)
         paths = {i.path for i in chosen}
-        return compact_packs(self, chosen, [i for i in packs if i.path not in paths], live)
+        return compact_packs(self, chosen, [i for i in packs if i.path not in paths], live, progress)
 
     def _doom_packs(
         self, retained: builtins.list[Manifest], deleted: set[str]
