@@ -4,6 +4,7 @@ counts summing to it; the CLI draws a bar from them on a terminal only."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -115,6 +116,53 @@ def test_import_progress_sums_to_the_bytes_committed(tmp_path: Path) -> None:
     again = Recorder()  # every chunk is already there: counted all the same
     gpusnap.import_(path, tmp_path / "ck", key="model", progress=again, config=tiny_config())
     assert again.totals == [expected] and sum(again.advances) == expected
+
+
+class Stop(Exception):
+    """A user's own error, raised by a progress callback."""
+
+
+def test_a_raising_import_progress_raises_itself_once_and_commits_nothing(tmp_path: Path) -> None:
+    path, _tensors = _weights(tmp_path)
+    calls: list[int] = []
+
+    def start(total: int) -> Callable[[int], None]:
+        def advance(n: int) -> None:
+            calls.append(n)
+            if len(calls) == 2:
+                raise Stop("cancelled")
+
+        return advance
+
+    with pytest.raises(Stop, match="cancelled"):  # the callback's own error, not a CheckpointError
+        gpusnap.import_(path, tmp_path / "ck", key="model", progress=start,
+                        config=dataclasses.replace(tiny_config(), io_threads=4))
+    assert len(calls) == 2  # never called again once it raised, by any store task
+    assert not (tmp_path / "ck").exists() or gpusnap.Checkpointer(tmp_path / "ck").list() == []
+
+
+def test_export_of_a_corrupt_checkpoint_reports_no_bytes_past_the_failed_read(saved, tmp_path: Path) -> None:
+    root, _state = saved
+    pack = next(p for p in sorted((root / "packs").rglob("*")) if p.is_file())
+    data = bytearray(pack.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    pack.write_bytes(bytes(data))
+    seen = Recorder()
+    with pytest.raises(gpusnap.IntegrityError):
+        gpusnap.export(root, tmp_path / "x.pt", format="torch", progress=seen)
+    assert sum(seen.advances) < seen.totals[0]
+    assert not (tmp_path / "x.pt").exists()
+
+
+def test_the_bar_leaves_stderr_alone(monkeypatch, capsys) -> None:
+    import sys
+
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True)
+    with cli_progress.byte_progress(100, "working") as advance:
+        print("a warning", file=sys.stderr)  # (as logging's handler does meanwhile)
+        advance(100)
+    out, err = capsys.readouterr()
+    assert "a warning" in err and "a warning" not in out
 
 
 def test_import_progress_counts_shared_storage_once(tmp_path: Path) -> None:

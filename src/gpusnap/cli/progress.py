@@ -24,7 +24,9 @@ def byte_progress(total: int, label: str) -> Iterator[Callable[[int], None]]:
     )
 
     columns = (BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
-    with Progress("[progress.description]{task.description}", *columns, transient=True) as bar:
+    # (stderr left alone: a warning logged meanwhile stays on stderr, not on the bar's stdout)
+    with Progress("[progress.description]{task.description}", *columns, transient=True,
+                  redirect_stderr=False) as bar:
         task = bar.add_task(label, total=total)
         yield lambda n: bar.advance(task, n)
 

@@ -98,7 +98,22 @@ def import_(
         flat = flatten(app_state)  # what save() would refuse, refused before the root is opened
     except CheckpointError as exc:
         raise FormatError(f"{where}: cannot be stored: {exc}") from exc
+    raised: list[BaseException] = []  # the progress callback's own error, raised as it is
     with Checkpointer(root, config=config, storage_options=storage_options) as ckpt:
         if progress is not None:  # (the save flattens the same state: the same spans)
-            ckpt._save_progress = progress(sum(span.nbytes for span in flat.spans))
-        return ckpt.save(app_state, tag=tag, blocking=True).wait()
+            advance = progress(sum(span.nbytes for span in flat.spans))
+
+            def told(n: int) -> None:
+                try:
+                    advance(n)
+                except BaseException as exc:
+                    raised.append(exc)
+                    raise
+
+            ckpt._save_progress = told
+        try:
+            return ckpt.save(app_state, tag=tag, blocking=True).wait()
+        except CheckpointError:
+            if raised:
+                raise raised[0] from None
+            raise

@@ -82,6 +82,8 @@ def _wait(futures: list[Future[Any]], sizes: list[int], progress: Callable[[int]
         if progress is not None:
             size = dict(zip(futures, sizes))
             for f in as_completed(futures):
+                if f.exception() is not None:
+                    break  # (a failed read is no progress; the caller's result() raises it)
                 progress(size[f])
     finally:
         wait(futures)  # (a raising progress too: no task still writes into the buffers after)
