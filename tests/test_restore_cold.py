@@ -152,6 +152,67 @@ def test_a_failing_cold_start_warm_up_is_reported_and_the_restore_stands(tmp_pat
         assert torch.equal(out, trained(ids))
 
 
+def test_a_call_from_another_thread_waits_for_the_running_warm_up(tmp_path):
+    """The first request does not race the warm-up (both would pay the set-up): it starts
+    once the warm-up has ended, and later calls do not wait."""
+    import threading
+
+    torch.manual_seed(0)
+    trained = TinyLM()
+    ids = torch.randint(0, 64, (2, 8))
+    release, reached = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def warm_up(model: nn.Module) -> None:
+        model(ids)
+        release.wait()
+        order.append("warm-up ended")
+
+    def note_request(module: nn.Module, args: object) -> None:  # (global hooks run before the module's)
+        if threading.current_thread().name == "request" and module is model:
+            order.append("request reached the model")
+            reached.set()
+
+    outs: list[torch.Tensor] = []
+
+    def request() -> None:
+        with torch.no_grad():
+            outs.append(model(ids))
+        order.append("request done")
+
+    with gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config()) as ck:
+        ck.save({"model": trained}, blocking=True)
+        model, handle = gpusnap.cold_start(TinyLM, ck, device="cpu", warm_up=warm_up)
+        handle.wait()
+        hook = nn.modules.module.register_module_forward_pre_hook(note_request)
+        try:
+            t = threading.Thread(target=request, name="request")
+            t.start()
+            assert reached.wait(30)
+            release.set()  # only now may the warm-up end, and the request go on
+            t.join()
+        finally:
+            hook.remove()
+        _join_thread("gpusnap-warm-up")
+    assert order == ["request reached the model", "warm-up ended", "request done"]
+    assert handle.stats["warm_up"] == "ok" and handle.stats["warm_up_waited_s"] >= 0
+    assert not model._forward_pre_hooks, "the gate is gone once the warm-up ended"
+    with torch.no_grad():
+        assert torch.equal(outs[0], trained(ids)) and torch.equal(model(ids), trained(ids))
+
+
+def test_the_warm_up_thread_itself_is_not_held_by_the_gate(tmp_path):
+    torch.manual_seed(0)
+    trained = TinyLM()
+    ids = torch.randint(0, 64, (2, 8))
+    with gpusnap.Checkpointer(tmp_path / "ck", config=tiny_config()) as ck:
+        ck.save({"model": trained}, blocking=True)
+        model, handle = gpusnap.cold_start(TinyLM, ck, device="cpu", warm_up=lambda m: [m(ids) for _ in range(3)])
+        handle.wait()
+        _join_thread("gpusnap-warm-up")  # (three calls of its own, none waiting for itself)
+    assert handle.stats["warm_up"] == "ok" and "warm_up_waited_s" not in handle.stats
+
+
 def _join_thread(name: str) -> None:
     import threading
 

@@ -121,8 +121,12 @@ def cold_start(
     process's first forward pays set-up that does not depend on the weights (cuBLAS handles,
     loading kernels, first-call Python); the warm-up pays it while bytes move, so the first
     request does not. It reads weights that are still arriving, so it must write none of the
-    model's tensors: give it an input shaped like a request's. ``handle.stats["warm_up"]`` is
-    ``"running"``, then ``"ok"`` or the error (also a WARNING); ``["warm_up_s"]`` its time.
+    model's tensors: give it an input shaped like a request's. A call of the model from another
+    thread while the warm-up runs waits for it to end first (the two together each paid the
+    set-up: a fresh process's first request came later than after the warm-up alone), so the
+    warm-up must not itself wait for such a call. ``handle.stats["warm_up"]`` is
+    ``"running"``, then ``"ok"`` or the error (also a WARNING); ``["warm_up_s"]`` its time,
+    ``["warm_up_waited_s"]`` how long a first call waited for it.
 
     >>> model, handle = gpusnap.cold_start(lambda: GPT(cfg), ckpt, device="cuda")  # doctest: +SKIP
     >>> logits = model(tokens)        # serves before the whole checkpoint is loaded  # doctest: +SKIP
@@ -152,9 +156,30 @@ class _WarmUp:
         self._lock = threading.Lock()
         self._outcome: tuple[str, float] | None = None
         self._handle: RestoreHandle | None = None
+        self._waited_s: float | None = None
         # not a daemon: one forward, bounded; a daemon thread still in CUDA at interpreter exit aborts it
         self._thread = threading.Thread(target=self._run, name="gpusnap-warm-up")
+        # (before the start: a request right after cold_start returns finds it)
+        self._gate = model.register_forward_pre_hook(self._wait_for_warm_up) if isinstance(model, nn.Module) else None
         self._thread.start()
+
+    def _wait_for_warm_up(self, module: nn.Module, args: object) -> None:
+        """Forward pre-hook: another thread's call waits until the warm-up has ended."""
+        if threading.current_thread() is self._thread:
+            return
+        started = time.perf_counter()
+        self._thread.join()
+        waited = time.perf_counter() - started
+        with self._lock:
+            if self._waited_s is None:
+                self._waited_s = waited
+                if self._handle is not None:
+                    self._handle.stats["warm_up_waited_s"] = waited
+        self._ungate()
+
+    def _ungate(self) -> None:
+        if self._gate is not None:
+            self._gate.remove()  # (idempotent)
 
     def _run(self) -> None:
         started = time.perf_counter()
@@ -171,6 +196,7 @@ class _WarmUp:
             self._outcome = (outcome, time.perf_counter() - started)
             if self._handle is not None:
                 self._publish(self._handle)
+        self._ungate()  # (calls from now on run at once)
 
     def report_to(self, handle: RestoreHandle) -> None:
         with self._lock:
@@ -178,6 +204,8 @@ class _WarmUp:
             handle.stats.setdefault("warm_up", "running")
             if self._outcome is not None:
                 self._publish(handle)
+            if self._waited_s is not None:
+                handle.stats["warm_up_waited_s"] = self._waited_s
 
     def _publish(self, handle: RestoreHandle) -> None:
         assert self._outcome is not None

@@ -24,6 +24,7 @@ from gpusnap.kernels.chunk_hash import chunk_hashes, hex_rows
 
 __all__ = ["hash_host_bytes", "hash_device"]
 
+BLOCKING_WAIT = True  # (False: the .cpu() wait alone; experiments/promotion_cost.py compares them)
 _local = threading.local()  # this thread's (device, stream, scratch): promotion pool threads each have one
 
 
@@ -53,7 +54,14 @@ def hash_host_bytes(data: bytes | memoryview, chunk_size: int, device: torch.dev
     with launch_hooks.internal(), on_device, on_stream:  # (a CPU scratch: the tests' device)
         part = scratch[: host.numel()]
         part.copy_(host, non_blocking=True)
-        rows = chunk_hashes(part, chunk_size).cpu()  # (waits for this stream only)
+        rows = chunk_hashes(part, chunk_size)
+        if stream is not None and BLOCKING_WAIT:
+            # the thread sleeps until the stream is done: a plain .cpu() spins a core in the
+            # driver meanwhile, and a promotion's threads each spinning took training's cores
+            done = torch.cuda.Event(blocking=True)
+            done.record(stream)
+            done.synchronize()
+        rows = rows.cpu()  # (waits for this stream only)
     return hex_rows(rows.numpy())
 
 
