@@ -138,7 +138,7 @@ def main() -> None:
             mark("second_logits")
             stats = {k: handle.stats.get(k) for k in ("source", "served", "server_fallback", "mode", "verify_path",
                                                       "return_s", "total_s", "setup", "reader_procs", "warm_up",
-                                                      "warm_up_s")}
+                                                      "warm_up_s", "warm_up_waited_s")}
     if "first_logits" not in marks:
         mark("restore_returned")
         logits = run(model, ids, sync)
