@@ -19,7 +19,7 @@ from collections.abc import Iterable
 import torch
 
 from gpusnap import launch_hooks
-from gpusnap.device import outside_graph_captures
+from gpusnap.device import outside_graph_captures, waitable_event
 from gpusnap.kernels.chunk_hash import chunk_hashes, hex_rows
 
 __all__ = ["hash_host_bytes", "hash_device"]
@@ -58,7 +58,7 @@ def hash_host_bytes(data: bytes | memoryview, chunk_size: int, device: torch.dev
         if stream is not None and BLOCKING_WAIT:
             # the thread sleeps until the stream is done: a plain .cpu() spins a core in the
             # driver meanwhile, and a promotion's threads each spinning took training's cores
-            done = torch.cuda.Event(blocking=True)
+            done = waitable_event()
             done.record(stream)
             done.synchronize()
         rows = rows.cpu()  # (waits for this stream only)
