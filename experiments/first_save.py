@@ -11,13 +11,10 @@ Writes ``$OUT/first.json`` (or /tmp); prints the stats that differ between saves
 import json, os, shutil, statistics, sys, time
 import torch
 import gpusnap
-from gpusnap.bench.measure import stream_sync
 from gpusnap.bench.workloads import build_workload
 
-def step_time(wl):
-    stream_sync(wl.device); t0 = time.perf_counter(); out = wl.step(None)
-    if out is not None: out.reshape(-1)[0].item()
-    return time.perf_counter() - t0
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from promotion_cost import step_time  # (a step timed to its loss, as there)
 
 def window(ck, wl, n=12):
     plain = [step_time(wl) for _ in range(n)]; med = statistics.median(plain)

@@ -8,8 +8,7 @@ timed just before it:
 
 Variants (diagnosis only; they reach into the promoter): ``run`` (the fast tier's device
 hashes checked a run of chunks at a time), ``chunk`` (one check per chunk), ``nocheck`` (no
-check: what the rest costs), ``spin`` (each check waits for its stream in ``.cpu()``, spinning
-in the driver, not on a blocking event), ``t1``/``t4``/``t16`` (promotion threads), ``idle`` (promotion
+check: what the rest costs), ``t1``/``t4``/``t16`` (promotion threads), ``idle`` (promotion
 threads under SCHED_IDLE instead of nice 19).
 """
 
@@ -30,7 +29,6 @@ import gpusnap
 import gpusnap.promotion as promotion_mod
 from gpusnap.bench.measure import stream_sync
 from gpusnap.bench.workloads import build_workload
-from gpusnap.storage import host_bytes_hash
 from gpusnap.storage import promote as promote_mod
 from gpusnap.storage.fast_tier import FastTier
 
@@ -107,7 +105,6 @@ def main() -> None:
             threads, lower = base_threads, base_lower
             promote_mod.RUN_BYTES = 64 << 20
             FastTier.check_run = base_check
-            host_bytes_hash.BLOCKING_WAIT = name != "spin"
             if name == "chunk":
                 promote_mod.RUN_BYTES = 1
             elif name == "nocheck":

@@ -27,27 +27,21 @@ __all__ = ["CaptureCounters", "snapshot_to_host", "write_host_spans"]
 @dataclass
 class CaptureCounters:
     """Byte counts reported in a checkpoint's stats (thread-safe increments). ``progress``
-    is told every chunk's bytes stored (written or already there), one call at a time, and
-    after it raised (which fails the save) never again."""
+    is told every chunk's bytes stored (written or already there), one call at a time."""
 
     bytes_total: int = 0
     bytes_copied: int = 0
     bytes_written: int = 0
     bytes_skipped: int = 0
     progress: Callable[[int], None] | None = field(default=None, repr=False)
-    progress_error: BaseException | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, *, written: int = 0, skipped: int = 0) -> None:
         with self._lock:
             self.bytes_written += written
             self.bytes_skipped += skipped
-            if self.progress is not None and self.progress_error is None:  # (under the lock: one call at a time)
-                try:
-                    self.progress(written + skipped)
-                except BaseException as exc:
-                    self.progress_error = exc
-                    raise
+            if self.progress is not None:  # (under the lock: a callback sees no concurrent call)
+                self.progress(written + skipped)
 
 
 def snapshot_to_host(

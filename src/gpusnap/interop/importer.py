@@ -104,6 +104,8 @@ def import_(
             advance = progress(sum(span.nbytes for span in flat.spans))
 
             def told(n: int) -> None:
+                if raised:  # (the save is failing: the other store tasks tell it no more)
+                    return
                 try:
                     advance(n)
                 except BaseException as exc:

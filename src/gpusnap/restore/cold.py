@@ -169,12 +169,11 @@ class _WarmUp:
             return
         started = time.perf_counter()
         self._thread.join()
-        waited = time.perf_counter() - started
         with self._lock:
             if self._waited_s is None:
-                self._waited_s = waited
+                self._waited_s = time.perf_counter() - started
                 if self._handle is not None:
-                    self._handle.stats["warm_up_waited_s"] = waited
+                    self._publish(self._handle)
         self._ungate()
 
     def _ungate(self) -> None:
@@ -202,14 +201,14 @@ class _WarmUp:
         with self._lock:
             self._handle = handle
             handle.stats.setdefault("warm_up", "running")
-            if self._outcome is not None:
-                self._publish(handle)
-            if self._waited_s is not None:
-                handle.stats["warm_up_waited_s"] = self._waited_s
+            self._publish(handle)
 
     def _publish(self, handle: RestoreHandle) -> None:
-        assert self._outcome is not None
-        handle.stats["warm_up"], handle.stats["warm_up_s"] = self._outcome
+        """What is known so far into ``handle.stats`` (under ``_lock``)."""
+        if self._outcome is not None:
+            handle.stats["warm_up"], handle.stats["warm_up_s"] = self._outcome
+        if self._waited_s is not None:
+            handle.stats["warm_up_waited_s"] = self._waited_s
 
     def join(self) -> None:
         self._thread.join()

@@ -24,7 +24,6 @@ from gpusnap.kernels.chunk_hash import chunk_hashes, hex_rows
 
 __all__ = ["hash_host_bytes", "hash_device"]
 
-BLOCKING_WAIT = True  # (False: the .cpu() wait alone; experiments/promotion_cost.py compares them)
 _local = threading.local()  # this thread's (device, stream, scratch): promotion pool threads each have one
 
 
@@ -55,7 +54,7 @@ def hash_host_bytes(data: bytes | memoryview, chunk_size: int, device: torch.dev
         part = scratch[: host.numel()]
         part.copy_(host, non_blocking=True)
         rows = chunk_hashes(part, chunk_size)
-        if stream is not None and BLOCKING_WAIT:
+        if stream is not None:
             # the thread sleeps until the stream is done: a plain .cpu() spins a core in the
             # driver meanwhile, and a promotion's threads each spinning took training's cores
             done = waitable_event()
