@@ -13,7 +13,9 @@ import threading
 import torch
 
 __all__ = [
+    "clear_cuda_error",
     "device_exists",
+    "loaded_cudart_path",
     "host_buffer",
     "is_accelerator",
     "outside_graph_captures",
@@ -100,3 +102,20 @@ def outside_graph_captures() -> bool:
 @functools.cache
 def _libcuda() -> ctypes.CDLL:
     return ctypes.CDLL("libcuda.so.1")  # the driver torch already loaded
+
+
+def loaded_cudart_path() -> str | None:
+    """The file of the libcudart this process's torch loaded, or None (linked statically)."""
+    torch.cuda.init()
+    with open("/proc/self/maps") as f:
+        paths = sorted({line.split()[-1] for line in f if "libcudart" in line.rsplit("/", 1)[-1]})
+    return paths[0] if paths else None
+
+
+def clear_cuda_error() -> None:
+    """Read (and so clear) the runtime's last error after a call gpusnap let fail (a refused
+    ``cudaHostRegister``), so the program's next CUDA call does not report it. torch's
+    ``torch.cuda.cudart()`` has no ``cudaGetLastError``: the runtime torch loaded is called."""
+    path = loaded_cudart_path()
+    if path is not None:
+        ctypes.CDLL(path).cudaGetLastError()

@@ -19,6 +19,8 @@ import weakref
 
 import torch
 
+from gpusnap.device import clear_cuda_error
+
 __all__ = ["MappedMemory"]
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -67,7 +69,7 @@ class MappedMemory:
             cudart = torch.cuda.cudart()
             err = int(getattr(cudart.cudaHostRegister(addr, nbytes, 0), "value", 0) or 0)
             if err:
-                cudart.cudaGetLastError()  # (the error would stay pending for the next CUDA call)
+                clear_cuda_error()  # (the error would stay pending for the next CUDA call)
                 del self.tensor
                 raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: error {err}")
             state["pinned"] = self.pinned = True

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from gpusnap.capture.address_copy import DriverCopies, HostCopies, address_copies
 from gpusnap.capture.staging import Region, StagingArena
 from gpusnap.capture.window import SNAPSHOT_ALIGN, CaptureWindow, WindowSpan
 from gpusnap.device import outside_graph_captures, waitable_event
@@ -93,6 +94,7 @@ class Copier:
         self.max_inflight = self.ahead * piece_bytes  # bytes
         self._inflight: deque[tuple[Any, float, list[Segment], Region, int]] = deque()
         self._inflight_bytes = 0
+        self._engines: list[HostCopies | DriverCopies] = []  # by-address copies (_copy_snapshots)
         # A Checkpointer's one long-lived copier thread (``runner``): starting a thread per
         # save cost save() ~5 ms on a busy 2-core machine (Thread.start waits for it to run).
         self._runner = runner
@@ -171,6 +173,10 @@ class Copier:
             # keep the snapshot buffers (device memory) alive with it.
             traceback.clear_frames(exc.__traceback__)
             self.window.close(exc)
+        finally:
+            engines, self._engines = self._engines, []
+            for engine in engines:  # (every copy has completed or its stream was synchronized)
+                engine.close()
 
     def _copy_span(self, ws: WindowSpan) -> None:
         stream = self.streams.get(ws.device) if ws.device.type == "cuda" else None
@@ -231,6 +237,8 @@ class Copier:
                 self._traced("skip", started)
             if stream is not None and segments:
                 buffer.record_stream(stream)  # the buffer outlives our copies
+            engine = self._engine(buffer.device, stream) if segments else None
+            source = buffer.data_ptr()
             for run, base, n in _adjacent_runs(segments, piece):
                 if self.window.error is not None:
                     raise self.window.error
@@ -240,11 +248,14 @@ class Copier:
                 region = self._allocate(n)
                 issued_at = time.perf_counter()
                 try:
-                    region.data[:n].copy_(buffer[base : base + n], non_blocking=stream is not None)
-                    event = None
-                    if stream is not None:
-                        event = waitable_event()
-                        event.record(stream)
+                    if engine is not None:  # by address: no tensor or torch call per piece
+                        event = engine.copy(region.data.data_ptr(), source + base, n)
+                    else:
+                        region.data[:n].copy_(buffer[base : base + n], non_blocking=stream is not None)
+                        event = None
+                        if stream is not None:
+                            event = waitable_event()
+                            event.record(stream)
                 except BaseException:
                     self.arena.release(region)
                     raise
@@ -252,6 +263,17 @@ class Copier:
                     self.trace.span("copy", _label_run(run), issued_at, time.perf_counter())
                 self._issued(run, region, n, event)
             self.window.mark_captured_many(snap.spans)
+
+    def _engine(self, device: torch.device, stream: Any) -> HostCopies | DriverCopies | None:
+        """The by-address copy engine for this device's snapshot (closed when the window is),
+        when the regions are page-locked host memory that stays (the fast tier's slabs); else
+        None: copy through torch."""
+        if not getattr(self.arena, "pinned", False) and device.type == "cuda":
+            return None
+        engine = address_copies(device, stream)
+        if engine is not None:
+            self._engines.append(engine)
+        return engine
 
     def _allocate(self, n: int) -> Region:
         """A staging region for the next piece. Pieces in flight hold regions that only come

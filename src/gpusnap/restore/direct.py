@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from gpusnap.device import loaded_cudart_path
 from gpusnap.restore.read_procs import WorkerProcs, runs_reply
 from gpusnap.restore.staging import SharedMemory, SlotPool
 
@@ -151,12 +152,10 @@ class _DirectProcs(WorkerProcs):
 
 def cudart_path() -> str:
     """The file of the libcudart this process's torch loaded (the helpers load the same)."""
-    torch.cuda.init()
-    with open("/proc/self/maps") as f:
-        paths = sorted({line.split()[-1] for line in f if "libcudart" in line.rsplit("/", 1)[-1]})
-    if not paths:
+    path = loaded_cudart_path()
+    if path is None:
         raise DirectUnavailable("no libcudart is loaded in this process (torch links it statically?)")
-    return paths[0]
+    return path
 
 
 def ipc_handle(lib_path: str, base: int) -> bytes:

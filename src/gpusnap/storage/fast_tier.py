@@ -556,6 +556,7 @@ class FastTxn:
         # (from where it placed each chunk, in array operations); else parsed from the manifest
         self.placed_ranges: dict[int, list[tuple[int, int]]] | None = None
         self.map_s = 0.0  # seconds spent creating and mapping slabs (take)
+        self._memory: dict[int, torch.Tensor] = {}  # slab -> its mapped memory, as take() met it
         with tier._alloc:
             tier._fast_txns.add(self)
 
@@ -577,9 +578,11 @@ class FastTxn:
             start = -(-e.cursor // ALIGN) * ALIGN
             if start + n <= e.hi:
                 e.cursor = start + n
-                started = time.perf_counter()
-                memory = self.tier._slab_memory(e.slab)
-                self.map_s += time.perf_counter() - started
+                memory = self._memory.get(e.slab)
+                if memory is None:  # (once per slab and save: a piece is taken per copy)
+                    started = time.perf_counter()
+                    memory = self._memory[e.slab] = self.tier._slab_memory(e.slab)
+                    self.map_s += time.perf_counter() - started
                 return e.slab, start, memory[start : start + n]
         return None
 
@@ -666,6 +669,7 @@ class FastTxn:
             registered = self in tier._fast_txns
             tier._fast_txns.discard(self)
             self.extents, self.held = [], []
+            self._memory = {}
             tier._alloc.notify_all()
         lock, self._lock = self._lock, None
         if lock is not None:

@@ -1,0 +1,167 @@
+"""Where a warm fast-tier save's cost on training goes, with its noise measured (issue 22).
+
+Single saves of the same code have cost 0-140 ms across runs. This probe asks two things
+in one process: how large is the estimator's own noise, and is the training thread short
+of the interpreter lock or of the GPU while a save runs.
+
+Each *round* is three windows of ``--window`` steps: plain, then the middle window, then
+plain; the middle one is charged against the mean step of the plain windows on both sides
+(drift cancels). In a *save* round the middle window holds one save (it runs on until the
+save is committed); in a *null* round it holds nothing, so its "cost" is the estimator's
+noise. Every step is split into its launch (Python until the step returns, the GPU still
+working) and its wait (``loss.item()``): a launch-bound step pays for any lock or core
+time taken from it, a wait-bound one has slack to absorb it.
+
+  PYTHONPATH=src python3 experiments/cost_attribution.py --out $OUT/attr
+  py-spy record --gil --threads --nonblocking -r 1000 -f raw -o $OUT/gil.txt -- \\
+      python3 experiments/cost_attribution.py --out $OUT/attr-spy --variants base --rounds 6
+
+``--variants``: ``base`` (defaults), ``switchN`` (``sys.setswitchinterval(N ms)`` for the
+whole round), ``nohash`` (validate=False, incremental=False), ``torchcopy`` (snapshot pieces
+copied through torch, not by address: ``capture/address_copy.py``). SIZE=tiny DEVICE=cpu: a CPU check.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import sys
+import threading
+import time
+
+import torch
+
+import gpusnap
+from gpusnap.bench.measure import stream_sync
+from gpusnap.bench.workloads import build_workload
+from gpusnap.capture import address_copy
+
+
+def step(wl) -> tuple[float, float]:
+    """(launch, total) seconds of one step read to its loss."""
+    stream_sync(wl.device)
+    t0 = time.perf_counter()
+    out = wl.step(None)
+    t1 = time.perf_counter()
+    if out is not None:
+        out.reshape(-1)[0].item()
+    stream_sync(wl.device)
+    return t1 - t0, time.perf_counter() - t0
+
+
+def thread_cpu() -> collections.Counter:
+    """CPU seconds per thread name (Python's name, else the OS's), from the scheduler's ns."""
+    out: collections.Counter = collections.Counter()
+    names = {str(t.native_id): t.name for t in threading.enumerate()}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            name = names.get(tid) or "native:" + open(f"/proc/self/task/{tid}/comm").read().strip()
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[name.rstrip("0123456789_")] += int(f.read().split()[0]) / 1e9
+        except OSError:
+            pass
+    return out
+
+
+def one_round(ck, wl, window: int, save: bool) -> dict:
+    before = [step(wl) for _ in range(window)]
+    cpu0, t0 = thread_cpu(), time.perf_counter()
+    pending = ck.save(wl.app_state) if save else None
+    call = time.perf_counter() - t0
+    mid = []
+    while len(mid) < window or (pending is not None and not pending.done()):
+        mid.append(step(wl))
+    wall = time.perf_counter() - t0
+    cpu1 = thread_cpu()
+    info = pending.wait() if pending is not None else None
+    after = [step(wl) for _ in range(window)]
+    plain = [t for _, t in before + after]
+    mean = statistics.fmean(plain)
+    launch_mean = statistics.fmean(launch for launch, _ in before + after)
+    main = "MainThread"
+    return {
+        "cost_ms": (wall - len(mid) * mean) * 1e3,
+        "call_ms": call * 1e3,
+        "steps": len(mid),
+        "step_ms": mean * 1e3,
+        "plain_launch_ms": launch_mean * 1e3,
+        "plain_sd_ms": statistics.pstdev(plain) * 1e3,
+        "drift_ms": (statistics.fmean(t for _, t in after) - statistics.fmean(t for _, t in before)) * 1e3,
+        "excess_ms": [round((t - mean) * 1e3, 1) for _, t in mid[:10]],
+        "launch_excess_ms": [round((launch - launch_mean) * 1e3, 1) for launch, _ in mid[:10]],
+        "main_cpu_ms": (cpu1[main] - cpu0[main]) * 1e3,
+        "other_cpu_ms": {k: round((cpu1[k] - cpu0.get(k, 0.0)) * 1e3, 1) for k in cpu1 if k != main
+                         and cpu1[k] - cpu0.get(k, 0.0) > 0.001},
+        "duration_s": info.stats.get("duration_s") if info is not None else None,
+    }
+
+
+def summary(rows: list[dict]) -> dict:
+    costs = [r["cost_ms"] for r in rows]
+    others = collections.Counter()
+    for r in rows:
+        others.update(r["other_cpu_ms"])
+    return {"n": len(rows), "median_ms": statistics.median(costs), "mean_ms": statistics.fmean(costs),
+            "sd_ms": statistics.pstdev(costs), "min_ms": min(costs), "max_ms": max(costs),
+            "call_ms": statistics.median(r["call_ms"] for r in rows),
+            "main_cpu_ms_per_window_minus_steps": statistics.median(r["main_cpu_ms"] for r in rows),
+            "launch_share": statistics.median(r["plain_launch_ms"] / r["step_ms"] for r in rows),
+            "other_cpu_ms_mean": {k: round(v / len(rows), 1) for k, v in others.most_common(8)}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workload", default="llama")
+    ap.add_argument("--root", default="/dev/shm/gpusnap-attr")
+    ap.add_argument("--rounds", type=int, default=8, help="save rounds per variant (and half as many null rounds)")
+    ap.add_argument("--window", type=int, default=12)
+    ap.add_argument("--variants", default="base,switch0.5,switch20")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    shutil.rmtree(args.root, ignore_errors=True)
+    wl = build_workload(args.workload, torch.device(os.environ.get("DEVICE", "cuda")), size=os.environ.get("SIZE", "quick"))
+    ck = gpusnap.Checkpointer(os.path.join(args.root, "durable"), keep_last=1, fast_root=os.path.join(args.root, "fast"),
+                              fast_keep_last=2, promote_every=10**6)
+    base, switch0 = ck.config, sys.getswitchinterval()
+    report: dict = {"workload": args.workload, "variants": {}}
+    try:
+        ck.prepare(wl.app_state, wait=True)
+        for _ in range(2):  # warm: the first saves of a process are issue 22's other row
+            one_round(ck, wl, args.window, True)
+        for name in args.variants.split(","):
+            ck.config = dataclasses.replace(base, validate=False, incremental=False) if name == "nohash" else base
+            sys.setswitchinterval(float(name[6:]) / 1e3 if name.startswith("switch") else switch0)
+            address_copy.ENABLED = name != "torchcopy"
+            rows = {"save": [], "null": []}
+            for i in range(args.rounds + args.rounds // 2):
+                kind = "null" if i % 3 == 2 else "save"
+                rows[kind].append(one_round(ck, wl, args.window, kind == "save"))
+                r = rows[kind][-1]
+                print(f"{name} {kind}: cost {r['cost_ms']:6.1f} ms, steps {r['steps']}, call {r['call_ms']:.1f} ms, "
+                      f"drift {r['drift_ms']:+.1f}, main CPU {r['main_cpu_ms']:.0f} ms, ex {r['excess_ms'][:6]}, "
+                      f"launch ex {r['launch_excess_ms'][:6]}, others {r['other_cpu_ms']}", flush=True)
+            report["variants"][name] = {"rows": rows, "save": summary(rows["save"]), "null": summary(rows["null"])}
+    finally:
+        sys.setswitchinterval(switch0)
+        address_copy.ENABLED = True
+        ck.close()
+        shutil.rmtree(args.root, ignore_errors=True)
+        with open(os.path.join(args.out, "attribution.json"), "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    print("\n| variant | save: median (mean ± sd) ms | null: median (mean ± sd) ms | save() call | launch share of a step |")
+    print("|---|---:|---:|---:|---:|")
+    for name, v in report["variants"].items():
+        s, n = v["save"], v["null"]
+        print(f"| {name} | {s['median_ms']:.1f} ({s['mean_ms']:.1f} ± {s['sd_ms']:.1f}) | {n['median_ms']:.1f} "
+              f"({n['mean_ms']:.1f} ± {n['sd_ms']:.1f}) | {s['call_ms']:.1f} | {s['launch_share']:.2f} |")
+    for name, v in report["variants"].items():
+        print(f"{name}: other threads' CPU per save window (ms): {v['save']['other_cpu_ms_mean']}")
+
+
+if __name__ == "__main__":
+    main()
