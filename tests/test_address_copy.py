@@ -32,6 +32,7 @@ def _fast_save_and_restore(tmp_path, name: str, device: torch.device) -> dict[st
                               promote_every=10**6) as ck:
         info = ck.save(state).wait()
         assert info.tier == "fast"
+        assert info.stats["copy_path"] == ("address" if address_copy.ENABLED else "torch")
         target = _state(9, device)
         ck.restore(target)
     return {k: v.clone() for k, v in target["model"].state_dict().items()}
@@ -70,6 +71,7 @@ class FakeDriver:
         self.destroyed: list[int] = []
         self.copies: list[tuple[int, int, int]] = []
         self.current = 0
+        self.synced: list[int] = []
 
     @staticmethod
     def _out(ref):  # the object a byref() points to
@@ -112,6 +114,11 @@ class FakeDriver:
 
     def cuEventSynchronize(self, event):
         self.pending.discard(event.value)
+        return 0
+
+    def cuStreamSynchronize(self, stream):
+        self.synced.append(stream.value)
+        self.pending.clear()
         return 0
 
     def cuEventDestroy_v2(self, event):
@@ -166,6 +173,38 @@ def test_a_driver_error_is_raised_with_its_name(fake):
         engine.copy(1, 2, 3)
 
 
+def test_a_copy_whose_event_cannot_be_recorded_is_waited_for_before_it_raises(fake):
+    fake.cuEventRecord = lambda event, stream: 1  # type: ignore[method-assign]
+    stream = type("S", (), {"cuda_stream": 55})()
+    engine = DriverCopies(fake, torch.device("cuda", 0), stream)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="cuEventRecord failed"):
+        engine.copy(1, 2, 3)
+    assert fake.copies == [(1, 2, 3)] and fake.synced == [55]  # queued, then waited for: its region may go back
+    assert engine._free == [fake.next]  # the event's handle is not lost
+
+
+def test_the_threads_context_is_given_back_after_the_copies(fake):
+    fake.current = 4242  # another device's context, current on the copier thread
+    stream = type("S", (), {"cuda_stream": 55})()
+    engine = DriverCopies(fake, torch.device("cuda", 1), stream)  # type: ignore[arg-type]
+    assert fake.current == 7001
+    engine.restore_context()
+    assert fake.current == 4242
+
+
+def test_pageable_regions_on_cuda_are_copied_through_torch():
+    from types import SimpleNamespace
+
+    from gpusnap.capture.copier import Copier
+
+    copier = Copier.__new__(Copier)
+    copier.arena = SimpleNamespace(pinned=False)  # a tier whose page-locking was refused
+    copier._engines = []
+    assert copier._engine(torch.device("cuda", 0), object()) is None
+    copier.arena = SimpleNamespace(pinned=False)
+    assert isinstance(copier._engine(torch.device("cpu"), None), HostCopies)  # host memory: memmove
+
+
 @pytest.mark.cuda
 def test_driver_copies_a_device_buffer_into_pinned_memory():
     if not torch.cuda.is_available():
@@ -182,3 +221,15 @@ def test_driver_copies_a_device_buffer_into_pinned_memory():
     engine.close()
     assert torch.equal(dst, src.cpu())
     assert ctypes.sizeof(ctypes.c_void_p) == 8
+
+
+def test_a_fast_arena_is_page_locked_only_while_no_slab_was_refused():
+    from types import SimpleNamespace
+
+    from gpusnap.capture.fast_arena import FastArena
+
+    tier = SimpleNamespace(pinned=True, register_errors=[])
+    arena = FastArena(SimpleNamespace(tier=tier), 1 << 20)  # type: ignore[arg-type]
+    assert arena.pinned
+    tier.register_errors.append("slab 3: cudaHostRegister of 1073741824 bytes failed: error 1")
+    assert not arena.pinned  # that slab is pageable: no by-address copies into the tier

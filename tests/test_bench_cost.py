@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from gpusnap.bench import gpusnap_tiers
-from gpusnap.bench.cost import Clocks, Window, cost_window, plain_window
-from gpusnap.bench.cost_runner import CostOptions, _measure_row, _mid_step, run_cost
+from gpusnap.bench.cost import Clocks, CostSample, Window, bracket, cost_window, plain_window
+from gpusnap.bench.cost_runner import CostOptions, _Deadline, _measure_row, _mid_step, run_cost
 from gpusnap.bench.cost_summary import add_ratios, summarise
 from gpusnap.bench.cost_throughput import derived, every_n
 from gpusnap.bench.env import CPU_DISCLAIMER
@@ -163,6 +163,34 @@ def test_a_window_that_runs_out_says_so_and_waits_after_it() -> None:
     assert fake.waits == [5]
 
 
+def test_a_save_is_charged_against_the_plain_windows_on_both_sides() -> None:
+    # the plain step drifts from 1.0 s (before) to 1.2 s (after); the save's 6 steps ran at 1.1 s
+    before, after = Window(4, 4.0, 2.0), Window(4, 4.8, 2.4)
+    wall = CALL + 6 * 1.1
+    one_sided = CostSample(index=1, steps=6, wall_s=wall, cpu_s=3.3, cost_s=wall - 6 * 1.0, cpu_cost_s=0.3,
+                           call_s=CALL, stall_s=CALL + 1.1 - 1.0, durable_s=1.0, durable_GBps=1.0, nbytes=1)
+    s = bracket(one_sided, before, after)
+    assert s.cost_s == pytest.approx(CALL)  # not the 0.9 s the window before alone would say
+    assert s.cost_before_only_s == pytest.approx(CALL + 0.6)
+    assert s.drift_s == pytest.approx(6 * 0.2)
+    assert s.cpu_cost_s == pytest.approx(3.3 - 6 * 0.55)
+    assert s.stall_s == pytest.approx(CALL)  # the first step against the mean plain step
+
+
+def test_the_runner_brackets_every_save_by_the_next_saves_plain_window(tmp_path: Path) -> None:
+    clock = _Clock()
+    fake = _Fake(clock, durable_after=2)
+    wl = fake.workload()
+    opts = CostOptions(workloads=["fake"], device=torch.device("cpu"), quick=False, root=str(tmp_path),
+                       window_steps=4, saves=3, every=[], clocks=clock.clocks()).resolved()
+    row = _measure_row(wl, wl, fake.system(), opts, _Deadline(None, opts.clocks), {"state_bytes": 1, "checks": []})
+    assert row["status"] == "ok", row
+    assert [s["index"] for s in row["saves"]] == [0, 1, 2]
+    for s in row["saves"]:  # steady plain steps: both sides agree, no drift
+        assert s["drift_s"] == pytest.approx(0.0)
+        assert s["cost_s"] == pytest.approx(CALL + 2 * EXTRA) == s["cost_before_only_s"]
+
+
 def test_every_n_counts_whole_periods_and_leaves_rotation_out() -> None:
     clock = _Clock()
     fake = _Fake(clock, durable_after=0)
@@ -275,15 +303,18 @@ def test_cost_suite_end_to_end_on_cpu(tmp_path: Path) -> None:
         assert row["status"] == "ok", (row["key"], row["status"], row.get("traceback"))
         plain = Window(row["plain"]["steps"], row["plain"]["wall_s"], row["plain"]["cpu_s"])
         assert plain.steps == n
-        assert len(row["saves"]) == 2 and len(row["plains"]) == 2
+        assert len(row["saves"]) == 2 and len(row["plains"]) == 3  # each save between two plain windows
         assert row["plains"][0] == row["plain"]  # later saves: a plain window of their own
-        for s, before in zip(row["saves"], row["plains"]):
-            plain = Window(before["steps"], before["wall_s"], before["cpu_s"])
-            assert plain.steps == n
+        for s, before, after in zip(row["saves"], row["plains"], row["plains"][1:]):
+            plain = Window(before["steps"] + after["steps"], before["wall_s"] + after["wall_s"],
+                           before["cpu_s"] + after["cpu_s"])
+            assert before["steps"] == after["steps"] == n
             assert s["steps"] >= n and len(s["step_s"]) == s["steps"]
-            # each figure from its own window: the save's, less as many plain steps run just before it
+            # each figure from its own window: the save's, less as many plain steps as the mean
+            # of the plain windows run just before and just after it
             assert s["cost_s"] == pytest.approx(s["wall_s"] - s["steps"] * plain.step_wall_s)
             assert s["cpu_cost_s"] == pytest.approx(s["cpu_s"] - s["steps"] * plain.step_cpu_s)
+            assert s["cost_before_only_s"] == pytest.approx(s["wall_s"] - s["steps"] * before["wall_s"] / n)
             assert s["durable_s"] > 0 and s["durable_GBps"] > 0
         assert row["first"]["cost_s"] == row["saves"][0]["cost_s"]
         assert row["warm"]["cost_s"] == row["saves"][1]["cost_s"]

@@ -1356,6 +1356,7 @@ def _window_stats(capture: ConcurrentSave) -> dict[str, Any]:
     closed = w.closed_at if w.closed_at is not None else w.opened
     return {
         "copies": capture.copier.copies,
+        "copy_path": capture.copier.copy_path,  # "address" or "torch" (capture/address_copy.py)
         "bytes_cow": w.stats.bytes_cow,
         "cow_events": w.stats.cow_events,
         "cow_failures": w.stats.cow_failures,  # shadows that found no memory: waited instead

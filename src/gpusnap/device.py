@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
+from collections.abc import Iterable
 
 import torch
 
@@ -105,17 +106,33 @@ def _libcuda() -> ctypes.CDLL:
 
 
 def loaded_cudart_path() -> str | None:
-    """The file of the libcudart this process's torch loaded, or None (linked statically)."""
+    """The file of the libcudart this process's torch loaded, or None (linked statically, or
+    its file replaced on disk since: the map then names a deleted file)."""
     torch.cuda.init()
     with open("/proc/self/maps") as f:
-        paths = sorted({line.split()[-1] for line in f if "libcudart" in line.rsplit("/", 1)[-1]})
-    return paths[0] if paths else None
+        return cudart_in_maps(f)
 
 
-def clear_cuda_error() -> None:
+def cudart_in_maps(lines: Iterable[str]) -> str | None:
+    """The libcudart file named in ``/proc/self/maps`` lines (the first by name), or None."""
+    paths = set()
+    for line in lines:
+        fields = line.rstrip("\n").split(maxsplit=5)  # (a path may hold spaces)
+        if len(fields) == 6 and "libcudart" in fields[5].rsplit("/", 1)[-1] and not fields[5].endswith(" (deleted)"):
+            paths.add(fields[5])
+    return min(paths) if paths else None
+
+
+def clear_cuda_error() -> bool:
     """Read (and so clear) the runtime's last error after a call gpusnap let fail (a refused
     ``cudaHostRegister``), so the program's next CUDA call does not report it. torch's
-    ``torch.cuda.cudart()`` has no ``cudaGetLastError``: the runtime torch loaded is called."""
-    path = loaded_cudart_path()
-    if path is not None:
+    ``torch.cuda.cudart()`` has no ``cudaGetLastError``: the runtime torch loaded is called.
+    Best effort: returns whether it could (the failure being handled is the one to report)."""
+    try:
+        path = loaded_cudart_path()
+        if path is None:
+            return False
         ctypes.CDLL(path).cudaGetLastError()
+        return True
+    except (OSError, AttributeError):
+        return False

@@ -69,9 +69,10 @@ class MappedMemory:
             cudart = torch.cuda.cudart()
             err = int(getattr(cudart.cudaHostRegister(addr, nbytes, 0), "value", 0) or 0)
             if err:
-                clear_cuda_error()  # (the error would stay pending for the next CUDA call)
                 del self.tensor
-                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: error {err}")
+                cleared = clear_cuda_error()  # (the error would stay pending for the next CUDA call)
+                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: error {err}"
+                                   + ("" if cleared else " (the runtime's last error could not be cleared)"))
             state["pinned"] = self.pinned = True
 
 

@@ -16,6 +16,11 @@ step ends when its GPU work is done and no other synchronization is added.
 - *cost on training* = save window's wall - ``m`` x (plain wall / ``n``); *host CPU-seconds*
   = save window's CPU - ``m`` x (plain CPU / ``n``). With ``m == n``: "``n`` steps holding
   one save minus ``n`` plain steps", on each clock.
+- *bracketed*: the runner charges each save against the plain windows on both sides of it
+  (:func:`bracket`: their mean step), so that a step time drifting over the run cancels;
+  ``drift_s`` = ``m`` x (the plain step after - the one before) says how much the one-sided
+  figure (``cost_before_only_s``) could be off by. On the H200 a single save's one-sided
+  figure moved by up to ±100 ms this way (BENCHMARKS.md).
 - *durable bandwidth* = checkpointed bytes / (``save()`` to durable).
 - *stall after save()*: wall from ``save()`` to the end of the step containing it, minus one
   plain step (the pause the program sees at once; not the headline: later steps pay too).
@@ -25,6 +30,7 @@ Clocks are injected (:class:`Clocks`) so tests can drive both with a virtual clo
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,7 +40,7 @@ from gpusnap.bench.summary import jsonable
 from gpusnap.bench.system import SaveHandle, System, sync
 from gpusnap.bench.workloads import Hook, Workload
 
-__all__ = ["Clocks", "CostSample", "Window", "cost_window", "plain_window", "read_step"]
+__all__ = ["Clocks", "CostSample", "Window", "bracket", "cost_window", "plain_window", "read_step"]
 
 
 @dataclass(frozen=True)
@@ -93,9 +99,24 @@ class CostSample:
     step_s: list[float] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
     note: str | None = None  # e.g. the window ran out before the save was durable
+    # set by bracket(): the cost against the plain window before alone, and how far the plain
+    # step moved between the windows on both sides (x steps)
+    cost_before_only_s: float | None = None
+    drift_s: float | None = None
 
     def as_json(self) -> dict[str, Any]:
         return jsonable(dict(self.__dict__))  # type: ignore[no-any-return]
+
+
+def bracket(sample: CostSample, before: Window, after: Window) -> CostSample:
+    """``sample`` charged against the mean step of the plain windows before and after it."""
+    both = Window(before.steps + after.steps, before.wall_s + after.wall_s, before.cpu_s + after.cpu_s)
+    window = Window(sample.steps, sample.wall_s, sample.cpu_s)
+    cost, cpu_cost = charge(window, both)
+    first_step = sample.stall_s + before.step_wall_s  # (stall_s was charged one plain step before)
+    return dataclasses.replace(
+        sample, cost_s=cost, cpu_cost_s=cpu_cost, stall_s=first_step - both.step_wall_s,
+        cost_before_only_s=sample.cost_s, drift_s=sample.steps * (after.step_wall_s - before.step_wall_s))
 
 
 def charge(window: Window, plain: Window) -> tuple[float, float]:

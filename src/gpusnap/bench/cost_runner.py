@@ -46,7 +46,15 @@ from gpusnap.bench.baselines.dcp import DcpAsyncPlain, DcpAsyncSave
 from gpusnap.bench.baselines.pinned_copy import empty_host_cache
 from gpusnap.bench.baselines.pinned_writer import PinnedWriter
 from gpusnap.bench.baselines.torch_save_thread import TorchSaveThread
-from gpusnap.bench.cost import Clocks, cost_window, plain_window, read_step
+from gpusnap.bench.cost import (
+    Clocks,
+    CostSample,
+    Window,
+    bracket,
+    cost_window,
+    plain_window,
+    read_step,
+)
 from gpusnap.bench.cost_summary import add_ratios, summarise
 from gpusnap.bench.cost_throughput import every_n
 from gpusnap.bench.env import CPU_DISCLAIMER, environment, fs_type
@@ -263,6 +271,7 @@ def _measure_row(wl: Workload, fresh: Workload, system: System, opts: CostOption
         row["setup_s"] = clocks.wall() - t0
         plain = plain_window(wl, n, clocks)
         row["plain"] = dict(plain.__dict__)
+        charged: list[tuple[CostSample, Window]] = []  # each save, and the plain window before it
         for i in range(opts.saves):
             if i > 0 and deadline.spent():
                 row["notes"].append(f"only {i} of {opts.saves} saves: time budget spent")
@@ -278,15 +287,26 @@ def _measure_row(wl: Workload, fresh: Workload, system: System, opts: CostOption
             row.setdefault("plains", []).append(dict(before.__dict__))
             sample = cost_window(wl, system, i, n, before, nbytes=entry["state_bytes"], clocks=clocks,
                                  max_s=window_cap)
-            row["saves"].append(sample.as_json())
+            charged.append((sample, before))
             if expected is not None:
                 _check(entry, system, "save 0", system.verify(wl, fresh, i, expected))
                 del expected
+        # each save charged against the plain windows on both sides (the next save's before,
+        # one more after the last): the step time drifts over a run (cost.py: bracket)
+        # ("plains": one more than the saves, each save between its two)
+        for k, (sample, before) in enumerate(charged):
+            if k + 1 < len(charged):
+                after = charged[k + 1][1]
+            else:
+                after = plain_window(wl, n, clocks)
+                row["plains"].append(dict(after.__dict__))
+            row["saves"].append(bracket(sample, before, after).as_json())
         if isinstance(system, GpusnapFast) and not deadline.spent():
             index = opts.saves
-            sample = cost_window(wl, system, index, n, plain, nbytes=entry["state_bytes"], clocks=clocks,
+            before = plain_window(wl, n, clocks)
+            sample = cost_window(wl, system, index, n, before, nbytes=entry["state_bytes"], clocks=clocks,
                                  max_s=window_cap, save=lambda: system.promoted_save(wl, index))
-            row["promoted"] = sample.as_json()
+            row["promoted"] = bracket(sample, before, plain_window(wl, n, clocks)).as_json()
             row["promoted"]["promotion"] = _promotion(wl, system, index, window_cap, clocks)
         if getattr(system, "mid_step_check", False) and not deadline.spent():
             _check(entry, system, "between backward() and optimizer.step()",

@@ -12,7 +12,7 @@ it go too.
 :func:`address_copies` returns the engine for a device: :class:`DriverCopies` on CUDA
 (``cuMemcpyDtoHAsync`` on the copy stream, blocking-sync events), :class:`HostCopies` on
 the CPU (``memmove``, done at once), or None where the driver lacks a function (the copier
-then copies through torch, as before). Addresses are the caller's promise: the source lies
+then copies through torch, as before; the save's ``stats["copy_path"]`` says which ran). Addresses are the caller's promise: the source lies
 in a live device buffer, the destination in page-locked host memory of at least ``n`` bytes
 that outlives the copy.
 
@@ -47,6 +47,9 @@ class HostCopies:
 
     def copy(self, dst: int, src: int, n: int) -> None:
         ctypes.memmove(dst, src, n)
+
+    def restore_context(self) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -91,6 +94,7 @@ class DriverCopies:
         self._free: list[int] = []
         self._made: list[int] = []
         self._context = _primary_context(lib, self.device_index)
+        self._previous: int | None = None  # the thread's context before make_current, if another
         self.make_current()
 
     def make_current(self) -> None:
@@ -100,13 +104,29 @@ class DriverCopies:
         _check(self.lib, self.lib.cuCtxGetCurrent(ctypes.byref(current)), "cuCtxGetCurrent")
         if current.value != self._context:
             _check(self.lib, self.lib.cuCtxSetCurrent(ctypes.c_void_p(self._context)), "cuCtxSetCurrent")
+            self._previous = current.value
+
+    def restore_context(self) -> None:
+        """The thread's context as :meth:`make_current` found it (its copies are all queued;
+        waiting on their events needs no current context)."""
+        previous, self._previous = self._previous, None
+        if previous:
+            _check(self.lib, self.lib.cuCtxSetCurrent(ctypes.c_void_p(previous)), "cuCtxSetCurrent")
 
     def copy(self, dst: int, src: int, n: int) -> DriverEvent:
         lib = self.lib
-        _check(lib, lib.cuMemcpyDtoHAsync_v2(ctypes.c_void_p(dst), ctypes.c_uint64(src), ctypes.c_size_t(n), self.stream),
-               "cuMemcpyDtoHAsync")
-        handle = self._free.pop() if self._free else self._new_event()
-        _check(lib, lib.cuEventRecord(ctypes.c_void_p(handle), self.stream), "cuEventRecord")
+        handle = self._free.pop() if self._free else self._new_event()  # (before the copy: none queued untracked)
+        try:
+            _check(lib, lib.cuMemcpyDtoHAsync_v2(ctypes.c_void_p(dst), ctypes.c_uint64(src), ctypes.c_size_t(n),
+                                                 self.stream), "cuMemcpyDtoHAsync")
+        except BaseException:
+            self._free.append(handle)
+            raise
+        rc = lib.cuEventRecord(ctypes.c_void_p(handle), self.stream)
+        if rc != 0:  # the copy is queued but cannot be waited for: let it finish before the
+            lib.cuStreamSynchronize(self.stream)  # caller hands its region back
+            self._free.append(handle)
+            _check(lib, rc, "cuEventRecord")
         return DriverEvent(self, handle)
 
     def recycle(self, event: DriverEvent) -> None:
@@ -150,7 +170,7 @@ def _driver() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL("libcuda.so.1")  # the driver torch already loaded
         for name in ("cuMemcpyDtoHAsync_v2", "cuEventCreate", "cuEventRecord", "cuEventQuery",
-                     "cuEventSynchronize", "cuEventDestroy_v2", "cuCtxGetCurrent", "cuCtxSetCurrent",
+                     "cuEventSynchronize", "cuEventDestroy_v2", "cuStreamSynchronize", "cuCtxGetCurrent", "cuCtxSetCurrent",
                      "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuGetErrorName"):
             getattr(lib, name)
     except (OSError, AttributeError):

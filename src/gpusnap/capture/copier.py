@@ -95,6 +95,7 @@ class Copier:
         self._inflight: deque[tuple[Any, float, list[Segment], Region, int]] = deque()
         self._inflight_bytes = 0
         self._engines: list[HostCopies | DriverCopies] = []  # by-address copies (_copy_snapshots)
+        self.copy_path = "torch"  # "address" once a snapshot went by address (stats["copy_path"])
         # A Checkpointer's one long-lived copier thread (``runner``): starting a thread per
         # save cost save() ~5 ms on a busy 2-core machine (Thread.start waits for it to run).
         self._runner = runner
@@ -262,6 +263,8 @@ class Copier:
                 if event is None and self.trace is not None:
                     self.trace.span("copy", _label_run(run), issued_at, time.perf_counter())
                 self._issued(run, region, n, event)
+            if engine is not None:
+                engine.restore_context()
             self.window.mark_captured_many(snap.spans)
 
     def _engine(self, device: torch.device, stream: Any) -> HostCopies | DriverCopies | None:
@@ -273,6 +276,7 @@ class Copier:
         engine = address_copies(device, stream)
         if engine is not None:
             self._engines.append(engine)
+            self.copy_path = "address"
         return engine
 
     def _allocate(self, n: int) -> Region:

@@ -29,12 +29,17 @@ def room_needed(span_bytes: list[int], piece: int) -> int:
 class FastArena:
     """The copier's arena for one save into the fast tier (``txn`` holds the reservation)."""
 
-    pinned = True
-
     def __init__(self, txn: FastTxn, piece: int) -> None:
         self.txn = txn
         self.piece = piece
         self.bytes_taken = 0
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the regions are page-locked: every slab is, unless the tier met a refusal
+        (its slabs then pageable, ``FastTier.register_errors``), or CUDA is absent."""
+        tier = self.txn.tier
+        return bool(tier.pinned) and not tier.register_errors
 
     def max_region(self) -> int:
         return self.piece
