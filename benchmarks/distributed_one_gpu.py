@@ -5,7 +5,8 @@
 
 NCCL refuses two ranks on one GPU, so the ranks (fresh interpreters, ``distributed_one_gpu_
 ranks.py``) join gloo through a TCPStore this launcher holds (``MASTER_ADDR=127.0.0.1``, a free
-port), and with ``--device cuda`` both put their tensors on ``cuda:0``. Variants, each run and
+port), and with ``--device cuda`` both put their tensors on ``cuda:0``. With ``--gpus 2`` (a
+machine of two GPUs) rank ``r`` runs on ``cuda:r`` and the group is ``cpu:gloo,cuda:nccl``. Variants, each run and
 reported even if another fails:
 
 - ``ddp`` (a): DDP training of a transformer-ish MLP stack (``--size`` MiB of parameters per
@@ -54,6 +55,9 @@ SRC = str(Path(__file__).resolve().parent.parent / "src")
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--gpus", type=int, default=1,
+                   help="GPUs the ranks spread over: 1 (both on cuda:0, gloo) or 2 (rank r on cuda:r, "
+                        "process group cpu:gloo,cuda:nccl)")
     p.add_argument("--size", type=float, default=None, help="MiB of parameters per model (default: 192 cuda, 2 cpu)")
     p.add_argument("--width", type=int, default=None, help="model width (default: 1024 cuda, 64 cpu)")
     p.add_argument("--batch", type=int, default=8)
@@ -184,7 +188,7 @@ def main() -> None:
     if os.path.realpath(root_base).startswith("/dev/shm"):
         raise SystemExit("--root must not be under /dev/shm")
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    rank_args = {"device": args.device, "size_mib": args.size, "width": args.width, "batch": args.batch,
+    rank_args = {"device": args.device, "gpus": args.gpus, "size_mib": args.size, "width": args.width, "batch": args.batch,
                  "seq": args.seq, "steps": args.steps, "every": args.every,
                  "plain_steps": args.plain_steps, "fsync": not args.no_fsync,
                  "collective_timeout_s": args.collective_timeout, "kill_timeout_s": args.kill_timeout}

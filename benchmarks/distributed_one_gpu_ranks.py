@@ -478,7 +478,8 @@ def main() -> None:
     variant, rank_s, world_s, out_s, root_s, args_s = sys.argv[1:7]
     rank, world, out, root, args = int(rank_s), int(world_s), Path(out_s), Path(root_s), json.loads(args_s)
     faulthandler.dump_traceback_later(args["hang_s"], exit=False)  # (a hang's stacks, in the log)
-    device = torch.device("cuda:0" if args["device"] == "cuda" else "cpu")
+    gpus = int(args.get("gpus", 1))
+    device = torch.device(f"cuda:{rank % gpus}" if args["device"] == "cuda" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.use_deterministic_algorithms(True, warn_only=True)  # (the resume check compares bits)
@@ -489,7 +490,8 @@ def main() -> None:
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
                                   timeout=timedelta(seconds=args["hang_s"]))
             # a rank whose collective failed alone leaves its peer in one: bounded by this timeout
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+            backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" and gpus > 1 else "gloo"
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                     timeout=timedelta(seconds=min(args["hang_s"], args["collective_timeout_s"])))
         VARIANTS[variant](rep, args, device, root, out)
     except BaseException as exc:

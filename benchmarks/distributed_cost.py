@@ -1,0 +1,282 @@
+"""What a collective checkpoint costs FSDP2 training, against DCP in the same run (issue 26).
+
+    python benchmarks/distributed_cost.py [--gpus 2] [--size quick|tiny] [--saves 3] [--window 20]
+                                          [--systems gpusnap dcp_async dcp_save] [--out DIR] [--root DIR]
+
+One process per rank (this file, started again with ``--rank``): rank ``r`` trains the bench's
+Llama-style model (``gpusnap.bench.llama``: 0.95B with ``--size quick``, bf16 autocast, fused
+AdamW) under ``fully_shard`` (each decoder layer, then the whole model) on ``cuda:r``
+(``--gpus 1``: every rank on ``cuda:0``), the process group ``cpu:gloo,cuda:nccl`` (gloo alone
+on one GPU or the CPU). NVLink multicast stays as the environment sets it (``NCCL_NVLS_ENABLE``).
+
+Each system saves ``--saves`` times while training; each save is charged as
+``gpusnap bench --cost`` charges it (``src/gpusnap/bench/cost.py``): a window of at least
+``--window`` steps that runs on until the save is durable *on every rank* (the ranks agree
+each step through a gloo group, plain windows too, so they run the same steps), against the
+mean step of the plain windows just before and after it; host CPU-seconds likewise, and the
+bytes the save added under its root. Systems:
+
+- ``gpusnap``: a collective ``gpusnap.Checkpointer`` (durable root; no fast tier for a
+  collective Checkpointer yet), ``pending.done()`` for durable;
+- ``dcp_async``: ``torch.distributed.checkpoint.async_save`` of the model's and optimizer's
+  sharded state dicts (``get_model_state_dict``/``get_optimizer_state_dict``), its future, on
+  a gloo group of its own (its writer thread's collectives must not meet FSDP's);
+- ``dcp_save``: ``dcp.save``, blocking.
+
+The first save of each system is restored into a fresh sharded model and optimizer on every
+rank (gpusnap: ``restore``; DCP: ``dcp.load``) and compared bit-exactly with a clone taken at
+the save. The launcher prints one table last (max over ranks); JSON per rank in ``--out``.
+Resharding 2 -> 1 and a rank killed mid-save: ``benchmarks/distributed_one_gpu.py --gpus 2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+SRC = str(Path(__file__).resolve().parent.parent / "src")
+
+
+# -- one rank -----------------------------------------------------------------------------------
+def rank_main(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from distributed_one_gpu_ranks import differences, snapshot
+
+    import gpusnap
+    from gpusnap.bench.cost import Window, charge
+
+    rank, world = args.rank, args.world
+    cuda = args.device == "cuda"
+    device = torch.device(f"cuda:{rank % args.gpus}") if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    store = dist.TCPStore("127.0.0.1", args.port, world, is_master=False, timeout=timedelta(seconds=args.timeout))
+    backend = "cpu:gloo,cuda:nccl" if cuda and args.gpus > 1 else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=args.timeout))
+    agree = dist.new_group(backend="gloo")  # the per-step "durable everywhere?" flag
+    # DCP's own group: async_save's background thread runs collectives while training runs
+    # FSDP's on the default group (one group for both: a collective mismatch), as DCP advises
+    dcp_group = dist.new_group(backend="gloo")
+    out, root = Path(args.out), Path(args.root)
+    doc: dict[str, Any] = {"rank": rank, "device": str(device), "backend": backend, "systems": {}, "checks": {},
+                           "error": None}
+
+    def model_and_optim(seed: int) -> tuple[Any, Any, Any, Any]:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from gpusnap.bench.llama import build_llama
+
+        torch.manual_seed(seed)  # every rank builds the same model, then keeps its shards
+        model, loss, _optim, data, _impl, config = build_llama(device, args.size, None, None)
+        mesh = init_device_mesh(device.type, (world,))
+        for layer in getattr(getattr(model, "model", model), "layers", []):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+        doc["config"] = config
+        return model, loss, optim, data
+
+    model, loss, optim, data = model_and_optim(0)
+    state: dict[str, Any] = {"model": model, "optim": optim, "step": 0}
+    torch.manual_seed(1000 + rank)
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            out_loss = loss(data)
+        out_loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        state["step"] += 1
+        out_loss.detach().reshape(-1)[0].item()  # a loop reads its loss
+
+    def everywhere(flag: bool) -> bool:
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=agree)
+        return bool(t.item())
+
+    def plain(n: int) -> Window:
+        w0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(n):
+            step()
+            everywhere(True)
+        return Window(n, time.perf_counter() - w0, time.process_time() - c0)
+
+    def dcp_state() -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+
+    def bytes_under(path: Path) -> int:
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+
+    def restore_check(system: str, sroot: Path, index: int, expected: dict[str, Any], ck: Any, saved: Any) -> str:
+        """Save ``index`` restored into a fresh sharded model and optimizer: "ok" or what differs."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+
+        fresh, _loss, fresh_optim, _data = model_and_optim(7)
+        target: dict[str, Any] = {"model": fresh, "optim": fresh_optim, "step": -1}
+        if system == "gpusnap":
+            ck.restore(target, checkpoint=saved)  # (the collective Checkpointer that saved it)
+            want = expected
+        else:
+            sd = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, fresh_optim)}
+            dcp.load(sd, checkpoint_id=str(sroot / f"save{index}"), process_group=dcp_group)
+            set_model_state_dict(fresh, sd["model"])
+            set_optimizer_state_dict(fresh, fresh_optim, sd["optim"])
+            want = {k: v for k, v in expected.items() if k.startswith(("model.", "optim."))}
+        got = {k: v for k, v in snapshot(target).items() if k in want or k.startswith(("model.", "optim."))}
+        return differences(got, want) or "ok"
+
+    for _ in range(3):
+        step()  # warm-up
+    for system in args.systems:
+        import torch.distributed.checkpoint as dcp
+
+        sroot = root / system
+        ck = gpusnap.Checkpointer(sroot, keep_last=2, config=gpusnap.Config(fsync=True)) if system == "gpusnap" else None
+        rows = []
+        before = plain(args.window)
+        try:
+            for i in range(args.saves):
+                expected = snapshot(state) if i == 0 else None
+                size0 = bytes_under(sroot)
+                dist.barrier()
+                w0, c0 = time.perf_counter(), time.process_time()
+                if system == "gpusnap":
+                    pending = ck.save(state)  # type: ignore[union-attr]
+                    done = pending.done
+                elif system == "dcp_async":
+                    future = dcp.async_save(dcp_state(), checkpoint_id=str(sroot / f"save{i}"), process_group=dcp_group)
+                    done = future.done
+                else:
+                    dcp.save(dcp_state(), checkpoint_id=str(sroot / f"save{i}"), process_group=dcp_group)
+                    done = lambda: True  # noqa: E731
+                call = time.perf_counter() - w0
+                steps, durable_at = 0, None
+                while True:
+                    step()
+                    steps += 1
+                    if everywhere(done()) and durable_at is None:
+                        durable_at = time.perf_counter() - w0
+                    if durable_at is not None and steps >= args.window:
+                        break
+                window = Window(steps, time.perf_counter() - w0, time.process_time() - c0)
+                saved = None
+                if system == "gpusnap":
+                    saved = pending.wait().id
+                elif system == "dcp_async":
+                    future.result()
+                after = plain(args.window)
+                both = Window(before.steps + after.steps, before.wall_s + after.wall_s, before.cpu_s + after.cpu_s)
+                cost, cpu_cost = charge(window, both)
+                rows.append({"save": i, "cost_s": cost, "cpu_cost_s": cpu_cost, "call_s": call, "steps": steps,
+                             "durable_s": durable_at, "bytes": bytes_under(sroot) - size0,
+                             "drift_s": steps * (after.step_wall_s - before.step_wall_s),
+                             "step_s": both.step_wall_s})
+                print(f"rank {rank} {system} save {i}: cost {cost * 1e3:.1f} ms, CPU {cpu_cost:.2f} s, "
+                      f"call {call * 1e3:.1f} ms, durable {durable_at:.2f} s, {rows[-1]['bytes'] / 1e9:.2f} GB", flush=True)
+                before = after
+                if expected is not None:
+                    doc["checks"][f"{system} save 0 bit-exact"] = restore_check(system, sroot, i, expected, ck, saved)
+        finally:
+            if ck is not None:
+                ck.close()
+        doc["systems"][system] = rows
+    (out / f"rank{rank}.json").write_text(json.dumps(doc, indent=1, default=str))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# -- the launcher -------------------------------------------------------------------------------
+def launch(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    out = Path(args.out or tempfile.mkdtemp(prefix="gpusnap-distcost-out-", dir="/tmp"))
+    out.mkdir(parents=True, exist_ok=True)
+    root = Path(args.root or tempfile.mkdtemp(prefix="gpusnap-distcost-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH", "")) if p))
+    common = ["--world", str(args.world), "--port", str(store.port), "--out", str(out), "--root", str(root),
+              "--device", args.device, "--gpus", str(args.gpus), "--size", args.size, "--saves", str(args.saves),
+              "--window", str(args.window), "--timeout", str(args.timeout), "--systems", *args.systems]
+    procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), *common], env=env,
+                              stdout=open(out / f"rank{r}.log", "wb"), stderr=subprocess.STDOUT)
+             for r in range(args.world)]
+    codes = []
+    deadline = time.monotonic() + args.timeout
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            codes.append("hang")
+    shutil.rmtree(root, ignore_errors=True)
+    docs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(args.world) if (out / f"rank{r}.json").exists()]
+    print(f"\n# {args.world} ranks on {args.gpus} GPU(s), {args.device}; exit codes {codes}; logs in {out}")
+    if len(docs) != args.world:
+        print("FAIL: a rank left no result (see its log)")
+        return 1
+    checks = {k: v for d in docs for k, v in d["checks"].items() if v != "ok"}
+    print("| system | cost / save (median, max over ranks) | CPU-s / save | save() call | durable | GB / save (all ranks) | drift |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    medians: dict[str, float] = {}
+    for system in args.systems:
+        per_rank = [d["systems"].get(system, []) for d in docs]
+        if not all(per_rank):
+            print(f"| {system} | not run | | | | | |")
+            continue
+
+        def worst(key: str) -> float:
+            return max(statistics.median(r[key] for r in rows) for rows in per_rank)
+
+        medians[system] = worst("cost_s")
+        gb = sum(statistics.median(r["bytes"] for r in rows) for rows in per_rank) / 1e9
+        print(f"| {system} | {worst('cost_s') * 1e3:.1f} ms | {worst('cpu_cost_s'):.2f} | {worst('call_s') * 1e3:.1f} ms "
+              f"| {worst('durable_s'):.2f} s | {gb:.2f} | {worst('drift_s') * 1e3:+.1f} ms |")
+    if "gpusnap" in medians and "dcp_async" in medians and medians["gpusnap"] > 0:
+        print(f"dcp_async / gpusnap cost: {medians['dcp_async'] / medians['gpusnap']:.1f}x")
+    print("bit-exact: " + ("all checks ok" if not checks else f"FAILED {checks}"))
+    return 0 if not checks and all(c == 0 for c in codes) else 1
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--gpus", type=int, default=2, help="GPUs the ranks spread over (1: all on cuda:0, gloo)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--size", default="quick", choices=("quick", "tiny"))
+    p.add_argument("--saves", type=int, default=3)
+    p.add_argument("--window", type=int, default=20)
+    p.add_argument("--systems", nargs="+", default=["gpusnap", "dcp_async", "dcp_save"],
+                   choices=["gpusnap", "dcp_async", "dcp_save"])
+    p.add_argument("--timeout", type=float, default=540.0)
+    p.add_argument("--out", default=None)
+    p.add_argument("--root", default=None)
+    args = p.parse_args()
+    if args.rank is not None:
+        rank_main(args)
+        return
+    sys.exit(launch(args))
+
+
+if __name__ == "__main__":
+    main()
