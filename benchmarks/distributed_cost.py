@@ -1,11 +1,12 @@
 """What a collective checkpoint costs FSDP2 training, against DCP in the same run (issue 26).
 
-    python benchmarks/distributed_cost.py [--gpus 2] [--size quick|tiny] [--saves 3] [--window 20]
+    python benchmarks/distributed_cost.py [--gpus 2] [--workload llama|gpt2-large] [--size quick|tiny] [--saves 3] [--window 20]
                                           [--systems gpusnap dcp_async dcp_save] [--out DIR] [--root DIR]
 
 One process per rank (this file, started again with ``--rank``): rank ``r`` trains the bench's
-Llama-style model (``gpusnap.bench.llama``: 0.95B with ``--size quick``, bf16 autocast, fused
-AdamW) under ``fully_shard`` (each decoder layer, then the whole model) on ``cuda:r``
+Llama-style model (``gpusnap.bench.llama``: 0.95B with ``--size quick``) or GPT-2 large
+(``--workload gpt2-large``), bf16 autocast, fused AdamW, under ``fully_shard`` (each block,
+then the whole model) on ``cuda:r``
 (``--gpus 1``: every rank on ``cuda:0``), the process group ``cpu:gloo,cuda:nccl`` (gloo alone
 on one GPU or the CPU). NVLink multicast stays as the environment sets it (``NCCL_NVLS_ENABLE``).
 
@@ -78,13 +79,18 @@ def rank_main(args: argparse.Namespace) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        from gpusnap.bench.llama import build_llama
-
         torch.manual_seed(seed)  # every rank builds the same model, then keeps its shards
-        model, loss, _optim, data, _impl, config = build_llama(device, args.size, None, None)
+        if args.workload == "llama":
+            from gpusnap.bench.llama import build_llama
+
+            model, loss, _optim, data, _impl, config = build_llama(device, args.size, None, None)
+            blocks = getattr(getattr(model, "model", model), "layers", [])
+        else:
+            model, loss, data, config = build_gpt2(args.workload, args.size, device)
+            blocks = model.transformer.h
         mesh = init_device_mesh(device.type, (world,))
-        for layer in getattr(getattr(model, "model", model), "layers", []):
-            fully_shard(layer, mesh=mesh)
+        for block in blocks:
+            fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
         doc["config"] = config
@@ -203,6 +209,27 @@ def rank_main(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def build_gpt2(name: str, size: str, device: Any) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """The bench's GPT-2 shapes (``gpusnap.bench.workloads``), as (model, loss, data, config)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from gpusnap.bench.workloads import _GPT, _GPT_VOCAB
+
+    n_layer, n_embd, n_head, b, seq = _GPT[name][size]
+    vocab = _GPT_VOCAB[size]
+    with torch.device(device):
+        model = GPT2LMHeadModel(GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head,
+                                           n_positions=max(1024, seq), vocab_size=vocab))
+        data = torch.randint(0, vocab, (b, seq))
+    model.train()
+
+    def loss(tokens: Any) -> Any:
+        return model(input_ids=tokens, labels=tokens).loss
+
+    return model, loss, data, {"n_layer": n_layer, "n_embd": n_embd, "batch": b, "seq": seq, "size": size}
+
+
 # -- the launcher -------------------------------------------------------------------------------
 def launch(args: argparse.Namespace) -> int:
     import torch.distributed as dist
@@ -213,7 +240,7 @@ def launch(args: argparse.Namespace) -> int:
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH", "")) if p))
     common = ["--world", str(args.world), "--port", str(store.port), "--out", str(out), "--root", str(root),
-              "--device", args.device, "--gpus", str(args.gpus), "--size", args.size, "--saves", str(args.saves),
+              "--device", args.device, "--gpus", str(args.gpus), "--workload", args.workload, "--size", args.size, "--saves", str(args.saves),
               "--window", str(args.window), "--timeout", str(args.timeout), "--systems", *args.systems]
     procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), *common], env=env,
                               stdout=open(out / f"rank{r}.log", "wb"), stderr=subprocess.STDOUT)
@@ -263,6 +290,7 @@ def main() -> None:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--gpus", type=int, default=2, help="GPUs the ranks spread over (1: all on cuda:0, gloo)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--workload", default="llama", choices=("llama", "gpt2-large"))
     p.add_argument("--size", default="quick", choices=("quick", "tiny"))
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--window", type=int, default=20)
