@@ -14,8 +14,9 @@ Each system saves ``--saves`` times while training; each save is charged as
 ``gpusnap bench --cost`` charges it (``src/gpusnap/bench/cost.py``): a window of at least
 ``--window`` steps that runs on until the save is durable *on every rank* (the ranks agree
 each step through a gloo group, plain windows too, so they run the same steps), against the
-mean step of the plain windows just before and after it; host CPU-seconds likewise, and the
-bytes the save added under its root. Systems:
+mean step of the plain windows just before and after it; host CPU-seconds likewise (summed
+over the ranks), and the bytes under the system's root after each save (retention included;
+DCP keeps its latest save only: tmpfs is memory). The first rank to fail ends the run. Systems:
 
 - ``gpusnap``: a collective ``gpusnap.Checkpointer`` (durable root; no fast tier for a
   collective Checkpointer yet), ``pending.done()`` for durable;
@@ -41,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -66,11 +68,13 @@ def rank_main(args: argparse.Namespace) -> None:
         torch.cuda.set_device(device)
     store = dist.TCPStore("127.0.0.1", args.port, world, is_master=False, timeout=timedelta(seconds=args.timeout))
     backend = "cpu:gloo,cuda:nccl" if cuda and args.gpus > 1 else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=args.timeout))
-    agree = dist.new_group(backend="gloo")  # the per-step "durable everywhere?" flag
+    # a collective stuck on a dead peer fails after this, well inside the launcher's watchdog
+    collective = timedelta(seconds=min(120.0, args.timeout / 3))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=collective)
+    agree = dist.new_group(backend="gloo", timeout=collective)  # the per-step "durable everywhere?" flag
     # DCP's own group: async_save's background thread runs collectives while training runs
     # FSDP's on the default group (one group for both: a collective mismatch), as DCP advises
-    dcp_group = dist.new_group(backend="gloo")
+    dcp_group = dist.new_group(backend="gloo", timeout=collective)
     out, root = Path(args.out), Path(args.root)
     doc: dict[str, Any] = {"rank": rank, "device": str(device), "backend": backend, "systems": {}, "checks": {},
                            "error": None}
@@ -109,16 +113,17 @@ def rank_main(args: argparse.Namespace) -> None:
         state["step"] += 1
         out_loss.detach().reshape(-1)[0].item()  # a loop reads its loss
 
-    def everywhere(flag: bool) -> bool:
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    def everywhere(*flags: bool) -> list[bool]:
+        """Each flag AND-ed over the ranks (one small gloo all_reduce, plain steps too)."""
+        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=agree)
-        return bool(t.item())
+        return [bool(v) for v in t.tolist()]
 
     def plain(n: int) -> Window:
         w0, c0 = time.perf_counter(), time.process_time()
         for _ in range(n):
             step()
-            everywhere(True)
+            everywhere(True, True)
         return Window(n, time.perf_counter() - w0, time.process_time() - c0)
 
     def dcp_state() -> dict[str, Any]:
@@ -151,6 +156,8 @@ def rank_main(args: argparse.Namespace) -> None:
 
     for _ in range(3):
         step()  # warm-up
+    if os.environ.get("GPUSNAP_DISTCOST_FAIL_RANK") == str(rank):  # (the tests: a rank that fails)
+        raise RuntimeError("this rank was told to fail")
     for system in args.systems:
         import torch.distributed.checkpoint as dcp
 
@@ -161,7 +168,6 @@ def rank_main(args: argparse.Namespace) -> None:
         try:
             for i in range(args.saves):
                 expected = snapshot(state) if i == 0 else None
-                size0 = bytes_under(sroot)
                 dist.barrier()
                 w0, c0 = time.perf_counter(), time.process_time()
                 if system == "gpusnap":
@@ -178,10 +184,13 @@ def rank_main(args: argparse.Namespace) -> None:
                 while True:
                     step()
                     steps += 1
-                    if everywhere(done()) and durable_at is None:
+                    durable, within = everywhere(done(), time.perf_counter() - w0 < args.max_window_s)
+                    if durable and durable_at is None:
                         durable_at = time.perf_counter() - w0
                     if durable_at is not None and steps >= args.window:
                         break
+                    if not within and durable_at is None:
+                        raise RuntimeError(f"{system} save {i} not durable on every rank within {args.max_window_s} s")
                 window = Window(steps, time.perf_counter() - w0, time.process_time() - c0)
                 saved = None
                 if system == "gpusnap":
@@ -192,18 +201,28 @@ def rank_main(args: argparse.Namespace) -> None:
                 both = Window(before.steps + after.steps, before.wall_s + after.wall_s, before.cpu_s + after.cpu_s)
                 cost, cpu_cost = charge(window, both)
                 rows.append({"save": i, "cost_s": cost, "cpu_cost_s": cpu_cost, "call_s": call, "steps": steps,
-                             "durable_s": durable_at, "bytes": bytes_under(sroot) - size0,
+                             "durable_s": durable_at, "root_bytes": bytes_under(sroot) if rank == 0 else None,
                              "drift_s": steps * (after.step_wall_s - before.step_wall_s),
                              "step_s": both.step_wall_s})
                 print(f"rank {rank} {system} save {i}: cost {cost * 1e3:.1f} ms, CPU {cpu_cost:.2f} s, "
-                      f"call {call * 1e3:.1f} ms, durable {durable_at:.2f} s, {rows[-1]['bytes'] / 1e9:.2f} GB", flush=True)
+                      f"call {call * 1e3:.1f} ms, durable {durable_at:.2f} s", flush=True)
                 before = after
                 if expected is not None:
                     doc["checks"][f"{system} save 0 bit-exact"] = restore_check(system, sroot, i, expected, ck, saved)
+                    for _ in range(2):
+                        step()  # (the check's tail settles)
+                    before = plain(args.window)  # not charged to the next save
+                if system != "gpusnap" and i > 0:  # keep one DCP save: tmpfs is memory
+                    dist.barrier()
+                    if rank == 0:
+                        shutil.rmtree(sroot / f"save{i - 1}", ignore_errors=True)
         finally:
             if ck is not None:
                 ck.close()
         doc["systems"][system] = rows
+        dist.barrier()
+        if rank == 0:  # each system's root goes once its row is done
+            shutil.rmtree(sroot, ignore_errors=True)
     (out / f"rank{rank}.json").write_text(json.dumps(doc, indent=1, default=str))
     dist.barrier()
     dist.destroy_process_group()
@@ -241,27 +260,31 @@ def launch(args: argparse.Namespace) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH", "")) if p))
     common = ["--world", str(args.world), "--port", str(store.port), "--out", str(out), "--root", str(root),
               "--device", args.device, "--gpus", str(args.gpus), "--workload", args.workload, "--size", args.size, "--saves", str(args.saves),
-              "--window", str(args.window), "--timeout", str(args.timeout), "--systems", *args.systems]
+              "--window", str(args.window), "--timeout", str(args.timeout), "--max-window-s", str(args.max_window_s), "--systems", *args.systems]
     procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), *common], env=env,
                               stdout=open(out / f"rank{r}.log", "wb"), stderr=subprocess.STDOUT)
              for r in range(args.world)]
-    codes = []
-    deadline = time.monotonic() + args.timeout
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            codes.append("hang")
+    deadline, hung = time.monotonic() + args.timeout, False
+    while any(p.poll() is None for p in procs):  # the first rank to fail ends the run (its peer would wait)
+        hung = time.monotonic() > deadline
+        if hung or any(p.poll() not in (None, 0) for p in procs):
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            break
+        time.sleep(0.5)
+    codes = [p.wait() for p in procs]
     shutil.rmtree(root, ignore_errors=True)
     docs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(args.world) if (out / f"rank{r}.json").exists()]
-    print(f"\n# {args.world} ranks on {args.gpus} GPU(s), {args.device}; exit codes {codes}; logs in {out}")
-    if len(docs) != args.world:
-        print("FAIL: a rank left no result (see its log)")
+    print(f"\n# {args.world} ranks on {args.gpus} GPU(s), {args.device}; exit codes {codes}"
+          f"{' (the watchdog killed them)' if hung else ''}; logs in {out}")
+    errors = {d["rank"]: d["error"] for d in docs if d.get("error")}
+    if errors or len(docs) != args.world:
+        print(f"FAIL: errors {errors}; {args.world - len(docs)} rank(s) left no result (see their logs)")
         return 1
     checks = {k: v for d in docs for k, v in d["checks"].items() if v != "ok"}
-    print("| system | cost / save (median, max over ranks) | CPU-s / save | save() call | durable | GB / save (all ranks) | drift |")
+    print("| system | cost / save (median; max over ranks) | CPU-s / save (all ranks) | save() call | durable "
+          "| GB on disk after a save | plain-step drift (largest) |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     medians: dict[str, float] = {}
     for system in args.systems:
@@ -274,9 +297,11 @@ def launch(args: argparse.Namespace) -> int:
             return max(statistics.median(r[key] for r in rows) for rows in per_rank)
 
         medians[system] = worst("cost_s")
-        gb = sum(statistics.median(r["bytes"] for r in rows) for rows in per_rank) / 1e9
-        print(f"| {system} | {worst('cost_s') * 1e3:.1f} ms | {worst('cpu_cost_s'):.2f} | {worst('call_s') * 1e3:.1f} ms "
-              f"| {worst('durable_s'):.2f} s | {gb:.2f} | {worst('drift_s') * 1e3:+.1f} ms |")
+        cpu = sum(statistics.median(r["cpu_cost_s"] for r in rows) for rows in per_rank)
+        gb = statistics.median(r["root_bytes"] for r in per_rank[0]) / 1e9  # (rank 0 counts the root)
+        drift = max((r["drift_s"] for rows in per_rank for r in rows), key=abs)
+        print(f"| {system} | {worst('cost_s') * 1e3:.1f} ms | {cpu:.2f} | {worst('call_s') * 1e3:.1f} ms "
+              f"| {worst('durable_s'):.2f} s | {gb:.2f} | {drift * 1e3:+.1f} ms |")
     if "gpusnap" in medians and "dcp_async" in medians and medians["gpusnap"] > 0:
         print(f"dcp_async / gpusnap cost: {medians['dcp_async'] / medians['gpusnap']:.1f}x")
     print("bit-exact: " + ("all checks ok" if not checks else f"FAILED {checks}"))
@@ -296,12 +321,20 @@ def main() -> None:
     p.add_argument("--window", type=int, default=20)
     p.add_argument("--systems", nargs="+", default=["gpusnap", "dcp_async", "dcp_save"],
                    choices=["gpusnap", "dcp_async", "dcp_save"])
-    p.add_argument("--timeout", type=float, default=540.0)
+    p.add_argument("--timeout", type=float, default=540.0, help="the whole run's watchdog (s)")
+    p.add_argument("--max-window-s", type=float, default=120.0, help="a save not durable by then fails the run")
     p.add_argument("--out", default=None)
     p.add_argument("--root", default=None)
     args = p.parse_args()
     if args.rank is not None:
-        rank_main(args)
+        try:
+            rank_main(args)
+        except BaseException as exc:  # recorded, then out at once: a peer may sit in a collective
+            traceback.print_exc()
+            (Path(args.out) / f"rank{args.rank}.json").write_text(json.dumps(
+                {"rank": args.rank, "error": f"{type(exc).__name__}: {exc}"[:400], "systems": {}, "checks": {}}))
+            sys.stdout.flush()
+            os._exit(1)
         return
     sys.exit(launch(args))
 

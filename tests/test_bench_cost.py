@@ -191,6 +191,49 @@ def test_the_runner_brackets_every_save_by_the_next_saves_plain_window(tmp_path:
         assert s["cost_s"] == pytest.approx(CALL + 2 * EXTRA) == s["cost_before_only_s"]
 
 
+def test_a_drifting_step_is_cancelled_by_the_windows_on_both_sides(tmp_path: Path) -> None:
+    clock = _Clock()
+    fake = _Fake(clock, durable_after=2)
+    drift = 0.01  # each step 10 ms slower than the one before it
+    inner = fake.workload().step
+
+    def step(hook: Any = None) -> Any:
+        clock.spend(drift * fake.steps, 0.0)
+        return inner(hook)
+
+    wl = fake.workload()
+    wl.step = step
+    opts = CostOptions(workloads=["fake"], device=torch.device("cpu"), quick=False, root=str(tmp_path),
+                       window_steps=4, saves=3, every=[], clocks=clock.clocks()).resolved()
+    row = _measure_row(wl, wl, fake.system(), opts, _Deadline(None, opts.clocks), {"state_bytes": 1, "checks": []})
+    true = CALL + 2 * EXTRA  # what each save adds to its steps, whatever the plain step is then
+    for s in row["saves"]:
+        assert s["drift_s"] > 0  # the plain step after is slower than the one before
+        bracketed, one_sided = abs(s["cost_s"] - true), abs(s["cost_before_only_s"] - true)
+        assert bracketed < one_sided / 2, (s["cost_s"], s["cost_before_only_s"])
+        assert bracketed <= 4 * 4 * drift
+
+
+def test_a_failing_later_save_keeps_the_earlier_saves_figures(tmp_path: Path) -> None:
+    clock = _Clock()
+    fake = _Fake(clock, durable_after=1)
+    system = fake.system()
+    real = system.save
+
+    def save(wl: Workload, index: int) -> SaveHandle:
+        if index == 2:
+            raise RuntimeError("the third save failed")
+        return real(wl, index)
+
+    system.save = save  # type: ignore[method-assign]
+    wl = fake.workload()
+    opts = CostOptions(workloads=["fake"], device=torch.device("cpu"), quick=False, root=str(tmp_path),
+                       window_steps=4, saves=3, every=[], clocks=clock.clocks()).resolved()
+    row = _measure_row(wl, wl, system, opts, _Deadline(None, opts.clocks), {"state_bytes": 1, "checks": []})
+    assert "the third save failed" in row["status"]
+    assert [s["index"] for s in row["saves"]] == [0, 1]  # measured before the failure: still reported
+
+
 def test_every_n_counts_whole_periods_and_leaves_rotation_out() -> None:
     clock = _Clock()
     fake = _Fake(clock, durable_after=0)

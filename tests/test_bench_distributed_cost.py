@@ -37,3 +37,17 @@ def test_the_distributed_cost_run_works_on_cpu(tmp_path: Path) -> None:
         assert all(v == "ok" for v in doc["checks"].values())
         assert all(len(rows) == 1 and rows[0]["steps"] >= 2 for rows in doc["systems"].values())
     assert not root.exists()  # the checkpoints are removed
+
+
+def test_a_failing_rank_ends_the_run_with_its_error(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--gpus", "1", "--size", "tiny", "--saves", "1",
+         "--window", "2", "--timeout", "400", "--out", str(out), "--root", str(tmp_path / "root"),
+         "--systems", "gpusnap"],
+        capture_output=True, text=True, timeout=500,
+        env=dict(os.environ, OMP_NUM_THREADS="1", GPUSNAP_DISTCOST_FAIL_RANK="1"),
+    )
+    assert run.returncode != 0
+    assert "FAIL" in run.stdout and "this rank was told to fail" in run.stdout
+    assert "watchdog" not in run.stdout  # ended by the failure, not by the timeout

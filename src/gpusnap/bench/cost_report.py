@@ -14,7 +14,9 @@ __all__ = ["LEGEND", "markdown", "summary_table", "write_cost_report"]
 
 LEGEND = (
     "**cost / ckpt**: wall time of the steps run from save() until the save is durable (at least N steps) "
-    "minus as many plain steps: what one checkpoint costs the training job. **CPU-s / ckpt**: this process's "
+    "minus as many plain steps, at the mean step of the plain windows just before and after it: what one "
+    "checkpoint costs the training job (**plain-step drift**, per save: how far the plain step moved across "
+    "it, times its steps). **CPU-s / ckpt**: this process's "
     "CPU-seconds (every thread, user + system) over that window minus the plain steps' over as many steps. "
     "**durable GB/s**: state bytes / (save() to durable). **loss @N**: throughput lost with a save every N "
     "steps, 1 - (steps/s with saves) / (steps/s plain); (d): derived from the warm cost, not measured. "

@@ -288,6 +288,7 @@ def _measure_row(wl: Workload, fresh: Workload, system: System, opts: CostOption
             sample = cost_window(wl, system, i, n, before, nbytes=entry["state_bytes"], clocks=clocks,
                                  max_s=window_cap)
             charged.append((sample, before))
+            row["saves"].append(sample.as_json())  # (one-sided until bracketed below: kept if a later save fails)
             if expected is not None:
                 _check(entry, system, "save 0", system.verify(wl, fresh, i, expected))
                 del expected
@@ -298,16 +299,23 @@ def _measure_row(wl: Workload, fresh: Workload, system: System, opts: CostOption
             if k + 1 < len(charged):
                 after = charged[k + 1][1]
             else:
+                for _ in range(_GAP_STEPS):  # (as before every other plain window: the tail settles)
+                    read_step(wl)
                 after = plain_window(wl, n, clocks)
                 row["plains"].append(dict(after.__dict__))
-            row["saves"].append(bracket(sample, before, after).as_json())
+            row["saves"][k] = bracket(sample, before, after).as_json()
         if isinstance(system, GpusnapFast) and not deadline.spent():
             index = opts.saves
             before = plain_window(wl, n, clocks)
             sample = cost_window(wl, system, index, n, before, nbytes=entry["state_bytes"], clocks=clocks,
                                  max_s=window_cap, save=lambda: system.promoted_save(wl, index))
+            # the promotion runs on after the window: the plain window after it waits for its end
+            # (run during it, the promotion would count as plain and shrink the save's figure)
+            promotion = _promotion(wl, system, index, window_cap, clocks)
+            for _ in range(_GAP_STEPS):
+                read_step(wl)
             row["promoted"] = bracket(sample, before, plain_window(wl, n, clocks)).as_json()
-            row["promoted"]["promotion"] = _promotion(wl, system, index, window_cap, clocks)
+            row["promoted"]["promotion"] = promotion
         if getattr(system, "mid_step_check", False) and not deadline.spent():
             _check(entry, system, "between backward() and optimizer.step()",
                    _mid_step(wl, fresh, system, opts.saves + 1, window_cap, clocks))
