@@ -59,7 +59,8 @@ def rank_main(args: argparse.Namespace) -> None:
     from distributed_one_gpu_ranks import differences, snapshot
 
     import gpusnap
-    from gpusnap.bench.cost import Window, charge
+    from gpusnap.bench.cost import Window, charge, pooled
+    from gpusnap.bench.system import dir_bytes
 
     rank, world = args.rank, args.world
     cuda = args.device == "cuda"
@@ -131,9 +132,6 @@ def rank_main(args: argparse.Namespace) -> None:
 
         return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
 
-    def bytes_under(path: Path) -> int:
-        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
-
     def restore_check(system: str, sroot: Path, index: int, expected: dict[str, Any], ck: Any, saved: Any) -> str:
         """Save ``index`` restored into a fresh sharded model and optimizer: "ok" or what differs."""
         import torch.distributed.checkpoint as dcp
@@ -198,10 +196,10 @@ def rank_main(args: argparse.Namespace) -> None:
                 elif system == "dcp_async":
                     future.result()
                 after = plain(args.window)
-                both = Window(before.steps + after.steps, before.wall_s + after.wall_s, before.cpu_s + after.cpu_s)
+                both = pooled(before, after)
                 cost, cpu_cost = charge(window, both)
                 rows.append({"save": i, "cost_s": cost, "cpu_cost_s": cpu_cost, "call_s": call, "steps": steps,
-                             "durable_s": durable_at, "root_bytes": bytes_under(sroot) if rank == 0 else None,
+                             "durable_s": durable_at, "root_bytes": dir_bytes(str(sroot)) if rank == 0 else None,
                              "drift_s": steps * (after.step_wall_s - before.step_wall_s),
                              "step_s": both.step_wall_s})
                 print(f"rank {rank} {system} save {i}: cost {cost * 1e3:.1f} ms, CPU {cpu_cost:.2f} s, "

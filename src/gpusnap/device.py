@@ -19,6 +19,7 @@ __all__ = [
     "loaded_cudart_path",
     "host_buffer",
     "is_accelerator",
+    "libcuda",
     "outside_graph_captures",
     "synchronize",
     "to_host",
@@ -92,7 +93,7 @@ def outside_graph_captures() -> bool:
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return False
     try:
-        exchange = _libcuda().cuThreadExchangeStreamCaptureMode
+        exchange = libcuda().cuThreadExchangeStreamCaptureMode
     except (OSError, AttributeError):
         return False
     mode = ctypes.c_int(_CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
@@ -101,8 +102,9 @@ def outside_graph_captures() -> bool:
 
 
 @functools.cache
-def _libcuda() -> ctypes.CDLL:
-    return ctypes.CDLL("libcuda.so.1")  # the driver torch already loaded
+def libcuda() -> ctypes.CDLL:
+    """The CUDA driver library torch already loaded (``OSError`` where there is none)."""
+    return ctypes.CDLL("libcuda.so.1")
 
 
 def loaded_cudart_path() -> str | None:

@@ -40,7 +40,7 @@ from gpusnap.bench.summary import jsonable
 from gpusnap.bench.system import SaveHandle, System, sync
 from gpusnap.bench.workloads import Hook, Workload
 
-__all__ = ["Clocks", "CostSample", "Window", "bracket", "cost_window", "plain_window", "read_step"]
+__all__ = ["Clocks", "CostSample", "Window", "bracket", "cost_window", "plain_window", "pooled", "read_step"]
 
 
 @dataclass(frozen=True)
@@ -108,9 +108,14 @@ class CostSample:
         return jsonable(dict(self.__dict__))  # type: ignore[no-any-return]
 
 
+def pooled(first: Window, second: Window) -> Window:
+    """Two plain windows as one: their mean step over both."""
+    return Window(first.steps + second.steps, first.wall_s + second.wall_s, first.cpu_s + second.cpu_s)
+
+
 def bracket(sample: CostSample, before: Window, after: Window) -> CostSample:
     """``sample`` charged against the mean step of the plain windows before and after it."""
-    both = Window(before.steps + after.steps, before.wall_s + after.wall_s, before.cpu_s + after.cpu_s)
+    both = pooled(before, after)
     window = Window(sample.steps, sample.wall_s, sample.cpu_s)
     cost, cpu_cost = charge(window, both)
     first_step = sample.stall_s + before.step_wall_s  # (stall_s was charged one plain step before)

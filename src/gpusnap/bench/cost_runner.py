@@ -299,9 +299,7 @@ def _measure_row(wl: Workload, fresh: Workload, system: System, opts: CostOption
             if k + 1 < len(charged):
                 after = charged[k + 1][1]
             else:
-                for _ in range(_GAP_STEPS):  # (as before every other plain window: the tail settles)
-                    read_step(wl)
-                after = plain_window(wl, n, clocks)
+                after = _settled_plain(wl, n, clocks)
                 row["plains"].append(dict(after.__dict__))
             row["saves"][k] = bracket(sample, before, after).as_json()
         if isinstance(system, GpusnapFast) and not deadline.spent():
@@ -312,9 +310,7 @@ def _measure_row(wl: Workload, fresh: Workload, system: System, opts: CostOption
             # the promotion runs on after the window: the plain window after it waits for its end
             # (run during it, the promotion would count as plain and shrink the save's figure)
             promotion = _promotion(wl, system, index, window_cap, clocks)
-            for _ in range(_GAP_STEPS):
-                read_step(wl)
-            row["promoted"] = bracket(sample, before, plain_window(wl, n, clocks)).as_json()
+            row["promoted"] = bracket(sample, before, _settled_plain(wl, n, clocks)).as_json()
             row["promoted"]["promotion"] = promotion
         if getattr(system, "mid_step_check", False) and not deadline.spent():
             _check(entry, system, "between backward() and optimizer.step()",
@@ -356,6 +352,14 @@ def _mid_step(wl: Workload, fresh: Workload, system: System, index: int, max_s: 
         read_step(wl)
     handle.wait()
     return system.verify(wl, fresh, index, box["expected"])
+
+
+def _settled_plain(wl: Workload, n: int, clocks: Clocks) -> Window:
+    """A plain window after ``_GAP_STEPS`` untimed steps (as before each save's own: a save's
+    tail settles first)."""
+    for _ in range(_GAP_STEPS):
+        read_step(wl)
+    return plain_window(wl, n, clocks)
 
 
 def _promotion(wl: Workload, system: GpusnapFast, index: int, max_s: float, clocks: Clocks) -> dict[str, Any]:

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from gpusnap.device import libcuda
+
 __all__ = ["DriverCopies", "DriverEvent", "HostCopies", "address_copies"]
 
 _BLOCKING_SYNC, _DISABLE_TIMING = 0x1, 0x2  # CU_EVENT_* flags
@@ -168,7 +170,7 @@ def address_copies(device: torch.device, stream: Any) -> HostCopies | DriverCopi
 @functools.cache
 def _driver() -> ctypes.CDLL | None:
     try:
-        lib = ctypes.CDLL("libcuda.so.1")  # the driver torch already loaded
+        lib = libcuda()
         for name in ("cuMemcpyDtoHAsync_v2", "cuEventCreate", "cuEventRecord", "cuEventQuery",
                      "cuEventSynchronize", "cuEventDestroy_v2", "cuStreamSynchronize", "cuCtxGetCurrent", "cuCtxSetCurrent",
                      "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuGetErrorName"):

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from gpusnap.device import loaded_cudart_path
+from gpusnap.device import libcuda, loaded_cudart_path
 from gpusnap.restore.read_procs import WorkerProcs, runs_reply
 from gpusnap.restore.staging import SharedMemory, SlotPool
 
@@ -173,7 +173,7 @@ def _segment(t: torch.Tensor) -> tuple[int, int]:
     """The base of the ``cudaMalloc`` allocation holding ``t`` (the caching allocator may
     have carved ``t`` out of a larger one), and ``t``'s offset in it."""
     try:
-        cuda = ctypes.CDLL("libcuda.so.1")
+        cuda = libcuda()
     except OSError as exc:
         raise DirectUnavailable(f"libcuda.so.1: {exc}") from None
     base, size = ctypes.c_uint64(), ctypes.c_size_t()

@@ -55,7 +55,9 @@ def _cudart() -> ctypes.CDLL:
 
 @functools.cache
 def _driver() -> ctypes.CDLL:
-    lib = ctypes.CDLL("libcuda.so.1")  # (loaded already by torch's runtime)
+    from gpusnap.device import libcuda
+
+    lib = libcuda()
     lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
                                             ctypes.c_uint64]
     return lib
