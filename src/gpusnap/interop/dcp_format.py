@@ -5,7 +5,9 @@ Reading is safe by default, as restore is: DCP's reader unpickles ``.metadata`` 
 ``pickle`` and its planner loads non-tensor values with ``torch.load(weights_only=False)``;
 here the metadata goes through an unpickler that admits only DCP's metadata classes, torch
 dtypes and sizes, and values through ``torch.load(weights_only=True)``. Tensors are read by
-DCP itself (with ``weights_only=True``).
+DCP itself (with ``weights_only=True``), each file opened through
+:mod:`~gpusnap.interop.contained`: a storage path in ``.metadata`` that is absolute or leads
+out of the directory (``..``, a link) is refused before any tensor is read.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import torch
 
+from gpusnap.interop.contained import inside, opened
 from gpusnap.interop.errors import FormatError, reason
 from gpusnap.interop.report import Written
 from gpusnap.interop.sharing import shared_with
@@ -54,9 +57,23 @@ def read(path: str) -> dict[Any, Any]:
     from torch.distributed.checkpoint import FileSystemReader, load
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystem
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+    class Contained(FileSystem):  # (DCP's reader opens each storage path through these two)
+        def concat_path(self, where: Any, suffix: str) -> str:
+            return suffix  # kept as .metadata names it: opened inside ``path`` only
+
+        @contextmanager
+        def create_stream(self, rel: Any, mode: str) -> Iterator[Any]:
+            with opened(path, rel, f"{path}: storage file") as stream:
+                yield stream
+
     class Reader(FileSystemReader):
+        def __init__(self, where: str) -> None:
+            super().__init__(where)
+            self.fs = Contained()
+
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             return _safe_metadata(self, path)
 
@@ -81,6 +98,8 @@ def read(path: str) -> dict[Any, Any]:
     except FormatError:
         raise
     except (Exception, CheckpointException) as exc:  # (CheckpointException is a BaseException)
+        if isinstance(_first(exc), FormatError):  # (a file DCP opened was refused: that error as it is)
+            raise _first(exc) from exc
         raise FormatError(f"{path}: the DCP checkpoint cannot be read (corrupt or truncated?): {_cause(exc)}") from exc
     return _nested(flat, meta.planner_data)
 
@@ -88,11 +107,18 @@ def read(path: str) -> dict[Any, Any]:
 def _cause(exc: BaseException) -> str:
     """What went wrong, in one line: DCP wraps each rank's error (a missing or truncated
     ``.distcp`` file) in a CheckpointException whose text is their tracebacks."""
+    exc = _first(exc)
+    return f"{type(exc).__name__}: {reason(exc)}"
+
+
+def _first(exc: BaseException) -> BaseException:
+    """The first rank's own error inside DCP's CheckpointException, else ``exc``."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
         first = next(iter(failures.values()))
-        exc = first[0] if isinstance(first, tuple) and first and isinstance(first[0], BaseException) else exc
-    return f"{type(exc).__name__}: {reason(exc)}"
+        if isinstance(first, tuple) and first and isinstance(first[0], BaseException):
+            return first[0]
+    return exc
 
 
 def _nested(flat: dict[str, Any], paths: Any) -> dict[Any, Any]:
@@ -170,15 +196,33 @@ def _safe_metadata(reader: Any, path: str) -> Any:
 
     where = os.path.join(path, METADATA)
     try:
-        with open(where, "rb") as stream:
+        with opened(path, METADATA, f"{path}: metadata file") as stream:
             meta = _MetadataUnpickler(stream).load()
     except FileNotFoundError as exc:
         raise FormatError(f"{where}: no such file: not a DCP checkpoint directory") from exc
+    except FormatError:
+        raise
     except Exception as exc:
         raise FormatError(f"{where}: refused or unreadable DCP metadata: {reason(exc)}") from exc
     if not isinstance(meta, Metadata):
         raise FormatError(f"{where}: holds a {type(meta).__name__}, not DCP metadata")
+    _check_storage(meta, path, where)
     if getattr(meta, "storage_meta", None) is None:
         meta.storage_meta = StorageMeta()
     meta.storage_meta.load_id = reader.load_id  # as FileSystemReader.read_metadata does
     return meta
+
+
+def _check_storage(meta: Any, path: str, where: str) -> None:
+    """Every storage file ``.metadata`` names lies inside ``path`` (FormatError naming the
+    tensor or value whose file does not), checked before any is opened."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    storage = getattr(meta, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise FormatError(f"{where}: no storage_data of files holding each entry, not DCP metadata")
+    for index, info in storage.items():
+        fqn = getattr(index, "fqn", index)
+        if not isinstance(info, _StorageInfo):
+            raise FormatError(f"{where}: the storage of {fqn!r} is a {type(info).__name__}, not a file record")
+        inside(path, info.relative_path, f"{where}: entry {fqn!r} stored in")

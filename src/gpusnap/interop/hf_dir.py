@@ -1,7 +1,9 @@
 """A Hugging Face model directory, as ``save_pretrained`` writes it: one ``model.safetensors``,
 or shards ``model-0000x-of-0000y.safetensors`` named by ``model.safetensors.index.json``
 (whose ``weight_map`` says which shard holds each tensor); the ``pytorch_model.bin`` forms
-likewise. The index and the shards must agree exactly."""
+likewise. The index and the shards must agree exactly. Every file is read through
+:mod:`~gpusnap.interop.contained`: a shard or index that is (or links to) a file outside the
+directory is refused."""
 
 from __future__ import annotations
 
@@ -13,11 +15,12 @@ from typing import Any
 import torch
 
 from gpusnap.interop import st_format, torch_format
+from gpusnap.interop.contained import opened, path_of
 from gpusnap.interop.errors import FormatError, reason
 
 __all__ = ["FILES", "read"]
 
-_Reader = Callable[[str], Any]
+_Reader = Callable[[str, str], Any]  # (path to read, path to name in errors)
 # (index file, single file, reader), in the order transformers prefers them
 _LAYOUTS: tuple[tuple[str, str, _Reader], ...] = (
     ("model.safetensors.index.json", "model.safetensors", st_format.read),
@@ -33,13 +36,13 @@ def read(path: str) -> dict[str, torch.Tensor]:
         if os.path.isfile(os.path.join(path, index)):
             return _sharded(path, index, reader)
         if os.path.isfile(os.path.join(path, single)):
-            return _tensors(reader(os.path.join(path, single)), os.path.join(path, single))
+            return _tensors(_read(path, single, reader, f"{path}: model file"), os.path.join(path, single))
     raise FormatError(f"{path}: no {' or '.join(FILES)} in it: not a Hugging Face model directory")
 
 
 def _sharded(path: str, index: str, reader: _Reader) -> dict[str, torch.Tensor]:
     where = os.path.join(path, index)
-    weight_map = _weight_map(where)
+    weight_map = _weight_map(path, index)
     placed: dict[str, list[str]] = {}
     for name, shard in weight_map.items():
         if os.path.basename(shard) != shard or shard in ("", ".", ".."):
@@ -50,7 +53,7 @@ def _sharded(path: str, index: str, reader: _Reader) -> dict[str, torch.Tensor]:
         shard_path = os.path.join(path, shard)
         if not os.path.isfile(shard_path):
             raise FormatError(f"{shard_path}: missing (the index {index} places {len(names)} tensor(s) there)")
-        tensors = _tensors(reader(shard_path), shard_path)
+        tensors = _tensors(_read(path, shard, reader, f"{where}: shard"), shard_path)
         lacking = [n for n in names if n not in tensors]
         extra = [n for n in tensors if n not in weight_map or weight_map[n] != shard]
         if lacking or extra:
@@ -61,10 +64,19 @@ def _sharded(path: str, index: str, reader: _Reader) -> dict[str, torch.Tensor]:
     return {name: found[name] for name in weight_map}
 
 
-def _weight_map(where: str) -> dict[str, str]:
+def _read(path: str, name: str, reader: _Reader, entry: str) -> Any:
+    """What ``reader`` makes of the file ``name`` in ``path``, opened inside ``path`` only."""
+    with opened(path, name, entry) as stream:
+        return reader(path_of(stream), os.path.join(path, name))
+
+
+def _weight_map(path: str, index: str) -> dict[str, str]:
+    where = os.path.join(path, index)
     try:
-        with open(where, encoding="utf-8") as f:
-            doc = json.load(f)
+        with opened(path, index, f"{path}: index file") as stream:
+            doc = json.loads(stream.read().decode("utf-8"))
+    except FormatError:
+        raise
     except (OSError, ValueError) as exc:
         raise FormatError(f"{where}: not a readable JSON index: {reason(exc)}") from exc
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None

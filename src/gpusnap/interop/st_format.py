@@ -54,10 +54,12 @@ def check(names: dict[str, Any], path: str) -> None:
             ) from None
 
 
-def read(path: str) -> dict[str, torch.Tensor]:
-    """The tensors of the safetensors file ``path``, on CPU; FormatError when it cannot be read."""
-    st = library(path)
+def read(path: str, shown: str | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors file ``path``, on CPU; FormatError naming ``shown`` (by
+    default ``path``) when it cannot be read."""
+    name = path if shown is None else shown
+    st = library(name)
     try:
         return st.load_file(os.fspath(path), device="cpu")
     except Exception as exc:  # the library's own errors (SafetensorError) say what is wrong
-        raise FormatError(f"{path}: not a readable safetensors file (corrupt or truncated?): {reason(exc)}") from exc
+        raise FormatError(f"{name}: not a readable safetensors file (corrupt or truncated?): {reason(exc)}") from exc

@@ -23,18 +23,20 @@ def write(names: dict[str, Any], path: str) -> Written:
     return Written()
 
 
-def read(path: str) -> Any:
-    """What ``torch.load(path, weights_only=True)`` gives, on CPU; FormatError when the file
-    cannot be read or holds anything but tensors and plain values."""
+def read(path: str, shown: str | None = None) -> Any:
+    """What ``torch.load(path, weights_only=True)`` gives, on CPU; FormatError naming ``shown``
+    (by default ``path``) when the file cannot be read or holds anything but tensors and plain
+    values."""
+    name = path if shown is None else shown
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         found = _REFUSED.search(str(exc))
         why = " ".join(found.group(1).split()) if found else reason(exc)
         raise FormatError(
-            f"{path}: refused by torch.load(weights_only=True): {why}. gpusnap reads torch.save files as "
+            f"{name}: refused by torch.load(weights_only=True): {why}. gpusnap reads torch.save files as "
             "tensors and plain values only, so that loading runs no code from the file"
         ) from exc
     except Exception as exc:  # (what the zip reader, the unpickler or the OS met: the file is unreadable)
-        raise FormatError(f"{path}: not a readable torch.save file (corrupt or truncated?): {reason(exc)}") from exc
+        raise FormatError(f"{name}: not a readable torch.save file (corrupt or truncated?): {reason(exc)}") from exc
 
