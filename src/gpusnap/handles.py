@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -105,6 +106,7 @@ class PendingSave:
         # retries meanwhile (Checkpointer._wait_for); None: a plain wait
         self._waits: Callable[[PendingSave, float | None], None] | None = None
         self._on_fail: Callable[[PendingSave], None] | None = None  # records an unobserved failure
+        self._pid = os.getpid()  # the process whose threads finish it (not a forked child)
 
     def _reap(self) -> None:
         if self._on_wait is not None:
@@ -147,6 +149,11 @@ class PendingSave:
         return error
 
     def _block(self, timeout: float | None) -> None:
+        if os.getpid() != self._pid and not self._durable.done():  # (no thread here would finish it)
+            raise CheckpointError(
+                f"checkpoint {self.id} is being saved by process {self._pid}, which this process was forked from: "
+                "only that process finishes it (wait for it there)"
+            )
         if self._waits is None:
             self._durable.wait_for(timeout)
             return

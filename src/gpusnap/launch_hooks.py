@@ -37,6 +37,8 @@ from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
+from gpusnap import fork_safety
+
 __all__ = ["add_listener", "capturing", "install_hooks", "internal", "remove_listener"]
 
 Listener = Callable[[], None]
@@ -198,6 +200,14 @@ class _ImportWatcher(importlib.abc.MetaPathFinder):
 
 _WATCHED = frozenset(module for module, _, _ in _TARGETS)
 _WATCHER = _ImportWatcher()
+
+
+def _new_lock_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+
+
+fork_safety.at_fork(after_in_child=_new_lock_in_child)
 
 
 def install_hooks() -> None:

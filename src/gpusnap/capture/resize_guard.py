@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gpusnap import fork_safety
+
 if TYPE_CHECKING:
     from gpusnap.capture.window import CaptureWindow
 
@@ -64,6 +66,14 @@ def unwatch(window: CaptureWindow) -> None:
                 del torch.UntypedStorage.resize_  # inherited from torch._C.StorageBase again
             else:
                 torch.UntypedStorage.resize_ = _own  # type: ignore[method-assign]
+
+
+def _new_lock_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # (the copier may have held it at the fork: the child's window closes unwatch)
+
+
+fork_safety.at_fork(after_in_child=_new_lock_in_child)
 
 
 def _resize_(self: torch.UntypedStorage, size: int) -> Any:

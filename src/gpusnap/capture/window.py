@@ -18,6 +18,10 @@ Protection of a span before the program writes it (``protect``), in order of pre
      device for the copies).
 The window closes once every copy has *completed* (not just been issued): after that the
 tracker passes ops through and is removed at the next gpusnap call on its thread.
+
+A forked child (``fork_safety``) has no copier: every window it inherits is closed there at
+once (:meth:`CaptureWindow.after_fork_in_child`), so its writes wait for nothing. They reach
+only the child's copy of memory, never the parent's checkpoint.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
+import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import compress
@@ -33,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gpusnap import fork_safety
 from gpusnap.capture.trace import Trace
 from gpusnap.errors import CheckpointError
 from gpusnap.kernels.gather_copy import gather_copy, gather_copy_available, gather_copy_host, gather_copy_tensors
@@ -169,6 +175,7 @@ class CaptureWindow:
         # Nothing live left to protect: the program needs no tracker during this window.
         # (``snap`` holds distinct spans of ``live`` only)
         self.all_snapshotted = len(snap) == len(live)
+        _open.add(self)
 
     # -- program side -------------------------------------------------------------------------
     @property
@@ -453,8 +460,18 @@ class CaptureWindow:
             self._snapshot_buffers = []
             self.closed_at = time.perf_counter()
             self.cond.notify_all()
+        _open.discard(self)
         callbacks, self._on_close = self._on_close, []  # run once; and they are bound
         _run_all(callbacks)  # methods of the save, which holds this window: no cycle
+
+    def after_fork_in_child(self) -> None:
+        """In a forked child: no copier runs here, so close the window (its writes then wait
+        for nothing), under a new lock (the copier may have held this one at the fork)."""
+        self.cond = threading.Condition()
+        self._waiting = 0  # (the parent's waiting threads are not in the child)
+        if not self.closed:
+            self.close(CheckpointError("this process was forked from the one that took this checkpoint: "
+                                       "the checkpoint is the parent's, and only the parent finishes it"))
 
     def settle(self) -> None:
         """After close: wait until no program thread is still leaving a wait (so that the
@@ -472,6 +489,17 @@ class CaptureWindow:
         """Span indices in the order the program first touched them during the window."""
         touched = sorted((ws for ws in self.spans if ws.first_touch is not None), key=lambda w: w.first_touch)
         return [ws.index for ws in touched]
+
+
+_open: weakref.WeakSet[CaptureWindow] = weakref.WeakSet()  # windows not closed yet
+
+
+def _close_in_child() -> None:
+    for window in list(_open):
+        window.after_fork_in_child()
+
+
+fork_safety.at_fork(after_in_child=_close_in_child)
 
 
 class SnapshotBuffer:

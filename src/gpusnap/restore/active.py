@@ -19,6 +19,10 @@ A restore of any Checkpointer first waits for every lazy restore still loading
 A stale storage stays stale until a later restore (lazy or eager, any Checkpointer) writes
 it in full, or it is freed (held by a weak reference). A save refuses only if what it would
 commit holds one: a failed restore into one model does not block saving another.
+
+A fork (``fork_safety``) waits like a save, on the forking thread, until no lazy restore is
+loading, and holds this module's lock across the fork so that none begins meanwhile: the
+child has none of a loader's threads, and reads restored bytes (a DataLoader worker).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from gpusnap import fork_safety
 from gpusnap.errors import CheckpointError
 from gpusnap.restore import doors
 from gpusnap.restore.gate import looking_past_failures, storage_key, storage_of
@@ -40,7 +45,8 @@ if TYPE_CHECKING:
     from gpusnap.restore.lazy import LazyRestore
 
 __all__ = [
-    "before_save", "begin", "end", "gate_done", "live", "restored", "retire_failed", "settled", "track", "wait_for_loads",
+    "before_save", "begin", "end", "gate_done", "live", "quiesce_for_fork", "restored", "retire_failed", "settled", "track",
+    "wait_for_loads",
 ]
 
 
@@ -202,3 +208,43 @@ def _rearm() -> None:
 
 
 _HOOKS = doors.DoorHooks(wait_for=_wait_for, wait_for_storage=_wait_for_storage, rearm=_rearm)
+
+_forking = threading.local()  # held: this thread holds _lock across its fork
+
+
+def quiesce_for_fork() -> None:
+    """Before a fork, on the forking thread: until every lazy restore of the process is
+    quiet (``LazyRestore.quiet``), then take the lock until the fork is done. gpusnap's own
+    threads do not wait (a loader's would wait for itself): the child fails what they leave
+    loading (``LazyRestore.after_fork_in_child``)."""
+    if not doors.exempt():
+        while True:
+            with _lock:
+                loading = [s for s in _sessions if not s.quiet()]
+            for session in loading:
+                session.quiesce()
+            _lock.acquire()
+            if all(s.quiet() for s in _sessions):
+                break
+            _lock.release()  # one began meanwhile
+    else:
+        _lock.acquire()
+    _forking.held = True
+
+
+def _after_fork_in_parent() -> None:
+    if getattr(_forking, "held", False):
+        _forking.held = False
+        _lock.release()
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _forking.held = False
+    _lock = threading.Lock()
+    for session in dict.fromkeys((*_sessions, *_live)):  # (each once; the list may change)
+        session.after_fork_in_child()
+
+
+fork_safety.at_fork(before=quiesce_for_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)

@@ -132,6 +132,10 @@ class Gate:
                     spans.append(ls)
                 versions.append((target, _version(target)))
 
+    def after_fork_in_child(self) -> None:
+        """A new lock: a thread of the parent may have held this one at the fork."""
+        self._lock = threading.Lock()
+
     def before_op(self, tensors: Iterable[torch.Tensor]) -> None:
         by_storage = self._by_storage
         for t in tensors:

@@ -17,7 +17,8 @@ next restore on the same Checkpointer retires the failed session.
 
 Every session is registered process-wide (``restore.active``) from ``begin`` until it is over:
 saves of any Checkpointer wait for it, and the doors (``restore.doors``) gate the reads no ATen
-op shows, on any thread, while its gate is live.
+op shows, on any thread, while its gate is live. A fork waits for it too (:meth:`quiesce`): a
+forked child has none of its threads (``fork_safety``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _get_current_dispatch_mode_stack
 
 from gpusnap import launch_hooks
+from gpusnap.errors import CheckpointError
 from gpusnap.handles import RestoreHandle
 from gpusnap.restore import active
 from gpusnap.restore.gate import Gate, GateMode, needs_dynamo, python_key_included, rearm_dispatch_keys
@@ -84,6 +86,7 @@ class LazyRestore:
         self._outcome: list[BaseException | None] = []  # the loader's result, once known
         self._settled = False  # the handle is complete
         self._over = threading.Event()  # settled (or begin() raised): what a save waits for
+        self._reported = threading.Event()  # _on_done has run: the copy thread holds no lock of ours
         self.dropped = 0  # times the gate was found without its dispatch key on its thread
         loader.on_done = self._on_done
 
@@ -168,6 +171,44 @@ class LazyRestore:
         self.loader.join()
         self._over.wait()
 
+    # -- around a fork (fork_safety; restore.active calls these) ---------------------------------
+    def quiet(self) -> bool:
+        """Whether a fork now leaves this restore nothing to wait for in the child: it is over;
+        or this thread is inside ``begin()`` (``finish()`` forked) and the load is over: the
+        child's copy of this thread then finishes ``begin()`` itself."""
+        if self._over.is_set():
+            return True
+        return self._inside_begin() and self._reported.is_set()
+
+    def quiesce(self) -> None:
+        """Before a fork, on the forking thread: until :meth:`quiet` (bounded by the load only)."""
+        if self._inside_begin():
+            self.loader.join()
+            self._reported.wait()
+        else:
+            self.wait_over()
+
+    def _inside_begin(self) -> bool:
+        return threading.get_ident() == self.owner and not self._returned
+
+    def after_fork_in_child(self) -> None:
+        """In a forked child: what the parent's threads may have held at the fork is new; a
+        load the fork did not wait for (:func:`restore.active.quiesce_for_fork`) fails here,
+        so that no op, door or wait of the child waits for a loader it lacks."""
+        self._lock = threading.Lock()
+        self.gate.after_fork_in_child()
+        self.loader.schedule.cond = threading.Condition()
+        if self.loader.done():
+            if not self._reported.is_set():  # the copy thread was between the two at the fork
+                self._on_done(self.loader.error)
+            return
+        self.loader._close(CheckpointError(
+            "this process was forked while the lazy restore was loading, without waiting for it (from one of "
+            "gpusnap's own threads, which never wait, or the wait was interrupted): the tensors it had not loaded "
+            "yet cannot be loaded here; restore again in this process, or fork from a program thread (the fork "
+            "then waits for the load)"
+        ))
+
     def _on_done(self, error: BaseException | None) -> None:
         """On the copy thread, after every copy has run."""
         if error is None:
@@ -176,6 +217,7 @@ class LazyRestore:
             active.gate_done(self)
         with self._lock:
             self._outcome.append(error)
+        self._reported.set()
         self._settle()
 
     def refresh(self) -> None:
