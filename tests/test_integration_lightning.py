@@ -82,3 +82,17 @@ def test_each_checkpoint_equals_the_state_at_its_save_call(tmp_path):
         assert_equal_tensors(got["state_dict"], weights)
         state = got["optimizer_states"][0]["state"]
         assert_equal_tensors({f"{i}.{k}": v for i, s in state.items() for k, v in s.items()}, optim)
+
+
+def test_load_from_checkpoint_on_a_pointer_says_how_and_ours_loads_it(tmp_path):
+    trainer, _ = run.fit(str(tmp_path), epochs=1)
+    last = trainer.checkpoint_callback.last_model_path
+    for weights_only in (None, False):  # torch.load refuses the file, naming gpusnap and the way
+        with pytest.raises(Exception, match=r"gpusnap.*load_from_checkpoint\(YourModule, path\)"):
+            run.Net.load_from_checkpoint(last, weights_only=weights_only)
+
+    from gpusnap.integrations.lightning import load_from_checkpoint
+
+    model = load_from_checkpoint(run.Net, last)
+    assert isinstance(model, run.Net)
+    assert_equal_tensors(model.state_dict(), trainer.lightning_module.state_dict())

@@ -33,7 +33,8 @@ def test_a_save_returns_before_it_is_durable_and_keeps_the_state_of_its_call(tmp
     io, path = GpusnapCheckpointIO(), tmp_path / "a.ckpt"
     w = torch.zeros(1 << 16)
     io.save_checkpoint({"state_dict": {"w": w}}, path)  # returns while its chunks cannot be stored
-    assert not path.exists()  # no pointer before the checkpoint is durable
+    with pytest.raises(gpusnap.CheckpointNotFoundError, match="no checkpoint is committed"):
+        resolve(path)  # a placeholder until the checkpoint is durable: it names nothing yet
     w.add_(1)  # training goes on, in place
     gate.release()
     io.wait()

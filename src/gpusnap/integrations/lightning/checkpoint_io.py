@@ -6,7 +6,9 @@ optimizer state (``state_dict()`` returns references, not copies) and expects no
 no copy is made on the trainer's thread. Each Lightning path becomes a pointer file
 (:mod:`.pointer`) naming a checkpoint in a gpusnap root shared by the paths of a directory,
 written once the checkpoint commits (:mod:`.commits`); ``ModelCheckpoint`` keeps seeing files
-it can list, link, sort by time and remove.
+it can list, link, sort by time and remove. The root records the path of each checkpoint, and
+loading a path resolves it from that record (:mod:`.records`): a pointer a crash kept from
+being written is not needed.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from gpusnap.restore.template_free import load
 from gpusnap.state.rng import RNGState
 
 from .commits import Commits
-from .pointer import Pointer, read_pointer
+from .pointer import Pointer
+from .records import resolve_file, tag_for
 
 __all__ = ["GpusnapCheckpointIO", "RNG_KEY", "ROOT_NAME", "resolve"]
 
@@ -47,7 +50,10 @@ class GpusnapCheckpointIO(CheckpointIO):
     file at the path is a small pointer, written when the checkpoint is durable, to a
     checkpoint in ``root`` (default: ``<checkpoint directory>/.gpusnap``, one root per
     directory, so a save stores only the chunks that changed since the previous one). A
-    save that fails is raised by the next ``save_checkpoint``, by :meth:`wait`, or by
+    path's first save writes a placeholder there first, and the root records the path of
+    each checkpoint: after a crash, loading a path (``ckpt_path="last"`` included) gives the
+    newest checkpoint committed for it, whether or not its pointer was written. A save that
+    fails is raised by the next ``save_checkpoint``, by :meth:`wait`, or by
     :meth:`teardown` (the end of ``fit``).
 
     ``rng=True`` (default) also saves the process's random generators (torch, CUDA, Python,
@@ -97,23 +103,24 @@ class GpusnapCheckpointIO(CheckpointIO):
         _COMMITS.raise_failure()
         target = _local(path, "path")
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        checkpointer = self._checkpointer(self._root_for(target))
+        root = self._root_for(target)
+        checkpointer = self._checkpointer(root)
         state = dict(checkpoint)  # (the caller's dict stays as it was)
         if self.rng:
             state[RNG_KEY] = RNGState()
-        _COMMITS.saved(target, checkpointer, checkpointer.save(state))
+        _COMMITS.save(target, checkpointer, lambda: checkpointer.save(state, tag=tag_for(target, root)))
 
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
         """The checkpoint at ``path`` as Lightning saved it, tensors on ``map_location`` (a
-        device; default CPU: Lightning moves state to the model's device as it loads it).
-        Waits for a save of ``path`` still in flight. With ``rng=True`` the random
-        generators are restored too. Nothing is unpickled unless ``allow_pickle`` (and
-        never with ``weights_only=True``)."""
+        device; default CPU: Lightning moves state to the model's device as it loads it):
+        the newest one committed for ``path`` (see :func:`resolve`). Waits for a save of
+        ``path`` still in flight. With ``rng=True`` the random generators are restored too.
+        Nothing is unpickled unless ``allow_pickle`` (and never with ``weights_only=True``)."""
         target = _local(path, "path")
         _COMMITS.wait_for(target)  # a save of it still in flight, made by any plug-in
         try:
-            pointer = read_pointer(target)
+            pointer = resolve_file(target, self.config)
         except FileNotFoundError:
             raise FileNotFoundError(f"Checkpoint file not found: {target}") from None
         if pointer is None:  # not ours: a torch.save checkpoint
@@ -130,11 +137,11 @@ class GpusnapCheckpointIO(CheckpointIO):
         return state
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Remove the file at ``path`` now; the checkpoint it names is deleted from its root
-        in the background once no other pointer in that directory names it."""
+        """Remove the file at ``path`` now; the checkpoints recorded for it are deleted from
+        its root in the background, each once no other pointer in that directory names it."""
         target = _local(path, "path")
         mine = self._root_for(target)
-        _COMMITS.removed(target, lambda p: self._checkpointer(p.root) if p.root == mine else None)
+        _COMMITS.removed(target, lambda root: self._checkpointer(root) if root == mine else None)
 
     def teardown(self) -> None:
         """End of a ``fit``/``validate``/``test``: wait for every save and pointer, release the
@@ -170,5 +177,8 @@ def _local(path: str | os.PathLike[str], what: str) -> str:
 
 def resolve(path: str | os.PathLike[str]) -> Pointer | None:
     """The gpusnap root and checkpoint id that a Lightning checkpoint path names (None for a
-    file that is not a gpusnap pointer), for ``gpusnap show ROOT ID`` or ``gpusnap.load``."""
-    return read_pointer(_local(path, "path"))
+    file that is not a gpusnap pointer), for ``gpusnap show ROOT ID`` or ``gpusnap.load``:
+    the newest checkpoint committed for the path, as the root records it, or else the one the
+    file names (a copy of a pointer). A file whose first checkpoint never committed (a
+    placeholder left by a crash) is a :class:`gpusnap.CheckpointNotFoundError`."""
+    return resolve_file(_local(path, "path"))

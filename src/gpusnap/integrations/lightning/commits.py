@@ -3,12 +3,17 @@ path's pointer once its checkpoint commits, and deletes the checkpoints no point
 
 Call order (each step in the order Lightning asked for it)::
 
-    save_checkpoint(path)   -> Checkpointer.save()     (returns at once)
-                            -> Commits.saved()         (queued; the trainer goes on)
-    thread                  -> waits for the commit, then writes the pointer, if ``path`` still
-                               wants this save; drops what the pointer replaced, or the save
-                               itself when a newer save or a removal of ``path`` came first
-    remove_checkpoint(path) -> Commits.removed()       (the file goes now; its checkpoint is
+    save_checkpoint(path)   -> Commits.save()          (a placeholder at ``path`` if nothing is
+                                                        there: it exists before the checkpoint
+                                                        can commit)
+                               -> Checkpointer.save()  (tagged with ``path``; returns at once)
+                            (queued; the trainer goes on)
+    thread                  -> waits for the commit, then writes the pointer unless ``path``
+                               was removed since; drops what the pointer replaced and the
+                               older checkpoints recorded for ``path`` (a crash's leftovers),
+                               or the save itself when ``path`` was removed; a save that
+                               failed takes the placeholder it wrote away
+    remove_checkpoint(path) -> Commits.removed()       (the file goes now; its checkpoints are
                                                         dropped on the thread, in order)
 
 The thread never calls ``wait()`` on a save before it is done: a save that failed validation
@@ -33,7 +38,8 @@ from gpusnap.checkpointer import Checkpointer
 from gpusnap.errors import CheckpointError, CheckpointNotFoundError
 from gpusnap.handles import PendingSave
 
-from .pointer import Pointer, read_pointer, write_pointer
+from .pointer import Placeholder, Pointer, read_pointer, write_placeholder, write_pointer
+from .records import recorded_for
 
 __all__ = ["Commits"]
 
@@ -48,6 +54,7 @@ class _Save:
     checkpointer: Checkpointer
     pending: PendingSave
     handled: threading.Event = field(default_factory=threading.Event)  # its pointer written (or not due)
+    wanted: bool = True  # False once its path is removed: its checkpoint is dropped, no pointer written
 
 
 @dataclass(eq=False)
@@ -57,17 +64,22 @@ class _Drop:
     folder: str  # where other pointers to the same checkpoint would be
 
 
+@dataclass(eq=False)
+class _Sweep:
+    checkpointer: Checkpointer
+    path: str  # removed: every checkpoint recorded for it goes (but one a pointer still names)
+
+
 class Commits:
     """The pointers of a process's ``GpusnapCheckpointIO`` plug-ins (one instance serves them
     all: a save one plug-in made is waited for by another that loads its path). Paths are
     absolute local paths."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()  # pointer files and the maps below change under it
-        self._latest: dict[str, _Save] = {}  # path -> the newest save whose pointer is not written
-        self._outstanding: list[_Save] = []  # saves the thread has not finished with
+        self._lock = threading.Lock()  # pointer files and the list below change under it
+        self._outstanding: list[_Save] = []  # saves the thread has not finished with, in order
         self._failures: list[CheckpointError] = []  # not yet raised
-        self._ops: queue.Queue[_Save | _Drop | None] = queue.Queue()
+        self._ops: queue.Queue[_Save | _Drop | _Sweep | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._idle = threading.Event()  # never set: the thread's pause between looks
         # a program that exits without teardown(): gpusnap has finished its saves by the time
@@ -75,34 +87,49 @@ class Commits:
         atexit.register(_close_at_exit, weakref.ref(self))
 
     # -- what the trainer's thread calls ------------------------------------------------------
-    def saved(self, path: str, checkpointer: Checkpointer, pending: PendingSave) -> None:
-        """``pending`` saves ``path``: its pointer is written once it commits."""
+    def save(self, path: str, checkpointer: Checkpointer, start: Callable[[], PendingSave]) -> None:
+        """Save ``path`` with ``start()`` (a ``save()`` of ``checkpointer``, tagged with the
+        path): a placeholder first when nothing is at ``path``, so that the file exists before
+        the checkpoint can commit; its pointer is written once it commits."""
+        placeholder: Placeholder | None = None
+        with self._lock:
+            if not os.path.lexists(path):
+                placeholder = write_placeholder(path, os.path.abspath(checkpointer.root))
+        try:
+            pending = start()
+        except BaseException:
+            if placeholder is not None:
+                with self._lock:
+                    self._take_placeholder(path)
+            raise
         save = _Save(path, checkpointer, pending)
         with self._lock:
-            self._latest[path] = save
             self._outstanding.append(save)
         self._put(save)
 
-    def removed(self, path: str, checkpointer_for: Callable[[Pointer], Checkpointer | None]) -> None:
-        """Remove ``path`` now: a pointer (its checkpoint is dropped in the background, once no
-        other pointer in its directory names it), a symlink (only the link), or any other
-        file or directory (as ``TorchCheckpointIO`` would). A save still pending for ``path``
-        writes no pointer. ``checkpointer_for``: the writer of a pointer's root, or None to
-        leave a root this plug-in does not manage alone."""
+    def removed(self, path: str, checkpointer_for: Callable[[str], Checkpointer | None]) -> None:
+        """Remove ``path`` now: a pointer or placeholder (the checkpoints recorded for the path
+        are dropped in the background, each once no other pointer in its directory names it),
+        a symlink (only the link), or any other file or directory (as ``TorchCheckpointIO``
+        would). A save still pending for ``path`` writes no pointer. ``checkpointer_for``: the
+        writer of a root, or None to leave a root this plug-in does not manage alone."""
         with self._lock:
-            self._latest.pop(path, None)
+            for save in self._outstanding:
+                if save.path == path:
+                    save.wanted = False
             if os.path.islink(path) or os.path.isfile(path):
-                pointer = None if os.path.islink(path) else _quietly(path)  # (a damaged one goes too)
+                found = None if os.path.islink(path) else _quietly(path)  # (a damaged one goes too)
                 os.remove(path)
             elif os.path.isdir(path):
                 shutil.rmtree(path)
                 return
             else:
                 return
-        if pointer is not None:
-            checkpointer = checkpointer_for(pointer)
-            if checkpointer is not None:
-                self._put(_Drop(checkpointer, pointer, os.path.dirname(path)))
+        checkpointer = None if found is None else checkpointer_for(found.root)
+        if checkpointer is not None:
+            if isinstance(found, Pointer):
+                self._put(_Drop(checkpointer, found, os.path.dirname(path)))
+            self._put(_Sweep(checkpointer, path))
 
     def wait_for(self, path: str) -> None:
         """Until every save of ``path`` made so far is committed and handled (its pointer
@@ -145,7 +172,7 @@ class Commits:
                 self._thread = None
 
     # -- the thread ---------------------------------------------------------------------------
-    def _put(self, op: _Save | _Drop) -> None:
+    def _put(self, op: _Save | _Drop | _Sweep) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="gpusnap-lightning-pointers", daemon=True)
             self._thread.start()
@@ -159,9 +186,11 @@ class Commits:
                     return
                 if isinstance(op, _Save):
                     self._commit(op)
+                elif isinstance(op, _Sweep):
+                    self._sweep(op.checkpointer, op.path, keep=None)
                 else:
                     self._drop(op)
-            except Exception as exc:  # (a pointer that cannot be written): raised to the trainer
+            except Exception as exc:  # (an unexpected one: a folder gone, say): raised to the trainer
                 self._fail(f"checkpoint bookkeeping failed ({type(exc).__name__})", exc)
             finally:
                 self._ops.task_done()
@@ -170,28 +199,58 @@ class Commits:
         while not save.pending.done():
             self._idle.wait(_POLL_S)
         error = save.pending.exception()
+        committed = error is None
         root, checkpoint = os.path.abspath(save.checkpointer.root), save.pending.id
-        replaced: Pointer | None = None
+        replaced: Pointer | Placeholder | None = None
         try:
-            if error is not None:
-                self._fail(f"the checkpoint for {save.path} failed, and no pointer was written there", error)
-                return
             with self._lock:
-                current = self._latest.get(save.path) is save
-                if current:
+                wanted = save.wanted
+                if committed and wanted:  # (a newer save of the path still pending replaces it in turn)
                     if os.path.isfile(save.path) and not os.path.islink(save.path):
                         replaced = _quietly(save.path)  # (a link's target belongs to another path)
-                    write_pointer(save.path, Pointer(root, checkpoint))
-                    del self._latest[save.path]
+                    try:
+                        write_pointer(save.path, Pointer(root, checkpoint))
+                    except OSError as exc:
+                        error = exc
+                elif not committed and wanted and not any(
+                        s.path == save.path and s.wanted for s in self._outstanding if s is not save):
+                    self._take_placeholder(save.path)  # (nothing committed for it: nothing there)
         finally:
             with self._lock:
                 self._outstanding.remove(save)
             save.handled.set()
+        if error is not None:
+            self._fail(f"checkpoint {checkpoint} for {save.path} is committed, but its pointer file could not be "
+                       "written there (loading the path finds the checkpoint in the root all the same)" if committed
+                       else f"the checkpoint for {save.path} failed, and no pointer was written there", error)
+            return
         folder = os.path.dirname(save.path)
-        if not current:  # a newer save or a removal of this path came first
+        if not wanted:  # the path was removed while it was saved
             self._drop(_Drop(save.checkpointer, Pointer(root, checkpoint), folder))
-        elif replaced is not None and replaced.root == root and replaced.checkpoint != checkpoint:
+            return
+        if isinstance(replaced, Pointer) and replaced.root == root and replaced.checkpoint != checkpoint:
             self._drop(_Drop(save.checkpointer, replaced, folder))
+        self._sweep(save.checkpointer, save.path, keep=checkpoint)
+
+    def _sweep(self, checkpointer: Checkpointer, path: str, keep: str | None) -> None:
+        """Drop the checkpoints recorded for ``path`` but ``keep`` and those still being saved
+        (what the pointers replaced, a crash left behind, or a removal leaves)."""
+        try:
+            infos = checkpointer.list()
+        except Exception as exc:  # (like a failed drop: space only)
+            log.warning("gpusnap: could not list %s to free the checkpoints of %s: %s", checkpointer.root, path, exc)
+            return
+        with self._lock:
+            busy = {s.pending.id for s in self._outstanding}
+        root, folder = os.path.abspath(checkpointer.root), os.path.dirname(path)
+        for _created, cid in recorded_for(path, root, ((i.id, i.tag, i.created) for i in infos)):
+            if cid != keep and cid not in busy:
+                self._drop(_Drop(checkpointer, Pointer(root, cid), folder))
+
+    def _take_placeholder(self, path: str) -> None:
+        """Remove the placeholder at ``path``, if that is what is there (under the lock)."""
+        if not os.path.islink(path) and isinstance(_quietly(path), Placeholder):
+            os.remove(path)
 
     def _drop(self, drop: _Drop) -> None:
         """Delete a checkpoint no pointer in ``drop.folder`` names any more (a copy of a
@@ -223,7 +282,7 @@ def _close_at_exit(ref: weakref.ref[Commits]) -> None:
         print(f"gpusnap: at exit, a Lightning checkpoint was not completed: {exc}", file=sys.stderr, flush=True)
 
 
-def _quietly(path: str) -> Pointer | None:
+def _quietly(path: str) -> Pointer | Placeholder | None:
     try:
         return read_pointer(path)
     except (OSError, CheckpointError):

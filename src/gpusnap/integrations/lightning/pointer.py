@@ -3,9 +3,19 @@
 Lightning treats a checkpoint as one file at a path: ``ModelCheckpoint`` checks that it
 exists, sorts ``last*.ckpt`` by modification time, links or deletes it. So the path gets a
 small JSON document naming the gpusnap root and checkpoint id; the state itself lives in the
-root, where checkpoints share their unchanged chunks. A pointer is written (atomically: a
-temporary name, fsync, rename) only once its checkpoint is committed, so every pointer on
-disk names a complete checkpoint, whatever moment a crash picks.
+root, where checkpoints share their unchanged chunks. A pointer is written atomically (a
+temporary name, fsync, rename) once its checkpoint is committed.
+
+A path's first save writes a *placeholder* first (:func:`write_placeholder`: the root, no
+checkpoint yet), before the checkpoint can commit: Lightning's ``ckpt_path="last"`` only
+looks for files, so a checkpoint that commits just before a crash must already have one.
+The root records the path of every checkpoint (:mod:`.records`); what a path names is
+resolved from that record and the file together, so a placeholder or a pointer that a crash
+left behind still leads to the newest checkpoint committed for its path.
+
+The file opens with two lines that ``torch.load`` reads as a pickle naming an unknown
+``gpusnap`` global, so ``LightningModule.load_from_checkpoint(path)`` fails with a message
+that says how to load it (:data:`HEADER`); the JSON follows.
 
 The root is recorded relative to the pointer's directory, so a checkpoint directory that holds
 its root (the default ``.gpusnap``) can be moved or copied whole.
@@ -22,15 +32,22 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
+from typing import Any
 
 from gpusnap.errors import CheckpointError
 from gpusnap.storage.backend import fsync_path
 
-__all__ = ["FORMAT", "Pointer", "read_pointer", "write_pointer"]
+__all__ = ["FORMAT", "HEADER", "Placeholder", "Pointer", "read_pointer", "write_placeholder", "write_pointer"]
 
 FORMAT = "gpusnap-checkpoint-pointer"
-_MAX_BYTES = 64 << 10  # a pointer is ~300 bytes; anything larger is some other file (a torch.save)
+HEADER = (b"cgpusnap\npointer: not a torch.save file; load it with "
+          b"gpusnap.integrations.lightning.load_from_checkpoint(YourModule, path)\n")
+"""What a pointer file opens with: a pickle GLOBAL opcode (``c``, module, name), so that
+``torch.load`` fails naming it (``weights_only=True``: an unsupported global; ``False``: no
+such attribute of ``gpusnap``) instead of an anonymous "invalid load key"."""
+_MAX_BYTES = 64 << 10  # a pointer is ~500 bytes; anything larger is some other file (a torch.save)
 
 
 @dataclass(frozen=True)
@@ -41,21 +58,45 @@ class Pointer:
     checkpoint: str
 
 
+@dataclass(frozen=True)
+class Placeholder:
+    """What a path holds from its first save until that checkpoint commits: the root the
+    checkpoint goes to, and when the placeholder was written (checkpoints recorded for the
+    path before then belong to an earlier file there)."""
+
+    root: str
+    since: float
+
+
 def write_pointer(path: str, pointer: Pointer) -> None:
     """Atomically make ``path`` a pointer to ``pointer`` (replacing what is there)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    document = {
-        "format": FORMAT,
-        "version": 1,
-        "root": os.path.relpath(pointer.root, folder),
+    _write(path, pointer.root, {
         "checkpoint": pointer.checkpoint,
         "note": "a gpusnap checkpoint: load it with GpusnapCheckpointIO().load_checkpoint(path), "
-        "gpusnap.load(root, checkpoint), or `gpusnap show ROOT CHECKPOINT`",
-    }
+        "gpusnap.integrations.lightning.load_from_checkpoint(YourModule, path), "
+        "or `gpusnap show ROOT CHECKPOINT`",
+    })
+
+
+def write_placeholder(path: str, root: str) -> Placeholder:
+    """Atomically make ``path`` a placeholder for a checkpoint about to be saved in ``root``."""
+    placeholder = Placeholder(os.path.abspath(root), time.time())
+    _write(path, placeholder.root, {
+        "checkpoint": None,
+        "since": placeholder.since,
+        "note": "a gpusnap checkpoint being saved: GpusnapCheckpointIO loads the newest one committed "
+        "for this path",
+    })
+    return placeholder
+
+
+def _write(path: str, root: str, fields: dict[str, Any]) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    document = {"format": FORMAT, "version": 1, "root": os.path.relpath(root, folder), **fields}
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(document, f, indent=1)
+        with open(tmp, "wb") as f:
+            f.write(HEADER + json.dumps(document, indent=1).encode("utf-8") + b"\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -66,13 +107,16 @@ def write_pointer(path: str, pointer: Pointer) -> None:
     fsync_path(folder)  # the rename itself survives a power loss
 
 
-def read_pointer(path: str) -> Pointer | None:
-    """The pointer at ``path``; None when the file is something else (a ``torch.save``
-    checkpoint, say). FileNotFoundError when nothing is there; a damaged pointer is a
-    CheckpointError naming the file."""
+def read_pointer(path: str) -> Pointer | Placeholder | None:
+    """The pointer or placeholder at ``path``; None when the file is something else (a
+    ``torch.save`` checkpoint, say). FileNotFoundError when nothing is there; a damaged
+    pointer is a CheckpointError naming the file."""
     with open(path, "rb") as f:
         head = f.read(_MAX_BYTES + 1)
-    if len(head) > _MAX_BYTES or not head.lstrip().startswith(b"{"):
+    if len(head) > _MAX_BYTES:
+        return None
+    head = head.removeprefix(HEADER)  # (pointers written before the header have none)
+    if not head.lstrip().startswith(b"{"):
         return None
     try:
         document = json.loads(head)
@@ -80,9 +124,12 @@ def read_pointer(path: str) -> Pointer | None:
         return None
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         return None
-    root, checkpoint = document.get("root"), document.get("checkpoint")
-    if document.get("version") != 1 or not isinstance(root, str) or not isinstance(checkpoint, str):
-        raise CheckpointError(f"{path}: a damaged or newer gpusnap pointer file (version {document.get('version')!r})")
-    # relative to where the file really is: a symlink to a pointer elsewhere reads its root
-    folder = os.path.dirname(os.path.realpath(path))
-    return Pointer(os.path.normpath(os.path.join(folder, root)), checkpoint)
+    root, checkpoint, since = document.get("root"), document.get("checkpoint"), document.get("since")
+    if document.get("version") == 1 and isinstance(root, str):
+        # relative to where the file really is: a symlink to a pointer elsewhere reads its root
+        root = os.path.normpath(os.path.join(os.path.dirname(os.path.realpath(path)), root))
+        if isinstance(checkpoint, str):
+            return Pointer(root, checkpoint)
+        if checkpoint is None and isinstance(since, (int, float)):
+            return Placeholder(root, float(since))
+    raise CheckpointError(f"{path}: a damaged or newer gpusnap pointer file (version {document.get('version')!r})")

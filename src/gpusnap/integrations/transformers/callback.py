@@ -20,11 +20,12 @@ from transformers import TrainerCallback
 
 from gpusnap.checkpointer import Checkpointer
 from gpusnap.config import Config
-from gpusnap.errors import CheckpointNotFoundError
+from gpusnap.errors import CheckpointError, CheckpointNotFoundError
 from gpusnap.handles import PendingSave
 from gpusnap.integrations import roots
 from gpusnap.restore.template_free import load
 from gpusnap.state.rng import RNGState
+from gpusnap.storage.repository import Repository
 
 from .hf_layout import write_resume_dir
 
@@ -47,6 +48,9 @@ class GpusnapCallback(TrainerCallback):
 
     A save that failed is raised by the next save's step or at the end of training.
     ``keep_last`` and ``config`` go to the :class:`gpusnap.Checkpointer`. Single process.
+    A root a save could not use (a file, a directory that is neither empty nor a gpusnap
+    root, one that cannot be created) is refused here, before training, and the root is
+    created now if it does not exist.
     """
 
     def __init__(self, root: str | os.PathLike[str], save_steps: int, *, keep_last: int | None = None,
@@ -54,6 +58,7 @@ class GpusnapCallback(TrainerCallback):
         if not isinstance(save_steps, int) or isinstance(save_steps, bool) or save_steps < 1:
             raise ValueError(f"save_steps must be a positive integer, got {save_steps!r}")
         self.root = os.fspath(root)
+        _refuse_unusable(self.root, config)
         self.save_steps = save_steps
         self.keep_last = keep_last
         self.config = config
@@ -171,6 +176,16 @@ class GpusnapCallback(TrainerCallback):
         self._pending = [p for p in self._pending if not p.done()]
         for p in done:
             p.wait()
+
+
+def _refuse_unusable(root: str, config: Config | None) -> None:
+    """Open ``root`` for saving as a Checkpointer's first save does (``Repository.open`` with
+    ``create=True``: the same checks, the same root made), so that a root it would refuse
+    fails now rather than at the first save, after ``save_steps`` steps of training."""
+    try:
+        Repository.open(root, create=True, config=config).close()
+    except CheckpointError as exc:
+        raise type(exc)(f"GpusnapCallback cannot save into {root}: {exc}") from exc
 
 
 def _trainer_state_json(state: Any, control: Any) -> str:
