@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-import stat
 from pathlib import Path
+
+from gpusnap.storage.private_dir import ensure_private_dir
 
 __all__ = ["lock_path", "private_dir", "real_root", "socket_path"]
 
@@ -32,12 +33,8 @@ def private_dir(*, create: bool) -> Path:
     ``PermissionError`` if it is someone else's or others may write it."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     path = Path(runtime) / "gpusnap" if runtime else Path("/tmp") / f"gpusnap-{os.getuid()}"
-    if create:
-        path.mkdir(mode=0o700, parents=runtime is not None, exist_ok=True)
-    info = path.lstat()
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
-        raise PermissionError(f"{path} is not a directory this user owns and only it may write; "
-                              "remove it, or set XDG_RUNTIME_DIR")
+    ensure_private_dir(path, what="the restore server's socket directory", create=create,
+                       elsewhere="set XDG_RUNTIME_DIR to a directory you own")
     return path
 
 

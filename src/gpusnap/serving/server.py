@@ -40,6 +40,7 @@ from gpusnap.serving.connect import peer
 from gpusnap.serving.cuda_ipc import Runtime, bus_id
 from gpusnap.serving.holdings import Holdings
 from gpusnap.serving.request import BrokenDevice, Fault, serve_restore
+from gpusnap.storage.private_dir import open_private
 
 __all__ = ["Server", "ServerRunning", "serve"]
 
@@ -163,7 +164,7 @@ class Server:
 
     def _take_lock(self) -> None:
         lock = paths.lock_path(self.socket_path)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = open_private(lock, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

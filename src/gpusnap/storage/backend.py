@@ -34,6 +34,7 @@ import weakref
 from typing import Any, Protocol, runtime_checkable
 
 from gpusnap.storage.lease import LEASE_NAME, LeaseBusy, WriterLease, describe_owner, encode_owner, parse_owner
+from gpusnap.storage.private_dir import ensure_private_dir, open_private
 
 __all__ = [
     "Backend",
@@ -274,12 +275,23 @@ class LocalBackend:
     Locking uses ``fcntl.flock`` on ``ROOT/lock``: each lock opens its own descriptor, so two
     :class:`~gpusnap.storage.repository.Repository` objects in one process exclude each other
     exactly as two processes do.
+
+    Writing needs a private root (``storage/private_dir.py``): it is created mode 0700 and
+    checked before the first write, files are created 0600 and opened without following
+    links. Reading does not: another user's root may be read where they allow it.
     """
 
     LOCK_NAME = "lock"
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, what: str = "the checkpoint root") -> None:
         self.root: str = os.path.abspath(os.fspath(root))
+        self._what = what  # (how a refusal names the root)
+        self._private = False  # the root passed ensure_private_dir (once per object)
+
+    def _writable_root(self) -> None:
+        if not self._private:
+            ensure_private_dir(self.root, what=self._what)
+            self._private = True
 
     def __repr__(self) -> str:
         return f"LocalBackend({self.root!r})"
@@ -305,7 +317,10 @@ class LocalBackend:
             return False
 
     def makedirs(self, path: str) -> None:
-        os.makedirs(self._abs(path), exist_ok=True)
+        ensure_private_dir(self.root, what=self._what)  # (each time: the root may have been removed and made anew)
+        self._private = True
+        if path:
+            os.makedirs(self._abs(path), mode=0o700, exist_ok=True)
 
     def listdir(self, path: str) -> list[str]:
         return sorted(os.listdir(self._abs(path)))
@@ -314,8 +329,8 @@ class LocalBackend:
         return os.stat(self._abs(path)).st_size
 
     def open_write(self, path: str) -> WriteHandle:
-        fd = os.open(self._abs(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        return _LocalWriteHandle(fd)
+        self._writable_root()
+        return _LocalWriteHandle(open_private(self._abs(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC))
 
     def rename(self, src: str, dst: str) -> None:
         os.replace(self._abs(src), self._abs(dst))
@@ -371,12 +386,12 @@ class LocalBackend:
     def lock(self, *, exclusive: bool, timeout: float) -> BackendLock:
         lock_path = self._abs(self.LOCK_NAME)
         try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             # A read-only medium still allows flock on an existing file opened read-only.
             if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
                 raise
-            fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
 
         def attempt() -> bool:
@@ -415,7 +430,8 @@ class LocalBackend:
             os.close(fd)
 
     def writer_lease(self, owner: dict[str, Any], timeout: float) -> WriterLease:
-        fd = os.open(self._abs(LEASE_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self._writable_root()
+        fd = open_private(self._abs(LEASE_NAME), os.O_RDWR | os.O_CREAT)
 
         def attempt() -> bool:
             try:
