@@ -1,27 +1,18 @@
-"""Each integration page's example runs as printed (docs/integrations/*.md)."""
+"""Each integration page's code runs as printed (docs/integrations/*.md; how: docs_support.py),
+when the packages it needs are installed."""
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import pytest
+from docs_support import REPO, run_page
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "integrations"
+DOCS = REPO / "docs" / "integrations"
 NEEDS = {"lightning": ["lightning"], "transformers": ["transformers", "accelerate"], "accelerate": ["accelerate"]}
 
 
-def example(page: str) -> str:
-    """The first python block after the page's "## Example" heading."""
-    text = (DOCS / f"{page}.md").read_text()
-    found = re.search(r"^## Example.*?^```python\n(.*?)^```", text, re.S | re.M)
-    assert found, f"{page}.md has no example"
-    return found.group(1)
-
-
 @pytest.mark.parametrize("page", sorted(NEEDS))
-def test_the_example_runs_as_printed(page, tmp_path, monkeypatch):
+def test_the_example_runs_as_printed(page, tmp_path):
     for package in NEEDS[page]:
         pytest.importorskip(package)
-    monkeypatch.chdir(tmp_path)  # (it writes its checkpoints where it runs)
-    exec(compile(example(page), str(DOCS / f"{page}.md"), "exec"), {"__name__": "__main__"})
+    done = run_page(DOCS / f"{page}.md", tmp_path)  # (it writes its checkpoints where it runs)
+    assert done.returncode == 0, f"{page}.md:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"

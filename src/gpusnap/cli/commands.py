@@ -13,7 +13,7 @@ from dataclasses import replace
 from gpusnap.cli.as_json import diff_doc, du_doc, dumps, gc_doc, ls_doc, show_doc, verify_doc
 from gpusnap.cli.exits import EXIT_DAMAGE, EXIT_ERROR, EXIT_OK
 from gpusnap.cli.opening import open_root
-from gpusnap.cli.progress import byte_progress, sized_progress
+from gpusnap.cli.progress import sized_progress, told_progress
 from gpusnap.cli.render import checkpoint_table, human_bytes, manifest_reason, unreadable_lines
 from gpusnap.cli.show_text import show_lines
 from gpusnap.cli.gc_text import gc_lines
@@ -109,13 +109,9 @@ def _report_unreadable(problems: list[tuple[str, str]]) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     repo = open_root(args.root)
     ref = args.checkpoint
-    manifests = [m for m in repo.list() if ref is None or ref in (m.id, m.tag)]
-    if ref is not None:
-        manifests = manifests[-1:]  # an id, or the newest with that tag: what verify checks
-    total = 0 if args.json else sum(m.nbytes for m in manifests)
-    with byte_progress(total, "verifying") as advance:
+    with nullcontext((None, None)) if args.json else told_progress("verifying") as (on_total, advance):
         # an id whose manifest is unreadable is a problem in the report (exit 1), not unknown
-        report = repo.verify(ref, progress=advance)
+        report = repo.verify(ref, progress=advance, on_total=on_total)
     if args.json:
         print(dumps(verify_doc(repo.root, report)))
         return EXIT_OK if report.ok else EXIT_DAMAGE

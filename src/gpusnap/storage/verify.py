@@ -35,10 +35,15 @@ class VerifyReport:
 
 
 def verify(
-    repo: Repository, checkpoint_id: str | None = None, *, progress: Callable[[int], None] | None = None
+    repo: Repository, checkpoint_id: str | None = None, *, progress: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
 ) -> VerifyReport:
     """Re-hash every chunk of one checkpoint (id or tag) or of all, and check pack trailers
     (a fast tier: re-read every chunk from its slab and check its device hash).
+
+    ``progress`` is called with each checked chunk's length; ``on_total``, once before the
+    first, with what those lengths sum to (a chunk that checkpoints share is checked once, so
+    this is less than their sizes added up; a bar over those would stop short).
 
     Works from freshly read pack indexes, not from what this object remembers. Holds the
     shared lock (best effort) so a concurrent gc cannot pull packs away mid-check; without
@@ -52,13 +57,13 @@ def verify(
     if isinstance(repo, FastTier):
         # No lock: the writer's retention must not wait for a reader (its saves would find
         # no room); a checkpoint it retires meanwhile is left out (_deleted_meanwhile).
-        return _verify_fast(repo, checkpoint_id, progress)
+        return _verify_fast(repo, checkpoint_id, progress, on_total)
     try:
         lock: BackendLock | None = repo._lock(exclusive=False, timeout=30.0)
     except StorageError:
         lock = None  # read-only media or a long gc: verify anyway, a vanished pack is reported
     try:
-        return _verify(repo, checkpoint_id, progress)
+        return _verify(repo, checkpoint_id, progress, on_total)
     finally:
         if lock is not None:
             lock.release()
@@ -79,7 +84,10 @@ def _selected(repo: Repository, checkpoint_id: str | None, problems: list[str]) 
         return []
 
 
-def _verify(repo: Repository, checkpoint_id: str | None, progress: Callable[[int], None] | None) -> VerifyReport:
+def _verify(
+    repo: Repository, checkpoint_id: str | None, progress: Callable[[int], None] | None,
+    on_total: Callable[[int], None] | None = None,
+) -> VerifyReport:
     problems: list[str] = []
     selected = _selected(repo, checkpoint_id, problems)
     manifests = _parts(repo, selected, problems)
@@ -89,6 +97,9 @@ def _verify(repo: Repository, checkpoint_id: str | None, progress: Callable[[int
     where_is = _index_packs(repo, packs, pack_errors)
     if checkpoint_id is None:
         problems.extend(pack_errors)
+    if on_total is not None:  # (what the loop below reports: each chunk a pack holds, once)
+        held = {d: where_is[d][2] for m in manifests for st in m.storages for d in st.chunks if d in where_is}
+        on_total(sum(held.values()))
 
     results: dict[str, str | None] = {}
     used_packs: set[str] = set()
@@ -153,7 +164,8 @@ def _parts(repo: Repository, manifests: list[Manifest], problems: list[str]) -> 
 
 
 def _verify_fast(
-    tier: FastTier, checkpoint_id: str | None, progress: Callable[[int], None] | None
+    tier: FastTier, checkpoint_id: str | None, progress: Callable[[int], None] | None,
+    on_total: Callable[[int], None] | None = None,
 ) -> VerifyReport:
     """:func:`verify` of a fast tier: every chunk of the selected manifests read from its
     slab (``FastTier.read_chunk``, which checks its 128-bit device hash); a chunk whose slab
@@ -168,6 +180,8 @@ def _verify_fast(
     except CheckpointError as exc:  # slabs/ cannot be listed: every chunk is reported below
         problems.append(str(exc))
         slabs = {}
+    if on_total is not None:
+        on_total(_fast_bytes_to_check(manifests, slabs))
     results: dict[str, str | None] = {}
     checked_chunks = checked_bytes = 0
     for m in manifests:
@@ -197,6 +211,24 @@ def _verify_fast(
         if len(problems) > found and _deleted_meanwhile(tier, m.id):
             del problems[found:]  # the writer's retention retired it (its bytes may be reused)
     return VerifyReport(not problems, tuple(problems), len(manifests), checked_chunks, checked_bytes)
+
+
+def _fast_bytes_to_check(manifests: list[Manifest], slabs: dict[int, int]) -> int:
+    """What :func:`_verify_fast` reports to ``progress``: each distinct chunk its slab is long
+    enough to hold (a chunk past its slab's end is missing, not read)."""
+    from gpusnap.storage.fast_tier import chunk_location
+
+    lengths: dict[str, int] = {}
+    for m in manifests:
+        for storage in m.storages:
+            for name in storage.chunks:
+                try:
+                    _h, slab, offset, length = chunk_location(name)
+                except IntegrityError:
+                    continue
+                if slabs.get(slab, 0) >= offset + length:
+                    lengths[name] = length
+    return sum(lengths.values())
 
 
 def _fast_chunk_problem(tier: FastTier, name: str, slab: int, end: int, slab_size: int | None) -> str | None:
