@@ -28,14 +28,40 @@ def _state(seed: int, device: torch.device) -> dict:
 def _fast_save_and_restore(tmp_path, name: str, device: torch.device) -> dict[str, torch.Tensor]:
     state = _state(3, device)
     cfg = gpusnap.Config(chunk_size=4096, copy_piece_bytes=8192, fsync=False)
-    with gpusnap.Checkpointer(tmp_path / f"{name}-d", config=cfg, fast_root=tmp_path / f"{name}-f",
+    with gpusnap.Checkpointer(tmp_path / f"{name}-d", config=cfg, fast_root=_fast_root(tmp_path, device) / name,
                               promote_every=10**6) as ck:
         info = ck.save(state).wait()
         assert info.tier == "fast"
-        assert info.stats["copy_path"] == ("address" if address_copy.ENABLED else "torch")
+        # the precondition of the by-address path on CUDA: page-locked slabs
+        assert info.stats["fast_register_errors"] == [], info.stats["fast_register_errors"]
+        assert info.stats["copy_path"] == ("address" if address_copy.ENABLED else "torch"), info.stats["copy_path_why"]
+        assert ("switched off" in info.stats["copy_path_why"]) == (not address_copy.ENABLED)  # it says why
         target = _state(9, device)
         ck.restore(target)
     return {k: v.clone() for k, v in target["model"].state_dict().items()}
+
+
+def _fast_root(tmp_path, device: torch.device):
+    """Where the fast tier's slabs can be page-locked: tmpfs (/dev/shm) on CUDA; any directory on the CPU."""
+    if device.type != "cuda":
+        return tmp_path
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    shm = Path(tempfile.mkdtemp(prefix="gpusnap-test-", dir="/dev/shm"))
+    _cleanup.append(lambda: shutil.rmtree(shm, ignore_errors=True))
+    return shm
+
+
+_cleanup: list = []
+
+
+@pytest.fixture(autouse=True)
+def _remove_shm_roots():
+    yield
+    while _cleanup:
+        _cleanup.pop()()
 
 
 def test_a_snapshot_copied_by_address_restores_the_same_bytes(tmp_path, monkeypatch, device):

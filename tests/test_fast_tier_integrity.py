@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -190,37 +191,30 @@ def test_a_promotion_on_a_pool_digests_a_run_only_once_checked_and_raises_only_o
     if corrupt is not None:
         _flip(fast, runs[corrupt][0])
     checked: set[str] = set()  # the first chunk of each run checked
-    digested: list[str] = []
-    check_run, read_view = tier.check_run, tier.read_view
+    read: list[str] = []  # the first chunk of each run copied out of the slab
+    check_bytes, copy_run = tier.check_bytes, tier.copy_run
     later_runs_may_go = threading.Event()
-    in_check = threading.local()
 
-    def checking(names: list[str], chunk_size: int, device: object = None) -> None:
+    def checking(names: list[str], data: Any, chunk_size: int, device: object = None) -> None:
         if corrupt is not None and names[0] != runs[corrupt][0]:
             later_runs_may_go.wait()  # every other run is still in flight when the corrupt one fails
-        in_check.on = True
-        try:
-            check_run(names, chunk_size, device)  # type: ignore[arg-type]
-        finally:
-            in_check.on = False
+        assert names[0] in read, "a run is checked in the copy it was read into"
+        check_bytes(names, data, chunk_size, device)  # type: ignore[arg-type]
         checked.add(names[0])
 
-    def reading(name: str) -> memoryview:
-        run = next(r for r in runs if name in r)
-        if name == run[0] and not getattr(in_check, "on", False):
-            assert name in checked, "a run is digested only after its check passed"
-            digested.append(name)
-        return read_view(name)
+    def reading(names: list[str], chunk_size: int, out: Any) -> memoryview:
+        read.append(names[0])
+        return copy_run(names, chunk_size, out)
 
-    def failed_check(names: list[str], chunk_size: int, device: object = None) -> None:
+    def failed_check(names: list[str], data: Any, chunk_size: int, device: object = None) -> None:
         try:
-            checking(names, chunk_size, device)
+            checking(names, data, chunk_size, device)
         except BaseException:
             later_runs_may_go.set()  # (promote() is now unwinding: the others run while it waits)
             raise
 
-    tier.check_run = failed_check  # type: ignore[method-assign]
-    tier.read_view = reading  # type: ignore[method-assign]
+    tier.check_bytes = failed_check  # type: ignore[method-assign]
+    tier.copy_run = reading  # type: ignore[method-assign]
     repo = Repository.open(durable, create=True, config=CFG)
     pool = ThreadPoolExecutor(len(runs))  # (every run starts at once)
     try:
@@ -232,10 +226,10 @@ def test_a_promotion_on_a_pool_digests_a_run_only_once_checked_and_raises_only_o
             bad = runs[corrupt][0]
             with pytest.raises(gpusnap.IntegrityError, match=bad.split("@")[0]):
                 promote_mod.promote(tier, manifest, repo, pool)
-            after = len(digested)
-            assert bad not in digested
+            after = len(read)
+            assert bad not in checked
             pool.submit(lambda: None).result()
-            assert len(digested) == after, "a run was still read or written after promote() raised"
+            assert len(read) == after, "a run was still read or written after promote() raised"
             assert Repository.open(durable).list() == []
     finally:
         pool.shutdown()

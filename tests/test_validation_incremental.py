@@ -156,6 +156,8 @@ def test_a_failed_validation_is_retried_once_at_the_next_call(tmp_path: Any, hel
         retried_from = {k: v.clone() for k, v in state.items()}  # the retry's consistent point
         info = pending.wait()  # the retry starts here, on the saving thread, and succeeds
         assert info.id == pending.id and "a retry" in info.stats["validation"]
+        # the info says its state is from the retry, a later point than the save() call
+        assert info.stats["consistent_point"] == "retry" and info.stats["save_called"] < info.created
         assert info.stats["bytes_eager"] == state["b"].numel() * 4
         fresh = {k: torch.zeros_like(v) for k, v in state.items()}
         ck.restore(fresh, info.id)

@@ -92,6 +92,7 @@ class _SaveJob:
     app_state: Any = None  # kept for one retry after a validation failure
     owner: threading.Thread | None = None  # called save(): a retry starts on this thread only
     retry_note: str | None = None  # why this save is a retry
+    asked_at: float | None = None  # a retry: when save() was called (its state is from later)
     handed_on: bool = False  # failed validation: its retry (another job) finishes its pending
     repo: Repository | None = None  # where it commits: the root, or the fast tier
     promote: bool = False  # fast tier: promote it whatever the count
@@ -189,7 +190,7 @@ class Checkpointer:
         self._queue: queue.Queue[_SaveJob | None] = queue.Queue()
         self._slots = threading.BoundedSemaphore(self.config.max_pending_saves)  # queued jobs at most
         self._pending: list[PendingSave] = []
-        self._pending_lock = threading.Lock()
+        self._pending_lock = threading.RLock()  # (re-entered by a SIGTERM handler: _at_signal)
         self._writer: threading.Thread | None = None
         self._windows: list[ConcurrentSave] = []
         # what saves learn from each other: plans, orders, hashes (capture/history.py)
@@ -222,7 +223,8 @@ class Checkpointer:
         # the save kernels load beside the program's set-up, not in the first save()
         self._warmup = (start_capture_warmup(self.config.chunk_size, self._copy_stream)
                         if self.config.concurrent and self.config.warm_up_kernels else None)
-        exit_hooks.track(self)
+        self._pid = os.getpid()
+        exit_hooks.track(self, sigterm_grace_s=self.config.sigterm_grace_s)
         self._opened: list[Repository] = []  # (for _let_go, which must not hold self)
         weakref.finalize(self, _let_go, self._queue, self._opened).atexit = False
 
@@ -260,22 +262,35 @@ class Checkpointer:
                 # removed under us (a cleaned /dev/shm): start a new one there; the old one's
                 # lease and maps go (saves still holding its transactions fail on their own)
                 log.warning("gpusnap: the fast tier %s was removed; a new one is made there", self.fast_root)
-                self._fast.close()
                 self._opened.remove(self._fast)
+                if self._promoter is not None:  # its promotions still read the old tier's maps
+                    self._promoter.retire(self._fast)
+                else:
+                    self._fast.close()
                 self._fast = None
             if self._fast is None:
                 assert self.fast_root is not None
-                self._fast = FastTier.open(self.fast_root, create=True, config=self.config)
+                self._fast = FastTier.open(self.fast_root, create=True, config=self.config,
+                                           durable_root=self._durable_identity())
                 self._opened.append(self._fast)
                 self._history.forget_previous()  # (its chunk names pointed into the old tier)
             self._fast.claim_writer()
             return self._fast
 
-    def _promoter_for(self, fast: FastTier) -> Promoter:
+    def _fast_saves_held(self) -> int:
+        """Checkpoints the fast tier has room for: those kept, the one being written, and one
+        more (a promotion in flight holds one past retention; room lost between regions)."""
+        return self.fast_keep_last + 2
+
+    def _durable_identity(self) -> str:
+        """How a fast root records the durable root it belongs to."""
+        return self.root if "://" in self.root else os.path.realpath(self.root)
+
+    def _promoter_for(self) -> Promoter:
         if self._promoter is None:
-            self._promoter = Promoter(fast, lambda: self._repository(create=True), threads=self.config.io_threads,
+            self._promoter = Promoter(lambda: self._repository(create=True), threads=self.config.io_threads,
                                       on_promoted=lambda repo, _m: self._retain(repo, self.keep_last),
-                                      on_released=lambda: self._retain(fast, self.fast_keep_last))
+                                      on_released=lambda tier: self._retain(tier, self.fast_keep_last))
         return self._promoter
 
     # -- save ---------------------------------------------------------------------------------
@@ -356,6 +371,7 @@ class Checkpointer:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         if self.fast_root is not None:
             fast = self._fast_tier()
+            fast.set_budget(self._fast_saves_held(), nbytes, piece)  # (too little room: said here)
             made = fast.prepare_for(self.fast_keep_last + 1, nbytes, piece)
             if wait:
                 fast.wait_prepared()
@@ -450,6 +466,7 @@ class Checkpointer:
         job.repo, job.promote = repo, promote
         if retry_of is not None:
             job.retry_note = retry_of.retry_note
+            job.asked_at = retry_of.asked_at if retry_of.asked_at is not None else retry_of.created
             job.promote = retry_of.promote
             # its stats describe the save the caller made: a blocking caller has waited since
             # the first attempt (the retry itself runs inside that caller's wait)
@@ -582,6 +599,7 @@ class Checkpointer:
         make room; with none in flight, no room is a StorageError that says what to change."""
         piece = self.config.piece_bytes()
         need = room_needed([s.nbytes for s in flat.spans], piece)
+        fast.set_budget(self._fast_saves_held(), need, piece)
         retained = False
         while True:
             txn = fast.begin_write()
@@ -601,10 +619,13 @@ class Checkpointer:
                     retained = True  # past fast_keep_last (its retention met this save's lock)
                     self._retain(fast, self.fast_keep_last)
                     continue
+                held = self._promoter.pending_ids() + self._promoter.failed_ids() if self._promoter is not None else []
                 raise StorageError(
                     f"the fast tier {self.fast_root} has no room for this save ({need} bytes) beside the "
-                    f"{self.fast_keep_last} checkpoint(s) it keeps (it may hold {fast.capacity()} bytes): "
-                    "free space there, raise Config.fast_tier_bytes or lower fast_keep_last; nothing was saved"
+                    f"{self.fast_keep_last} checkpoint(s) it keeps"
+                    + (f" and those kept for promotion ({', '.join(held)})" if held else "")
+                    + f" (it may hold {fast.capacity()} bytes): raise Config.fast_tier_bytes or lower fast_keep_last"
+                    + ("; wait() raises the failed promotions and lets them go" if held else "") + "; nothing was saved"
                 )
             retained = False
             with fast._alloc:  # notified when a save commits or aborts, retention or a promotion ends
@@ -908,6 +929,9 @@ class Checkpointer:
                     stats["validation"] = capture.validation
                     if job.retry_note is not None:
                         stats["validation"] += f" (a retry: the first attempt failed: {job.retry_note})"
+                        # its state is the program's at the retry, a later point than save()
+                        stats["consistent_point"] = "retry"
+                        stats["save_called"] = job.asked_at
                     stats["access_order"] = self._history.learn_window(capture)
                     trace = capture.window.trace
                     if trace is not None:
@@ -943,6 +967,10 @@ class Checkpointer:
             return
         # committed: what follows never fails the save (an interrupt still propagates, after)
         info = info_from_manifest(manifest, "fast" if isinstance(repo, FastTier) else "durable")
+        if job.retry_note is not None:
+            log.warning("gpusnap: checkpoint %s%s holds the state at its retry (created %.3f), not at its save() "
+                        "call (%.3f): the first attempt failed validation", pending.id,
+                        f" (tag {pending.tag!r})" if pending.tag else "", job.created, job.asked_at or 0.0)
         try:
             info.stats["duration_s"] = time.perf_counter() - job.started
             if job.blocking:  # the caller waited through the commit too
@@ -952,7 +980,7 @@ class Checkpointer:
                 self._fast_commits += 1
                 due = job.promote or (self.promote_every is not None and self._fast_commits % self.promote_every == 0)
                 if due:  # pinned before retention can drop it
-                    self._promoter_for(repo).submit(manifest)
+                    self._promoter_for().submit(repo, manifest, explicit=job.promote)
                     info.stats["promotion"] = "queued"
                 self._retain(repo, self.fast_keep_last)
             elif self.keep_last is not None:  # before wait() returns: list() shows keep_last
@@ -1036,12 +1064,15 @@ class Checkpointer:
         ``timeout`` seconds passed first. A save whose retry is due on another thread that is
         not waiting in gpusnap fails at once (docs/capture.md) rather than being waited for.
         """
+        self._check_process()
         self._reap()
         with self._pending_lock:
             pending = list(self._pending)
         deadline = None if timeout is None else time.monotonic() + timeout
         for p in pending:
             self._wait_for(p, deadline)
+        if self._promoter is not None:
+            self._promoter.retry_failed()  # (a promotion that failed gets one more try first)
         promoted = self._promoter is None or self._promoter.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._unobserved.raise_if_any("Checkpointer.wait()")
         self._raise_promotion_failure()
@@ -1053,15 +1084,15 @@ class Checkpointer:
         return [info for p in pending if (info := p._info()) is not None]
 
     def _raise_promotion_failure(self) -> None:
-        """The last promotion's error, once, if no promotion has succeeded since."""
-        promoter = self._promoter
-        failure = promoter.failure if promoter is not None else None
-        if failure is not None:
-            promoter.failure = None  # type: ignore[union-attr]
+        """The promotions that failed and have not succeeded since, once: their checkpoints
+        were kept in the fast tier until now (fast retention applies to them again)."""
+        failures = self._promoter.take_failures() if self._promoter is not None else []
+        if failures:
+            names = ", ".join(f"{f.checkpoint_id}" + (f" (tag {f.tag!r})" if f.tag else "") for f in failures)
             raise StorageError(
-                f"promoting to the durable root {self.root} failed (the checkpoint stays in the fast tier "
-                f"{self.fast_root}; the next promotion due retries): {failure}"
-            ) from failure
+                f"promoting to the durable root {self.root} failed for {names}: they are not in {self.root}, "
+                f"only in the fast tier {self.fast_root} (until its retention drops them): {failures[-1].error}"
+            ) from failures[-1].error
 
     def list(self) -> list[CheckpointInfo]:
         """Committed checkpoints of both tiers, oldest first (empty when nothing was saved
@@ -1086,7 +1117,8 @@ class Checkpointer:
                 return []
         if self.fast_root is not None:
             try:
-                tiers.append(self._fast if self._fast is not None else FastTier.open(self.fast_root, config=self.config))
+                tiers.append(self._fast if self._fast is not None else FastTier.open(
+                    self.fast_root, config=self.config, durable_root=self._durable_identity()))
             except CheckpointNotFoundError:
                 pass
         try:
@@ -1114,8 +1146,8 @@ class Checkpointer:
                 return repo, manifest, skipped
             if best is None or (manifest.created, manifest.id) > (best[1].created, best[1].id):
                 best = (repo, manifest, skipped)
-        if best is None:
-            raise errors[-1]
+        if best is None:  # each tier's words: each names the tags it holds
+            raise errors[0] if len(errors) == 1 else CheckpointNotFoundError("; ".join(map(str, errors)))
         return best
 
     def latest(self) -> CheckpointInfo | None:
@@ -1143,6 +1175,12 @@ class Checkpointer:
             busy = next((p.id for p in self._pending if checkpoint in (p.id, p.tag) and not p.done()), None)
         if busy is not None:
             raise CheckpointError(f"checkpoint {busy} is still being saved: wait for it before deleting it")
+        if self._promoter is not None:  # called off first: it must not commit it to the durable root after this
+            for tier in self._tiers():
+                try:
+                    self._promoter.cancel(tier.resolve(checkpoint).id)
+                except CheckpointNotFoundError:
+                    continue
         tiers = [(self._repository(create=True), self.keep_last)]
         if self.fast_root is not None:
             tiers.append((self._fast_tier(), self.fast_keep_last))
@@ -1225,7 +1263,15 @@ class Checkpointer:
         return handle
 
     # -- life cycle ---------------------------------------------------------------------------
+    def _check_process(self) -> None:
+        if os.getpid() != self._pid:  # (its threads, lease and pending saves are the parent's)
+            raise CheckpointError(
+                f"Checkpointer({self.root!r}) was made in process {self._pid}, which this process was forked from: "
+                "make a new Checkpointer in this process (a DataLoader worker should not save)"
+            )
+
     def _check_open(self) -> None:
+        self._check_process()
         if self._closed:
             self._reap(retry=False)  # a close() on another thread left this thread's tracker
             raise CheckpointError(f"Checkpointer({self.root!r}) is closed")
@@ -1256,6 +1302,7 @@ class Checkpointer:
                 self._writer.join()
                 self._drain_stopped()
             if self._promoter is not None:
+                self._promoter.retry_failed()  # (a promotion that failed gets one more try first)
                 self._promoter.stop()  # what is due is promoted before the roots are let go
             self._reap(retry=False)
             with self._pending_lock:
@@ -1299,11 +1346,33 @@ class Checkpointer:
                     pending = list(self._pending)
                 for p in pending:
                     self._wait_for(p, None)
+                if self._promoter is not None:  # (while the interpreter still starts threads)
+                    self._promoter.wait()
         except BaseException as exc:  # an exit hook must not raise; say what is lost
             with self._pending_lock:
                 lost = [p.id for p in self._pending if not p.done()]
             print(f"gpusnap: at exit, the saves pending under {self.root} could not finish "
                   f"({type(exc).__name__}: {exc}); lost: {', '.join(lost) or 'none'}", file=sys.stderr, flush=True)
+        self._unobserved.report(self.root)
+
+    def _at_signal(self, deadline: float) -> None:
+        """SIGTERM (exit_hooks.py): wait until ``deadline`` (time.monotonic) for the pending
+        saves, then the promotions; name on stderr what did not finish. Runs in a signal
+        handler on the main thread, which may have been inside this object: it starts
+        nothing (no retry, no close) and only waits, bounded."""
+        with self._pending_lock:
+            pending = list(self._pending)
+        for p in pending:
+            while not p.done() and time.monotonic() < deadline:
+                p._wait_done(min(_RETRY_POLL_S, max(0.0, deadline - time.monotonic())))
+        if self._promoter is not None:
+            self._promoter.wait(max(0.0, deadline - time.monotonic()))
+        lost = [p.id for p in pending if not p.done()]
+        lost += self._promoter.pending_ids() if self._promoter is not None else []
+        if lost:
+            print(f"gpusnap: SIGTERM: saves or promotions under {self.root} did not finish within "
+                  f"Config.sigterm_grace_s ({self.config.sigterm_grace_s} s); lost: {', '.join(lost)}",
+                  file=sys.stderr, flush=True)
         self._unobserved.report(self.root)
 
     def __repr__(self) -> str:
@@ -1357,6 +1426,7 @@ def _window_stats(capture: ConcurrentSave) -> dict[str, Any]:
     return {
         "copies": capture.copier.copies,
         "copy_path": capture.copier.copy_path,  # "address" or "torch" (capture/address_copy.py)
+        "copy_path_why": capture.copier.copy_path_why,
         "bytes_cow": w.stats.bytes_cow,
         "cow_events": w.stats.cow_events,
         "cow_failures": w.stats.cow_failures,  # shadows that found no memory: waited instead
@@ -1385,5 +1455,8 @@ def _fast_stats(capture: ConcurrentSave) -> dict[str, Any]:
     if not capture.fast:
         return {}
     tier = capture.staging.txn.tier
-    return {"fast_prepared_bytes": tier.prepared_bytes(), "fast_prepare_errors": list(tier._preparer.errors),
+    return {"fast_prepared_bytes": tier.prepared_bytes(),
+            # the tier's host memory (slab files) and its bound: about (fast_keep_last + 2) x the state
+            "fast_tier_bytes": tier.slab_bytes(), "fast_tier_cap_bytes": tier.capacity(),
+            "fast_prepare_errors": list(tier._preparer.errors),
             "fast_register_errors": list(tier.register_errors)}  # slabs copied through pageable memory

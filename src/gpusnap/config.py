@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 __all__ = ["Config", "MiB"]
 
 MiB = 1 << 20
-_MAY_BE_ZERO = {"cow_budget_bytes", "fast_tier_bytes", "cpu_snapshot_bytes", "eager_cpu_bytes", "eager_device_bytes", "staging_bytes",
+_MAY_BE_ZERO = {"sigterm_grace_s", "cow_budget_bytes", "fast_tier_bytes", "cpu_snapshot_bytes", "eager_cpu_bytes", "eager_device_bytes", "staging_bytes",
                 "restore_piece_bytes", "gc_compact_percent"}
 
 
@@ -167,6 +167,12 @@ class Config:
         default=0,
         metadata={"doc": "fast tier: slab bytes at most (0: 90% of what its file system has free when first opened, "
                   "plus the slabs it holds)"},
+    )
+    sigterm_grace_s: int = field(
+        default=25,
+        metadata={"doc": "on SIGTERM (preemption), seconds to finish pending saves and promotions before the process "
+                  "ends with the signal's status, after any handler installed before it (0: gpusnap installs no "
+                  "handler); what cannot finish is named on stderr"},
     )
     collective_timeout_s: int = field(
         default=300,

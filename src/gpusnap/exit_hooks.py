@@ -13,6 +13,14 @@ Each live Checkpointer gets two calls of ``_at_exit(final)``:
   fails and is reported.
 * ``final=True``, from ``atexit`` (after the program's non-daemon threads have ended):
   ``close()``, so that saves started meanwhile finish too (or fail) and are reported.
+
+SIGTERM (what SLURM, Kubernetes and spot instances send before they kill) ends a Python
+process without ``atexit``. So the first Checkpointer made on the main thread installs a
+handler, unless SIGTERM is ignored or ``Config.sigterm_grace_s`` is 0: it waits up to that
+many seconds for each live Checkpointer's pending saves and promotions (``_at_signal``, which
+names on stderr what could not finish), then calls the handler it replaced, or, where that
+was the default, ends the process with SIGTERM's own status. A handler the program installs
+later replaces it (the program then owns SIGTERM; ``sys.exit`` from it runs the hooks above).
 """
 
 from __future__ import annotations
@@ -20,10 +28,13 @@ from __future__ import annotations
 import atexit
 import os
 import concurrent.futures.thread  # noqa: F401  (its exit hook must be registered before ours)
+import signal
 import threading
+import time
 import traceback
 import weakref
-from typing import Protocol
+from types import FrameType
+from typing import Any, Protocol
 
 __all__ = ["track"]
 
@@ -31,11 +42,15 @@ __all__ = ["track"]
 class _AtExit(Protocol):
     def _at_exit(self, final: bool) -> None: ...
 
+    def _at_signal(self, deadline: float) -> None: ...
+
 
 _live: weakref.WeakSet[_AtExit] = weakref.WeakSet()
 _lock = threading.Lock()
 _registered = False
 _pid = os.getpid()  # the process whose Checkpointers these are
+_grace_s = 0.0  # the longest Config.sigterm_grace_s of the Checkpointers tracked
+_replaced: Any = None  # the SIGTERM handler ours replaced (None: ours is not installed)
 
 
 def _forget_in_child() -> None:
@@ -47,11 +62,15 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
 
 
-def track(owner: _AtExit) -> None:
-    """Call ``owner._at_exit`` at interpreter exit while ``owner`` is alive."""
-    global _registered
+def track(owner: _AtExit, *, sigterm_grace_s: float = 0.0) -> None:
+    """Call ``owner._at_exit`` at interpreter exit, and ``owner._at_signal`` on SIGTERM
+    (given a grace), while ``owner`` is alive."""
+    global _registered, _grace_s
     with _lock:
         _live.add(owner)
+        _grace_s = max(_grace_s, sigterm_grace_s)
+        if sigterm_grace_s > 0:
+            _install_sigterm()
         if _registered:
             return
         _registered = True
@@ -62,6 +81,38 @@ def track(owner: _AtExit) -> None:
             early(_run, False)
         except RuntimeError:  # the interpreter is already shutting down: atexit only
             pass
+
+
+def _install_sigterm() -> None:
+    global _replaced
+    if _replaced is not None or threading.current_thread() is not threading.main_thread():
+        return  # (installed already; or not on the main thread, where Python refuses it)
+    try:
+        current = signal.getsignal(signal.SIGTERM)
+        if current is signal.SIG_IGN or current is None:  # ignored, or a handler not from Python
+            return
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError):  # (a thread or platform that cannot install handlers)
+        return
+    _replaced = current
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    if os.getpid() == _pid:  # (a forked child's parent's saves are not its own)
+        deadline = time.monotonic() + _grace_s
+        with _lock:
+            owners = list(_live)
+        for owner in owners:
+            try:
+                owner._at_signal(deadline)
+            except Exception:  # (it reports its own failures; one must not stop the others)
+                traceback.print_exc()
+    replaced = _replaced
+    if callable(replaced):
+        replaced(signum, frame)
+        return
+    signal.signal(signum, signal.SIG_DFL)  # end as the default would have: by the signal
+    os.kill(os.getpid(), signum)
 
 
 def _run(final: bool) -> None:

@@ -1,24 +1,39 @@
 """The Checkpointer's promotion thread: fast-tier checkpoints copied to the durable root.
 
-One promotion runs at a time and at most one waits behind it: a newer one due meanwhile
-replaces the waiting one (which stays in the fast tier, reported in the newer one's
-stats), so a durable root slower than the saves delays promotion but never queues memory
-without bound. A failed promotion is logged, retried with the next one due, and if no later
-promotion succeeds, raised (once) by the Checkpointer's next ``wait()`` or ``close()``.
+Promotions run one at a time, oldest first. What waits is bounded by what was asked for:
+
+* a promotion due by cadence (``promote_every``) waits only until a newer promotion is asked
+  for, which replaces it (it stays in the fast tier, named in the newer one's stats), so a
+  durable root slower than the saves delays promotion but never queues without bound;
+* an explicit one (``save(promote=True)``) is never replaced: each is promoted in turn;
+  so is one being tried again after a failure.
+
+Every checkpoint asked to be promoted is pinned in its fast tier (retention and ``delete``
+keep its slab bytes) until it is promoted, called off (:meth:`Promoter.cancel`, for a
+delete), replaced, or its failure has been raised to the program. A failed promotion is
+logged and tried again before the next one (and once more by the Checkpointer's ``wait()``);
+:meth:`Promoter.take_failures` hands the failures not yet overcome to ``wait()``/``close()``,
+which raise them once.
+
+Each promotion names the tier it reads: a fast root removed and made again is a new tier,
+and promotions of the old one still read the old one's maps (its slab files, removed, live
+on while mapped), which is closed once nothing of it waits (:meth:`Promoter.retire`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from gpusnap.errors import CheckpointError
 from gpusnap.storage.fast_tier import FastTier
 from gpusnap.storage.manifest import Manifest
-from gpusnap.storage.promote import pool_cpu_s, promote
+from gpusnap.storage.promote import CancelToken, pool_cpu_s, promote
 from gpusnap.storage.repository import Repository
 from gpusnap.thread_priority import lower_this_thread
 
@@ -27,58 +42,141 @@ __all__ = ["Promoter"]
 log = logging.getLogger("gpusnap")
 
 
-class Promoter:
-    """Promotes from ``fast`` to the durable root ``durable()`` gives (opened on first use)."""
+@dataclass(frozen=True)
+class _Job:
+    tier: FastTier
+    manifest: Manifest
+    explicit: bool  # save(promote=True): never replaced
+    retry: bool = False  # failed before: never replaced either (its failure is not raised yet)
 
-    def __init__(self, fast: FastTier, durable: Callable[[], Repository], *, threads: int,
+
+@dataclass(frozen=True)
+class PromotionFailure:
+    """A promotion that failed and has not succeeded since (its checkpoint stays pinned)."""
+
+    checkpoint_id: str
+    tag: str | None
+    error: BaseException
+
+
+class Promoter:
+    """Promotes fast-tier checkpoints to the durable root ``durable()`` gives (opened on first use)."""
+
+    def __init__(self, durable: Callable[[], Repository], *, threads: int,
                  on_promoted: Callable[[Repository, Manifest], None],
-                 on_released: Callable[[], None] | None = None) -> None:
-        self._fast = fast
+                 on_released: Callable[[FastTier], None] | None = None) -> None:
         self._durable = durable
         self._on_promoted = on_promoted
-        # after a promotion lets go of its fast checkpoint, before it counts as done: the fast
+        # after a promotion lets go of its fast checkpoint, before it counts as done: that
         # tier's retention, so that a save waiting for room (when_busy="wait") finds it
         self._on_released = on_released
         self._threads = threads
         self._cond = threading.Condition()
-        self._waiting: Manifest | None = None
-        self._running: Manifest | None = None
+        self._queue: list[_Job] = []  # oldest first; at most one not explicit, the newest
+        self._running: _Job | None = None
+        self._token: CancelToken | None = None  # the running promotion's
+        self._failed: dict[str, tuple[_Job, BaseException]] = {}
         self._superseded: list[str] = []
+        self._retired: list[FastTier] = []  # replaced tiers, closed once nothing of theirs waits
         self._thread: threading.Thread | None = None
+        self._pool: ThreadPoolExecutor | None = None
         self._stopped = False
-        self.failure: BaseException | None = None  # the last promotion's, until one succeeds
         self.promoted = 0
         self.cpu_s = 0.0  # CPU time of the promotion threads, all promotions
 
-    def submit(self, manifest: Manifest) -> None:
-        """Promote ``manifest`` next (replacing one still waiting)."""
+    # -- asking ---------------------------------------------------------------------------
+    def submit(self, tier: FastTier, manifest: Manifest, *, explicit: bool) -> None:
+        """Promote ``manifest`` (of ``tier``) after those queued; a waiting cadence promotion
+        is replaced by it; failed ones are tried again first."""
         with self._cond:
             if self._stopped:
                 raise CheckpointError("the Checkpointer is closed: no promotion starts")
-            if self._waiting is not None:
-                self._superseded.append(self._waiting.id)
-                self._fast.unpin_checkpoint(self._waiting.id)
-            self._fast.pin_checkpoint(manifest.id)  # retention keeps it until it is promoted
-            self._waiting = manifest
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="gpusnap-promoter", daemon=True)
-                self._thread.start()
+            tier.pin_checkpoint(manifest.id)  # retention keeps it until it is promoted
+            for job in [j for j in self._queue if not j.explicit and not j.retry]:
+                self._queue.remove(job)
+                self._superseded.append(job.manifest.id)
+                job.tier.unpin_checkpoint(job.manifest.id)
+                log.info("gpusnap: promotion of %s replaced by the newer %s", job.manifest.id, manifest.id)
+            self._requeue_failed()
+            self._queue.append(_Job(tier, manifest, explicit))
+            self._start()
             self._cond.notify_all()
 
+    def retry_failed(self) -> None:
+        """Queue again every failed promotion not yet raised (``wait()`` gives them one more try)."""
+        with self._cond:
+            if self._failed and not self._stopped:
+                self._requeue_failed()
+                self._start()
+                self._cond.notify_all()
+
+    def _requeue_failed(self) -> None:
+        """Failed promotions go first, oldest first (still pinned: each keeps its pin)."""
+        retries = [dataclasses.replace(job, retry=True) for job, _exc in self._failed.values()]
+        self._queue[0:0] = retries
+        self._failed.clear()
+
+    def cancel(self, checkpoint_id: str) -> None:
+        """Call off ``checkpoint_id``'s promotion (its checkpoint is being deleted): dropped if
+        waiting or failed; if running, it stops before its next run of chunks and never
+        commits, unless it has committed already when this returns (then the durable copy
+        is there for the caller to delete). Bytes it reads meanwhile that retention reuses
+        fail its checks: it ends either way, and its failure is not raised."""
+        with self._cond:
+            for job in [j for j in self._queue if j.manifest.id == checkpoint_id]:
+                self._queue.remove(job)
+                job.tier.unpin_checkpoint(checkpoint_id)
+            failed = self._failed.pop(checkpoint_id, None)
+            if failed is not None:
+                failed[0].tier.unpin_checkpoint(checkpoint_id)
+            running = self._running is not None and self._running.manifest.id == checkpoint_id
+            token = self._token if running else None
+            self._cond.notify_all()
+        if token is not None:
+            token.cancel()
+
+    def retire(self, tier: FastTier) -> None:
+        """``tier`` was replaced: close it once no promotion of it waits, runs or failed."""
+        with self._cond:
+            self._retired.append(tier)
+        self._close_retired()
+
+    # -- what it is doing ------------------------------------------------------------------
     def busy(self) -> bool:
         with self._cond:
-            return self._waiting is not None or self._running is not None
+            return bool(self._queue) or self._running is not None
+
+    def pending_ids(self) -> list[str]:
+        """The checkpoints waiting for or in promotion, oldest first."""
+        with self._cond:
+            jobs = ([self._running] if self._running is not None else []) + self._queue
+            return [j.manifest.id for j in jobs]
+
+    def failed_ids(self) -> list[str]:
+        """The checkpoints whose promotion failed and is not raised yet (kept in their tier)."""
+        with self._cond:
+            return list(self._failed)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until nothing is promoting or waiting; False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._waiting is not None or self._running is not None:
+            while self._queue or self._running is not None:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
                 self._cond.wait(left)
         return True
+
+    def take_failures(self) -> list[PromotionFailure]:
+        """The failed promotions not overcome since, each handed out once; their checkpoints
+        are unpinned (the program now knows: fast retention applies to them again)."""
+        with self._cond:
+            failed, self._failed = list(self._failed.values()), {}
+        for job, _exc in failed:
+            job.tier.unpin_checkpoint(job.manifest.id)
+        self._close_retired()
+        return [PromotionFailure(j.manifest.id, j.manifest.tag, exc) for j, exc in failed]
 
     def stop(self) -> None:
         """Finish what is due, then end the thread."""
@@ -89,54 +187,94 @@ class Promoter:
         if self._thread is not None:
             self._thread.join()
 
+    # -- the thread ------------------------------------------------------------------------
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="gpusnap-promoter", daemon=True)
+            self._thread.start()
+
     def _loop(self) -> None:
         lower_this_thread()  # (see thread_priority.py: the program's threads go first)
-        pool = ThreadPoolExecutor(self._threads, thread_name_prefix="gpusnap-promote", initializer=lower_this_thread)
         try:
             while True:
                 with self._cond:
-                    while self._waiting is None and not self._stopped:
+                    while not self._queue and not self._stopped:
                         self._cond.wait()
-                    if self._waiting is None:
+                    if not self._queue:
                         return
-                    manifest, self._waiting = self._waiting, None
-                    self._running = manifest
+                    job = self._running = self._queue.pop(0)
+                    token = self._token = CancelToken()
                     superseded, self._superseded = self._superseded, []
+                failed: BaseException | None = None
                 try:
-                    self._promote(manifest, superseded, pool)
+                    failed = self._promote(job, superseded, token)
                 finally:
-                    self._fast.unpin_checkpoint(manifest.id)
-                    self._released()
+                    with self._cond:
+                        self._token = None
+                        if failed is not None:
+                            self._failed[job.manifest.id] = (job, failed)  # (stays pinned)
+                    if failed is None:
+                        job.tier.unpin_checkpoint(job.manifest.id)
+                    self._released(job.tier)
                     with self._cond:
                         self._running = None
                         self._cond.notify_all()
+                    self._close_retired()
         finally:
-            pool.shutdown(wait=True)
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
 
-    def _released(self) -> None:
-        if self._on_released is not None:
+    def _released(self, tier: FastTier) -> None:
+        if self._on_released is not None and tier not in self._retired:
             try:
-                self._on_released()
+                self._on_released(tier)
             except Exception as exc:  # (retention: the next commit tries again)
                 log.warning("gpusnap: after a promotion: %s", exc)
 
-    def _promote(self, manifest: Manifest, superseded: list[str], pool: ThreadPoolExecutor) -> None:
+    def _close_retired(self) -> None:
+        with self._cond:
+            busy = {id(j.tier) for j in self._queue} | {id(j.tier) for j, _e in self._failed.values()}
+            if self._running is not None:
+                busy.add(id(self._running.tier))
+            done = [t for t in self._retired if id(t) not in busy]
+            self._retired = [t for t in self._retired if id(t) in busy]
+        for tier in done:
+            tier.close()
+
+    def _pool_for_run(self) -> ThreadPoolExecutor | None:
+        """The promotion threads, or None once the interpreter refuses new ones (at exit the
+        promotion then runs on this thread alone)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="gpusnap-promote",
+                                            initializer=lower_this_thread)
+        try:
+            self._pool.submit(lambda: None).result()
+        except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+            return None
+        return self._pool
+
+    def _promote(self, job: _Job, superseded: list[str], token: CancelToken) -> BaseException | None:
+        """One promotion; returns its error (logged), or None once committed (or called off)."""
+        manifest = job.manifest
+        pool = self._pool_for_run()
         cpu = time.thread_time()
         cpu_pool = pool_cpu_s(pool)
         try:
             durable = self._durable()
             extra = {"promoted_from": "fast", "promotions_skipped": superseded}
-            promoted = promote(self._fast, manifest, durable, pool, extra_stats=extra)
+            promoted = promote(job.tier, manifest, durable, pool, extra_stats=extra, cancel=token)
         except Exception as exc:
-            self.failure = exc
-            log.warning("gpusnap: promotion of %s to the durable root failed; the next one due retries: %s",
-                        manifest.id, exc)
-            return
+            if token.cancelled:  # (called off: whatever it met after that is no failure)
+                log.info("gpusnap: the promotion of %s was called off (%s)", manifest.id, exc)
+                return None
+            log.warning("gpusnap: promotion of %s to the durable root failed; it stays in the fast tier and is "
+                        "tried again before the next one (and by wait()): %s", manifest.id, exc)
+            return exc
         finally:
             self.cpu_s += time.thread_time() - cpu + pool_cpu_s(pool) - cpu_pool
-        self.failure = None
         self.promoted += 1
         try:
             self._on_promoted(durable, promoted)
         except Exception as exc:  # retention after the commit: the promotion stands
             log.warning("gpusnap: after promoting %s: %s", manifest.id, exc)
+        return None

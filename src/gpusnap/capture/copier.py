@@ -96,6 +96,7 @@ class Copier:
         self._inflight_bytes = 0
         self._engines: list[HostCopies | DriverCopies] = []  # by-address copies (_copy_snapshots)
         self.copy_path = "torch"  # "address" once a snapshot went by address (stats["copy_path"])
+        self.copy_path_why = ""  # why a snapshot went through torch instead (stats["copy_path_why"])
         # A Checkpointer's one long-lived copier thread (``runner``): starting a thread per
         # save cost save() ~5 ms on a busy 2-core machine (Thread.start waits for it to run).
         self._runner = runner
@@ -272,11 +273,15 @@ class Copier:
         when the regions are page-locked host memory that stays (the fast tier's slabs); else
         None: copy through torch."""
         if not getattr(self.arena, "pinned", False) and device.type == "cuda":
+            self.copy_path_why = ("its host memory is not page-locked (a staging arena, or fast-tier slabs the "
+                                  "driver refused to register: stats['fast_register_errors'])")
             return None
         engine = address_copies(device, stream)
         if engine is not None:
             self._engines.append(engine)
             self.copy_path = "address"
+        else:
+            self.copy_path_why = "no by-address engine for this device (switched off, or a driver without it)"
         return engine
 
     def _allocate(self, n: int) -> Region:

@@ -43,6 +43,7 @@ from gpusnap.storage.fast_chunks import FastChunks, chunk_location, fast_name, m
 from gpusnap.storage.host_bytes_hash import hash_host_bytes
 from gpusnap.storage.layout import ID_RE, MANIFESTS, ROOT_FILE, TMP, storage_error
 from gpusnap.storage.manifest import Manifest
+from gpusnap.storage.private_dir import open_private
 from gpusnap.storage.repository import GcReport, Repository, about
 from gpusnap.storage.slab_prep import SlabPreparer
 
@@ -97,9 +98,13 @@ class FastTier(Repository):
         self._trees = TreeCodes()  # the tree nodes the last commit encoded (used under _commit_lock)
         self._pinned_ids: dict[str, int] = {}  # manifest id -> holds (a promotion reading it)
         self._capacity: int | None = None
+        self._budget: int | None = None  # slab bytes its writer's checkpoints need (set_budget)
         self.pinned = torch.cuda.is_available()
         self.register_errors: builtins.list[str] = []  # slabs that could not be page-locked
         self.check_device: torch.device | None = None  # where chunks are checked (None: the host; promotion: its GPU)
+        # the root directory this object opened: one removed and made again at the same path
+        # (a cleaned /dev/shm, another run) is another tier, whose slab files are not ours
+        self._identity = self._root_identity()
 
     # ------------------------------------------------------------------ layout
 
@@ -112,27 +117,55 @@ class FastTier(Repository):
         storage_options: dict[str, Any] | None = None,
         config: Config | None = None,
         backend: Backend | None = None,
+        durable_root: str | None = None,
     ) -> FastTier:
-        """Open (or with ``create=True`` initialise) the fast root at ``root``: a local path."""
+        """Open (or with ``create=True`` initialise) the fast root at ``root``: a local path.
+
+        ``durable_root``: the root its checkpoints are promoted to. A fast root belongs to one
+        durable root (recorded when it is made): another one's is refused."""
         text = os.fspath(root)
         if "://" in text and not text.startswith("file://"):
             raise ValueError(f"fast_root must be a local path (host memory such as /dev/shm/run), not {text!r}")
         text = text.removeprefix("file://")
-        repo = Repository.open(text, create=create, config=config, backend=backend or LocalBackend(text),
-                               root_doc={"tier": "fast"})
+        repo = Repository.open(text, create=create, config=config, backend=backend or LocalBackend(text, what="the fast root"),
+                               root_doc={"tier": "fast"} if durable_root is None else
+                               {"tier": "fast", "durable_root": durable_root})
         if not isinstance(repo, FastTier):
             raise CheckpointError(f"{text} is a durable checkpoint root, not a fast tier: give fast_root its own directory")
+        owner = repo.durable_root
+        if durable_root is not None and owner is not None and owner != durable_root:
+            raise CheckpointError(
+                f"the fast root {text} belongs to the durable root {owner}, not {durable_root}: two runs cannot share "
+                "a fast root (each would read and delete the other's checkpoints); give this run a fast_root of its own"
+            )
         if create:
             with repo._io("creating", SLABS, writing=True):
                 repo.backend.makedirs(SLABS)
         return repo
 
-    def intact(self) -> bool:
-        """Whether the root is still there (a removed directory: the writer starts a new tier)."""
+    @property
+    def durable_root(self) -> str | None:
+        """The durable root this fast root belongs to (None: made before gpusnap recorded it)."""
         try:
-            return self.backend.exists(ROOT_FILE)
+            owner = self._check_root_file(self.backend).get("durable_root")
+        except (OSError, CheckpointError):
+            return None
+        return owner if isinstance(owner, str) else None
+
+    def intact(self) -> bool:
+        """Whether the root this object opened is still there (removed, or removed and made
+        again by someone else: the writer starts a new tier)."""
+        try:
+            return self.backend.exists(ROOT_FILE) and self._root_identity() == self._identity
         except OSError:
             return False
+
+    def _root_identity(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.backend.local_path(""))  # type: ignore[attr-defined]
+        except (OSError, AttributeError):
+            return None
+        return st.st_dev, st.st_ino
 
     def _slab_list(self) -> dict[int, int]:
         sizes: dict[int, int] = {}
@@ -191,18 +224,40 @@ class FastTier(Repository):
         """Check chunks that lie back to back in one slab, each ``chunk_size`` bytes, with one
         hash pass over their bytes (on ``device``: one host-to-device copy and one launch for
         the run, not one a chunk); IntegrityError naming the first that does not match."""
+        slab, lo, hi = self._run_range(names, chunk_size)
+        self.check_bytes(names, self._slab_bytes(slab, lo, hi), chunk_size, device)
+
+    def copy_run(self, names: builtins.list[str], chunk_size: int, out: torch.Tensor) -> memoryview:
+        """The bytes of a run (as :meth:`check_run` takes it) copied once into ``out`` (a host
+        uint8 tensor at least that long; the copy lets the interpreter lock go): what a
+        promotion checks, digests and writes, so that all three see the same bytes even if
+        the slab changes meanwhile."""
+        slab, lo, hi = self._run_range(names, chunk_size)
+        source = torch.frombuffer(self._slab_bytes(slab, lo, hi), dtype=torch.uint8)
+        out[: hi - lo].copy_(source)
+        return memoryview(out[: hi - lo].numpy()).cast("B")
+
+    def check_bytes(self, names: builtins.list[str], data: memoryview | bytes, chunk_size: int,
+                    device: torch.device | None = None) -> None:
+        """Check ``data``, the bytes of the run ``names`` (read by the caller), against the
+        chunks' device hashes; IntegrityError naming the first that does not match."""
+        slab, lo, hi = self._run_range(names, chunk_size)
         if len(names) == 1:
-            _h, slab, off, n = chunk_location(names[0])
-            self._check(names[0], self.read_view(names[0]), slab_path(slab), off, n, "", device=device)
+            self._check(names[0], data, slab_path(slab), lo, hi - lo, "", device=device)
             return
-        first, last = chunk_location(names[0]), chunk_location(names[-1])
-        slab, lo, hi = first[1], first[2], last[2] + last[3]
-        if hi - lo != len(names) * chunk_size:
-            raise ValueError("check_run takes chunks that lie back to back, each chunk_size bytes")
-        got = self._hashes(self._slab_bytes(slab, lo, hi), chunk_size, device)
+        got = self._hashes(data, chunk_size, device)
         for i, name in enumerate(names):
             if got[i] != chunk_location(name)[0]:
                 raise self._mismatch(name, "", slab_path(slab), lo + i * chunk_size)
+
+    @staticmethod
+    def _run_range(names: builtins.list[str], chunk_size: int) -> tuple[int, int, int]:
+        """``(slab, lo, hi)`` of a run: one chunk, or whole chunks back to back in one slab."""
+        first, last = chunk_location(names[0]), chunk_location(names[-1])
+        slab, lo, hi = first[1], first[2], last[2] + last[3]
+        if len(names) > 1 and (last[1] != slab or hi - lo != len(names) * chunk_size):
+            raise ValueError("a run is one chunk or chunks that lie back to back, each chunk_size bytes")
+        return slab, lo, hi
 
     # ------------------------------------------------------------------ space
 
@@ -261,16 +316,56 @@ class FastTier(Repository):
             self._alloc.notify_all()
 
     def capacity(self) -> int:
-        """Slab bytes this tier may hold (``Config.fast_tier_bytes`` or 90% of free space)."""
+        """Slab bytes this tier may hold: ``Config.fast_tier_bytes``, else what its writer's
+        checkpoints need (:meth:`set_budget`; never less than the slabs already there), else,
+        for a tier used without a budget, 90% of its file system's free space."""
         with self._mutex:
+            if self.config.fast_tier_bytes:
+                return self.config.fast_tier_bytes
+            if self._budget is not None:
+                return self._budget
             if self._capacity is None:
-                have = sum(self._slab_list().values())
-                if self.config.fast_tier_bytes:
-                    self._capacity = self.config.fast_tier_bytes
-                else:
-                    st = os.statvfs(self.backend.local_path(""))  # type: ignore[attr-defined]
-                    self._capacity = have + int(st.f_bavail * st.f_frsize * 0.9)
+                st = os.statvfs(self.backend.local_path(""))  # type: ignore[attr-defined]
+                self._capacity = sum(self._slab_list().values()) + int(st.f_bavail * st.f_frsize * 0.9)
             return self._capacity
+
+    def per_save(self, need: int, piece: int) -> int:
+        """Slab bytes one save of ``need`` bytes in pieces of at most ``piece`` may take: a
+        piece never straddles a slab's end, so each slab a save spans may leave a piece unused."""
+        return need + -(-need // (self.config.fast_slab_bytes - piece)) * piece
+
+    def set_budget(self, saves: int, need: int, piece: int) -> int:
+        """Bound the tier to ``saves`` checkpoints of ``need`` bytes (whole 2 MiB slab steps);
+        returns the bound. A StorageError naming the size needed when its file system cannot
+        hold that beside the slabs already there (checked when the bound grows)."""
+        budget = saves * -(-self.per_save(need, piece) // _SLAB_ROUND) * _SLAB_ROUND
+        if self.config.fast_tier_bytes:
+            return self.config.fast_tier_bytes
+        with self._mutex:
+            if self._budget is not None and budget <= self._budget:
+                return self._budget
+            have = sum(self._slab_list().values())
+        more = budget - have
+        if more > 0:
+            try:
+                st = os.statvfs(self.backend.local_path(""))  # type: ignore[attr-defined]
+                free = st.f_bavail * st.f_frsize
+            except (OSError, AttributeError):
+                free = more
+            if free < more:
+                raise StorageError(
+                    f"the fast tier {self.root} needs {budget} bytes of slabs for {saves} checkpoints of {need} bytes "
+                    f"(fast_keep_last + 2: those kept, the one being written and one in promotion); it holds {have} "
+                    f"and its file system has {free} bytes free: free space there (a container's /dev/shm: "
+                    "--shm-size), lower fast_keep_last, or pick another fast_root; nothing was saved"
+                )
+        with self._mutex:  # (slabs an earlier, larger state left are reused, not removed)
+            self._budget = max(budget, have, self._budget or 0)
+            return self._budget
+
+    def _has_txns(self) -> bool:
+        with self._mutex:  # (a fast save's reserved and reused ranges protect it from gc)
+            return bool(self._fast_txns) or super()._has_txns()
 
     def _busy_ranges(self) -> dict[int, builtins.list[tuple[int, int]]]:
         busy = {s: list(r) for s, r in self._used_map().items()}
@@ -344,6 +439,11 @@ class FastTier(Repository):
                     break
             busy.wait()
         try:
+            if self._root_identity() != self._identity:  # (never map another tier's file as ours)
+                raise StorageError(
+                    f"the fast tier {self.root} was removed: slab {slab} of the tier this process opened is gone "
+                    "(its checkpoints with it)"
+                )
             mapped = self._make_slab(slab)
             with self._map_lock:
                 if not self._closed:  # (closed meanwhile: the caller's tensor keeps it while used)
@@ -362,7 +462,7 @@ class FastTier(Repository):
             size = self._slab_sizes[slab]
         path = self.backend.local_path(slab_path(slab))  # type: ignore[attr-defined]
         with self._io("creating slab", slab_path(slab), writing=True):
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = open_private(path, os.O_RDWR | os.O_CREAT)  # (never a planted link, nor another user's file)
             try:
                 if os.fstat(fd).st_size < size:
                     # allocates every page now: a full tmpfs is ENOSPC here, not SIGBUS at a copy
@@ -375,16 +475,21 @@ class FastTier(Repository):
                 return MappedMemory(fd, size, pinned=self.pinned)
             except RuntimeError as exc:  # page-locking refused: copies go through pageable memory
                 self.register_errors.append(f"slab {slab}: {exc}")
-                return MappedMemory(os.open(path, os.O_RDWR | os.O_CLOEXEC), size, pinned=False)
+                return MappedMemory(open_private(path, os.O_RDWR), size, pinned=False)
         except OSError as exc:
             raise storage_error(exc, "mapping slab", self.backend.describe(slab_path(slab)), writing=True) from exc
 
     def prepare_for(self, saves: int, need: int, piece: int) -> int:
         """:meth:`prepare_ahead` for ``saves`` saves of ``need`` bytes copied in pieces of at
-        most ``piece`` bytes: a piece never straddles a slab's end, so each slab a save spans
-        may leave up to a piece unused (as :meth:`_reserve` counts it)."""
-        per_save = need + -(-need // (self.config.fast_slab_bytes - piece)) * piece
-        return self.prepare_ahead(saves * per_save)
+        most ``piece`` bytes (:meth:`per_save`, as :meth:`_reserve` counts it)."""
+        return self.prepare_ahead(saves * self.per_save(need, piece))
+
+    def slab_bytes(self) -> int:
+        """Bytes of the slab files this tier holds (its host memory, on a tmpfs)."""
+        with self._mutex:
+            if not self._slab_sizes:
+                self._slab_sizes = self._slab_list()
+            return sum(self._slab_sizes.values())
 
     def prepare_ahead(self, nbytes: int) -> int:
         """Have slabs of ``nbytes`` in all (within :meth:`capacity`), and prepare every slab

@@ -55,6 +55,7 @@ from gpusnap.storage.layout import (
 from gpusnap.storage.manifest import FORMAT, VERSION, Manifest, canonical_json
 from gpusnap.storage.pack import PackIndex, read_pack_index
 from gpusnap.storage.txn import WriteTxn
+from gpusnap.storage.unknown_ref import Retired, unknown_ref
 from gpusnap.storage.unreadable import UnreadableManifest, id_time, may_be_newer
 from gpusnap.storage.verify import VerifyReport, verify
 
@@ -114,9 +115,13 @@ class Repository:
         self._issued_ids: set[str] = set()
         self._lease = LeaseHolds(backend.writer_lease)
         self._txns: set[WriteTxn] = set()  # open write transactions (their pins), under _mutex
+        # begin_write calls between taking the shared lock and registering their transaction:
+        # gc must count them as open (their shared lock excludes its exclusive one)
+        self._opening = 0
         self._cache_complete = False  # _manifest_cache lists every readable manifest (writer only)
         self._commit_lock = threading.Lock()  # commits of this object, one at a time (txn.py)
         self._warned: set[str] = set()  # unreadable manifests already reported (warn_unreadable)
+        self._retired = Retired()  # what this object's retention deleted, for lookup errors
 
     # ------------------------------------------------------------------ opening
 
@@ -462,10 +467,7 @@ class Repository:
         tagged = [m for m in manifests if m.tag == ref]
         if tagged:
             return tagged[-1]
-        known = ", ".join(m.id for m in manifests[-5:]) or "none"
-        raise CheckpointNotFoundError(
-            f"no checkpoint with id or tag {ref!r} in {self.root}; newest known: {known}{note}"
-        )
+        raise unknown_ref(ref, self.root, manifests, self._retired, note)
 
     def delete(self, checkpoint_id: str, *, timeout: float = 30.0) -> None:
         """Remove one manifest (the checkpoint disappears); its packs wait for :meth:`gc`.
@@ -722,17 +724,23 @@ class Repository:
         of existing packs. Waits up to ``timeout`` for each; a :class:`StorageError` names the
         writer or gc that holds the root."""
         self._hold_lease(timeout)
+        with self._mutex:
+            self._opening += 1
         try:
-            lock = self._lock(exclusive=False, timeout=timeout)
-        except BaseException:
-            self._lease.drop()
-            raise
-        try:
-            return self._new_txn(lock)
-        except BaseException:
-            lock.release()
-            self._lease.drop()
-            raise
+            try:
+                lock = self._lock(exclusive=False, timeout=timeout)
+            except BaseException:
+                self._lease.drop()
+                raise
+            try:
+                return self._new_txn(lock)
+            except BaseException:
+                lock.release()
+                self._lease.drop()
+                raise
+        finally:
+            with self._mutex:
+                self._opening -= 1
 
     def _new_txn(self, lock: BackendLock) -> WriteTxn:
         """The transaction, once the lease and the shared lock are held (a fast tier makes its own)."""
@@ -819,8 +827,10 @@ class Repository:
             self._lease.drop()
 
     def _has_txns(self) -> bool:
+        """Whether a write transaction of this object is open or opening (its shared lock,
+        held or wanted, keeps gc from the exclusive one: gc then relies on the pins)."""
         with self._mutex:
-            return bool(self._txns)
+            return bool(self._txns) or self._opening > 0
 
     def _gc_lock(self, timeout: float) -> BackendLock | None:
         """The exclusive root lock, or None while this object's own transactions are open
@@ -866,6 +876,7 @@ class Repository:
                         pass
                     self.backend.remove(path)
                 deleted_ids.append(m.id)
+                self._retired.note(m, keep_last)
             if self.config.fsync:
                 with self._io("gc: syncing", MANIFESTS):
                     self.backend.sync_dir(MANIFESTS)
@@ -964,10 +975,11 @@ class Repository:
     # ------------------------------------------------------------------ verify
 
     def verify(
-        self, checkpoint_id: str | None = None, *, progress: Callable[[int], None] | None = None
+        self, checkpoint_id: str | None = None, *, progress: Callable[[int], None] | None = None,
+        on_total: Callable[[int], None] | None = None,
     ) -> VerifyReport:
         """Re-hash every chunk of one checkpoint (id or tag) or of all (``storage.verify``)."""
-        return verify(self, checkpoint_id, progress=progress)
+        return verify(self, checkpoint_id, progress=progress, on_total=on_total)
 
 
 def merge_reports(reports: Sequence[GcReport]) -> GcReport:
