@@ -283,8 +283,9 @@ class Checkpointer:
         return self.fast_keep_last + 2
 
     def _durable_identity(self) -> str:
-        """How a fast root records the durable root it belongs to."""
-        return self.root if "://" in self.root else os.path.realpath(self.root)
+        """How a fast root records the durable root it belongs to (a local one by its real path)."""
+        local = self.root.removeprefix("file://")
+        return self.root if "://" in local else os.path.realpath(local)
 
     def _promoter_for(self) -> Promoter:
         if self._promoter is None:
@@ -618,6 +619,9 @@ class Checkpointer:
                 if not retained:  # a promotion that ended meanwhile may have left its checkpoint
                     retained = True  # past fast_keep_last (its retention met this save's lock)
                     self._retain(fast, self.fast_keep_last)
+                    continue
+                if self._promoter is not None and self._promoter.let_go_oldest_failure() is not None:
+                    retained = False  # (a durable outage must not stop the fast tier: wait() raises it)
                     continue
                 held = self._promoter.pending_ids() + self._promoter.failed_ids() if self._promoter is not None else []
                 raise StorageError(
@@ -1176,11 +1180,7 @@ class Checkpointer:
         if busy is not None:
             raise CheckpointError(f"checkpoint {busy} is still being saved: wait for it before deleting it")
         if self._promoter is not None:  # called off first: it must not commit it to the durable root after this
-            for tier in self._tiers():
-                try:
-                    self._promoter.cancel(tier.resolve(checkpoint).id)
-                except CheckpointNotFoundError:
-                    continue
+            self._promoter.cancel(checkpoint)
         tiers = [(self._repository(create=True), self.keep_last)]
         if self.fast_root is not None:
             tiers.append((self._fast_tier(), self.fast_keep_last))
@@ -1280,6 +1280,9 @@ class Checkpointer:
         """Wait for pending saves, release threads; then raise the error of any save that
         failed and whose error nothing has observed yet (once; see :class:`PendingSave`).
         A second call (from any thread) waits until the first has finished."""
+        if os.getpid() != self._pid:  # a forked child: the threads and saves are the parent's
+            self._closed = self._stopped = True
+            return
         self._shut_down()
         self._unobserved.raise_if_any("Checkpointer.close()")
         self._raise_promotion_failure()
@@ -1329,7 +1332,7 @@ class Checkpointer:
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         """close(); when the block itself raised, its exception is never replaced: the
         failed saves nothing observed are named in notes on it (and count as observed)."""
-        if exc is None:
+        if exc is None or os.getpid() != self._pid:
             self.close()
             return
         self._shut_down()
@@ -1354,6 +1357,17 @@ class Checkpointer:
             print(f"gpusnap: at exit, the saves pending under {self.root} could not finish "
                   f"({type(exc).__name__}: {exc}); lost: {', '.join(lost) or 'none'}", file=sys.stderr, flush=True)
         self._unobserved.report(self.root)
+        if final:
+            self._report_promotion_failures("at exit")
+
+    def _report_promotion_failures(self, when: str) -> None:
+        """Name on stderr each promotion that failed and nothing raised (the process ends)."""
+        for f in self._promoter.take_failures() if self._promoter is not None else []:
+            where = "in neither tier" if f.dropped else f"only in the fast tier {self.fast_root}"
+            print(f"gpusnap: {when}, promoting checkpoint {f.checkpoint_id}"
+                  + (f" (tag {f.tag!r})" if f.tag else "")
+                  + f" to {self.root} failed; it is {where}: {type(f.error).__name__}: {f.error}",
+                  file=sys.stderr, flush=True)
 
     def _at_signal(self, deadline: float) -> None:
         """SIGTERM (exit_hooks.py): wait until ``deadline`` (time.monotonic) for the pending
@@ -1374,6 +1388,7 @@ class Checkpointer:
                   f"Config.sigterm_grace_s ({self.config.sigterm_grace_s} s); lost: {', '.join(lost)}",
                   file=sys.stderr, flush=True)
         self._unobserved.report(self.root)
+        self._report_promotion_failures("on SIGTERM")
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.root!r}, keep_last={self.keep_last})"

@@ -20,7 +20,9 @@ handler, unless SIGTERM is ignored or ``Config.sigterm_grace_s`` is 0: it waits 
 many seconds for each live Checkpointer's pending saves and promotions (``_at_signal``, which
 names on stderr what could not finish), then calls the handler it replaced, or, where that
 was the default, ends the process with SIGTERM's own status. A handler the program installs
-later replaces it (the program then owns SIGTERM; ``sys.exit`` from it runs the hooks above).
+later replaces it (the program then owns SIGTERM; ``sys.exit`` from it runs the hooks above);
+one that calls the handler it found (Lightning's does) gets the waiting, and decides itself
+what follows.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class _AtExit(Protocol):
 
 
 _live: weakref.WeakSet[_AtExit] = weakref.WeakSet()
-_lock = threading.Lock()
+_lock = threading.RLock()  # (re-entered by the SIGTERM handler on a main thread inside track())
 _registered = False
 _pid = os.getpid()  # the process whose Checkpointers these are
 _grace_s = 0.0  # the longest Config.sigterm_grace_s of the Checkpointers tracked
@@ -107,6 +109,8 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
                 owner._at_signal(deadline)
             except Exception:  # (it reports its own failures; one must not stop the others)
                 traceback.print_exc()
+    if signal.getsignal(signum) is not _on_sigterm:
+        return  # a handler the program installed later called this one: it decides what follows
     replaced = _replaced
     if callable(replaced):
         replaced(signum, frame)

@@ -8,12 +8,14 @@ Promotions run one at a time, oldest first. What waits is bounded by what was as
 * an explicit one (``save(promote=True)``) is never replaced: each is promoted in turn;
   so is one being tried again after a failure.
 
-Every checkpoint asked to be promoted is pinned in its fast tier (retention and ``delete``
-keep its slab bytes) until it is promoted, called off (:meth:`Promoter.cancel`, for a
-delete), replaced, or its failure has been raised to the program. A failed promotion is
-logged and tried again before the next one (and once more by the Checkpointer's ``wait()``);
-:meth:`Promoter.take_failures` hands the failures not yet overcome to ``wait()``/``close()``,
-which raise them once.
+Every checkpoint asked to be promoted is pinned in its fast tier (retention keeps its slab
+bytes) until it is promoted, called off (:meth:`Promoter.cancel`, for a delete), replaced,
+or its failure has been raised to the program. A failed promotion is logged and tried again
+once a later promotion succeeds (the durable root works again), and once more by the
+Checkpointer's ``wait()``/``close()``; :meth:`Promoter.take_failures` hands the failures not
+yet overcome to them, which raise them once. Pinned failures are bounded by the tier's room:
+a save that finds no room otherwise lets the oldest go (:meth:`Promoter.let_go_oldest_failure`),
+whose failure is then raised as a lost checkpoint.
 
 Each promotion names the tier it reads: a fast root removed and made again is a new tier,
 and promotions of the old one still read the old one's maps (its slab files, removed, live
@@ -57,6 +59,7 @@ class PromotionFailure:
     checkpoint_id: str
     tag: str | None
     error: BaseException
+    dropped: bool = False  # let go of to make room: no longer in the fast tier either
 
 
 class Promoter:
@@ -76,6 +79,7 @@ class Promoter:
         self._running: _Job | None = None
         self._token: CancelToken | None = None  # the running promotion's
         self._failed: dict[str, tuple[_Job, BaseException]] = {}
+        self._dropped: list[PromotionFailure] = []  # failed, then let go of (not raised yet)
         self._superseded: list[str] = []
         self._retired: list[FastTier] = []  # replaced tiers, closed once nothing of theirs waits
         self._thread: threading.Thread | None = None
@@ -87,7 +91,7 @@ class Promoter:
     # -- asking ---------------------------------------------------------------------------
     def submit(self, tier: FastTier, manifest: Manifest, *, explicit: bool) -> None:
         """Promote ``manifest`` (of ``tier``) after those queued; a waiting cadence promotion
-        is replaced by it; failed ones are tried again first."""
+        is replaced by it."""
         with self._cond:
             if self._stopped:
                 raise CheckpointError("the Checkpointer is closed: no promotion starts")
@@ -97,7 +101,6 @@ class Promoter:
                 self._superseded.append(job.manifest.id)
                 job.tier.unpin_checkpoint(job.manifest.id)
                 log.info("gpusnap: promotion of %s replaced by the newer %s", job.manifest.id, manifest.id)
-            self._requeue_failed()
             self._queue.append(_Job(tier, manifest, explicit))
             self._start()
             self._cond.notify_all()
@@ -116,24 +119,47 @@ class Promoter:
         self._queue[0:0] = retries
         self._failed.clear()
 
-    def cancel(self, checkpoint_id: str) -> None:
-        """Call off ``checkpoint_id``'s promotion (its checkpoint is being deleted): dropped if
-        waiting or failed; if running, it stops before its next run of chunks and never
-        commits, unless it has committed already when this returns (then the durable copy
-        is there for the caller to delete). Bytes it reads meanwhile that retention reuses
-        fail its checks: it ends either way, and its failure is not raised."""
+    def cancel(self, ref: str) -> None:
+        """Call off the promotion of checkpoint ``ref`` (an id or a tag; it is being deleted):
+        dropped if waiting or failed; if running, it stops before its next run of chunks and
+        never commits, unless it has committed already when this returns (then the durable
+        copy is there for the caller to delete). Bytes it reads meanwhile that retention
+        reuses fail its checks: it ends either way, and its failure is not raised."""
+
+        def named(job: _Job) -> bool:
+            return ref in (job.manifest.id, job.manifest.tag)
+
         with self._cond:
-            for job in [j for j in self._queue if j.manifest.id == checkpoint_id]:
+            for job in [j for j in self._queue if named(j)]:
                 self._queue.remove(job)
-                job.tier.unpin_checkpoint(checkpoint_id)
-            failed = self._failed.pop(checkpoint_id, None)
-            if failed is not None:
-                failed[0].tier.unpin_checkpoint(checkpoint_id)
-            running = self._running is not None and self._running.manifest.id == checkpoint_id
-            token = self._token if running else None
+                job.tier.unpin_checkpoint(job.manifest.id)
+            for cid, (job, _exc) in list(self._failed.items()):
+                if named(job):
+                    del self._failed[cid]
+                    job.tier.unpin_checkpoint(cid)
+            self._dropped = [f for f in self._dropped if ref not in (f.checkpoint_id, f.tag)]
+            if self._running is not None and named(self._running) and self._token is not None:
+                # under the lock: the loop records a failure only if it was not called off
+                # (the token waits for a commit in progress, which never takes this lock)
+                self._token.cancel()
             self._cond.notify_all()
-        if token is not None:
-            token.cancel()
+        self._close_retired()
+
+    def let_go_oldest_failure(self) -> str | None:
+        """Unpin the oldest failed promotion's checkpoint (a save needs its room); its failure
+        is raised later as a lost checkpoint. Returns its id, or None when none is pinned."""
+        with self._cond:
+            if not self._failed:
+                return None
+            cid = next(iter(self._failed))
+            job, exc = self._failed.pop(cid)
+            self._dropped.append(PromotionFailure(cid, job.manifest.tag, exc, dropped=True))
+        job.tier.unpin_checkpoint(cid)
+        log.warning("gpusnap: checkpoint %s%s, whose promotion failed, is let go of in the fast tier to make room "
+                    "for a save: it is in neither tier once retention drops it (wait() raises it): %s", cid,
+                    f" (tag {job.manifest.tag!r})" if job.manifest.tag else "", exc)
+        self._close_retired()
+        return cid
 
     def retire(self, tier: FastTier) -> None:
         """``tier`` was replaced: close it once no promotion of it waits, runs or failed."""
@@ -169,14 +195,16 @@ class Promoter:
         return True
 
     def take_failures(self) -> list[PromotionFailure]:
-        """The failed promotions not overcome since, each handed out once; their checkpoints
-        are unpinned (the program now knows: fast retention applies to them again)."""
+        """The failed promotions not overcome since (and those let go of), each handed out
+        once; their checkpoints are unpinned (the program now knows: fast retention applies
+        to them again)."""
         with self._cond:
             failed, self._failed = list(self._failed.values()), {}
+            dropped, self._dropped = self._dropped, []
         for job, _exc in failed:
             job.tier.unpin_checkpoint(job.manifest.id)
         self._close_retired()
-        return [PromotionFailure(j.manifest.id, j.manifest.tag, exc) for j, exc in failed]
+        return dropped + [PromotionFailure(j.manifest.id, j.manifest.tag, exc) for j, exc in failed]
 
     def stop(self) -> None:
         """Finish what is due, then end the thread."""
@@ -186,6 +214,10 @@ class Promoter:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join()
+        with self._cond:  # (nothing retries after this: a failed job's tier need not stay open)
+            retired, self._retired = self._retired, []
+        for tier in retired:
+            tier.close()
 
     # -- the thread ------------------------------------------------------------------------
     def _start(self) -> None:
@@ -211,9 +243,12 @@ class Promoter:
                 finally:
                     with self._cond:
                         self._token = None
-                        if failed is not None:
+                        kept = failed is not None and not token.cancelled
+                        if kept:
                             self._failed[job.manifest.id] = (job, failed)  # (stays pinned)
-                    if failed is None:
+                        elif failed is None and not token.cancelled and self._failed:
+                            self._requeue_failed()  # the durable root works again: try them now
+                    if not kept:
                         job.tier.unpin_checkpoint(job.manifest.id)
                     self._released(job.tier)
                     with self._cond:
