@@ -9,6 +9,10 @@ hashes are the torch fallback of ``kernels/chunk_hash.py``.
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +26,7 @@ from torch import nn
 from gpusnap import Config
 from gpusnap.storage import txn as _txn
 from gpusnap.storage.fast_tier import chunk_location
+from gpusnap.storage.repository import Repository
 
 __all__ = [
     "CFG",
@@ -29,11 +34,13 @@ __all__ = [
     "DurableGate",
     "blank_state",
     "cfg",
+    "durable_backend",
     "hold_durable_writes",
     "locations",
     "make_state",
     "overlapping",
     "roots",
+    "run_on_small_tmpfs",
     "same",
     "snapshot",
     "train",
@@ -166,6 +173,42 @@ def hold_durable_writes(monkeypatch: pytest.MonkeyPatch) -> Iterator[DurableGate
     monkeypatch.setattr(_txn.WriteTxn, "put_chunk", gated)
     yield g
     g.release()
+
+
+def durable_backend(monkeypatch: pytest.MonkeyPatch, durable: Path, backend: Any) -> Any:
+    """Every Repository opened at ``durable`` (the Checkpointer's durable root) goes through
+    ``backend`` (a ``faults.FaultyBackend`` over the real one): faults injected at the
+    storage backend, through Repository.open's ``backend`` argument."""
+    backend.local_path = backend.inner.local_path
+    real_open = Repository.open.__func__  # type: ignore[attr-defined]
+
+    def open_(cls: Any, root: Any, **kw: Any) -> Any:
+        if os.fspath(root) == os.fspath(durable):
+            kw["backend"] = backend
+        return real_open(cls, root, **kw)
+
+    monkeypatch.setattr(Repository, "open", classmethod(open_))
+    return backend
+
+
+def run_on_small_tmpfs(tmp_path: Path, script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` (its first argument: an empty directory it may mount a tmpfs on) in a
+    mount namespace of its own; skips where the machine allows none or refuses the mount."""
+    prefix = None
+    if shutil.which("unshare") is not None:
+        probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True, check=False)
+        prefix = ["unshare", "-rm"] if probe.returncode == 0 else None
+    if prefix is None:
+        pytest.skip("no private mount namespace here (unshare -rm) to mount a small tmpfs in")
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    path = tmp_path / "on_tmpfs.py"
+    path.write_text(script)
+    run = subprocess.run([*prefix, sys.executable, str(path), str(mount), *args],
+                         capture_output=True, text=True, timeout=300, check=False)
+    if run.returncode != 0 and "mount" in run.stderr and "CalledProcessError" in run.stderr:
+        pytest.skip(f"cannot mount a tmpfs here: {run.stderr.strip().splitlines()[-1]}")
+    return run
 
 
 def roots(tmp_path: Path) -> tuple[Path, Path]:

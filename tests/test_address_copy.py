@@ -32,8 +32,8 @@ def _fast_save_and_restore(tmp_path, name: str, device: torch.device) -> dict[st
                               promote_every=10**6) as ck:
         info = ck.save(state).wait()
         assert info.tier == "fast"
-        # the precondition of the by-address path on CUDA: page-locked slabs
-        assert info.stats["fast_register_errors"] == [], info.stats["fast_register_errors"]
+        if device.type == "cuda":  # the precondition of the by-address path on CUDA: page-locked slabs
+            assert info.stats["fast_register_errors"] == [], info.stats["fast_register_errors"]
         assert info.stats["copy_path"] == ("address" if address_copy.ENABLED else "torch"), info.stats["copy_path_why"]
         assert ("switched off" in info.stats["copy_path_why"]) == (not address_copy.ENABLED)  # it says why
         target = _state(9, device)
@@ -42,8 +42,9 @@ def _fast_save_and_restore(tmp_path, name: str, device: torch.device) -> dict[st
 
 
 def _fast_root(tmp_path, device: torch.device):
-    """Where the fast tier's slabs can be page-locked: tmpfs (/dev/shm) on CUDA; any directory on the CPU."""
-    if device.type != "cuda":
+    """Where the fast tier's slabs can be page-locked: tmpfs (/dev/shm) where CUDA is (a file on a
+    disk's file system is refused by the driver: the copies then go through torch); else any directory."""
+    if not torch.cuda.is_available():
         return tmp_path
     import shutil
     import tempfile

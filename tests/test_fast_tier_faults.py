@@ -4,17 +4,23 @@ between saves, and a durable root that fails while checkpoints are promoted to i
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from fast_support import CFG, blank_state, make_state, roots, same, snapshot, train
+from fast_support import (
+    CFG,
+    blank_state,
+    durable_backend,
+    make_state,
+    roots,
+    run_on_small_tmpfs,
+    same,
+    snapshot,
+    train,
+)
 from faults import FaultyBackend
 
 import gpusnap
@@ -57,27 +63,8 @@ FULL_TMPFS = textwrap.dedent(
 )
 
 
-def _private_mount_namespace() -> list[str] | None:
-    """A command prefix that runs a child in its own mount namespace (so it may mount a
-    tmpfs), or None where the machine allows none (as in test_fault_injection.py)."""
-    if shutil.which("unshare") is None:
-        return None
-    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True, check=False)
-    return ["unshare", "-rm"] if probe.returncode == 0 else None
-
-
 def test_a_full_tmpfs_under_the_fast_tier_fails_the_save_clearly_and_the_next_one_works(tmp_path: Path) -> None:
-    prefix = _private_mount_namespace()
-    if prefix is None:
-        pytest.skip("no private mount namespace here (unshare -rm) to mount a small tmpfs in")
-    mount = tmp_path / "fs"
-    mount.mkdir()
-    script = tmp_path / "full.py"
-    script.write_text(FULL_TMPFS)
-    run = subprocess.run([*prefix, sys.executable, str(script), str(mount), str(tmp_path / "durable")],
-                         capture_output=True, text=True, timeout=300, check=False)
-    if run.returncode != 0 and "mount" in run.stderr and "CalledProcessError" in run.stderr:
-        pytest.skip(f"cannot mount a tmpfs here: {run.stderr.strip().splitlines()[-1]}")
+    run = run_on_small_tmpfs(tmp_path, FULL_TMPFS, str(tmp_path / "durable"))
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["error"] is not None and "No space left on device" in out["error"], out
@@ -117,17 +104,7 @@ def test_a_fast_root_removed_between_saves_is_made_again_and_the_durable_root_is
 
 def _faulty_durable(monkeypatch: pytest.MonkeyPatch, durable: Path) -> FaultyBackend:
     """The durable root's backend, through which the test fails its writes."""
-    faulty = FaultyBackend(LocalBackend(durable))
-    faulty.local_path = faulty.inner.local_path  # type: ignore[attr-defined]
-    real_open = Repository.open.__func__  # type: ignore[attr-defined]
-
-    def open_(cls: Any, root: Any, **kw: Any) -> Any:
-        if os.fspath(root) == os.fspath(durable):
-            kw["backend"] = faulty
-        return real_open(cls, root, **kw)
-
-    monkeypatch.setattr(Repository, "open", classmethod(open_))
-    return faulty
+    return durable_backend(monkeypatch, durable, FaultyBackend(LocalBackend(durable)))
 
 
 def test_a_failing_durable_root_fails_promotion_once_while_fast_saves_go_on(

@@ -5,14 +5,11 @@ at prepare() or the first save that names the size needed, not a silent prepare(
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from fast_support import CFG, make_state, roots, train
-from test_fast_tier_faults import _private_mount_namespace
+from fast_support import CFG, make_state, roots, run_on_small_tmpfs, train
 
 import gpusnap
 
@@ -65,17 +62,7 @@ SMALL_SHM = textwrap.dedent(
 
 
 def test_a_small_dev_shm_is_a_clear_error_at_prepare_and_first_save(tmp_path: Path) -> None:
-    prefix = _private_mount_namespace()
-    if prefix is None:
-        pytest.skip("no private mount namespace here (unshare -rm) to mount a small tmpfs in")
-    mount = tmp_path / "shm"
-    mount.mkdir()
-    script = tmp_path / "small.py"
-    script.write_text(SMALL_SHM)
-    run = subprocess.run([*prefix, sys.executable, str(script), str(mount), str(tmp_path / "durable")],
-                         capture_output=True, text=True, timeout=300, check=False)
-    if run.returncode != 0 and "mount" in run.stderr and "CalledProcessError" in run.stderr:
-        pytest.skip(f"cannot mount a tmpfs here: {run.stderr.strip().splitlines()[-1]}")
+    run = run_on_small_tmpfs(tmp_path, SMALL_SHM, str(tmp_path / "durable"))
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout.strip().splitlines()[-1])
     for name in ("prepare", "save"):

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from restore_support import held_root, tiny_config
+from test_restore_cold import TinyLM
 from torch import nn
 
 import gpusnap
@@ -19,24 +20,9 @@ from gpusnap.cli.main import main
 from gpusnap.restore.template_free import UnknownKeyError
 
 
-class TiedLM(nn.Module):
-    """Tied input and output embeddings and a non-persistent causal mask, as in GPT-2."""
-
-    def __init__(self, layers: int = 2, vocab: int = 48, dim: int = 16, ctx: int = 8) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
-        self.head = nn.Linear(dim, vocab, bias=False)
-        self.head.weight = self.emb.weight
-        self.register_buffer("mask", torch.tril(torch.ones(ctx, ctx)), persistent=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.emb(ids)
-        n = ids.shape[-1]
-        for block in self.blocks:
-            mixed = (self.mask[:n, :n] / self.mask[:n, :n].sum(-1, keepdim=True)) @ h
-            h = h + torch.tanh(block(mixed))
-        return self.head(h)
+def TiedLM(layers: int = 2) -> TinyLM:  # noqa: N802  (a model class, as the tests read)
+    """Tied input and output embeddings and a non-persistent causal mask, as in GPT-2 (small)."""
+    return TinyLM(vocab=48, dim=16, layers=layers, ctx=8)
 
 
 def _training_state(device: torch.device | str = "cpu", layers: int = 2) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fast_support import CFG, HANG_S, make_state, roots, train
+from fast_support import CFG, HANG_S, durable_backend, make_state, roots, train
 from faults import FaultyBackend
 
 import gpusnap
@@ -75,21 +75,9 @@ class _Full(FaultyBackend):
         return super().open_write(path)
 
 
-def _durable_backend(monkeypatch: pytest.MonkeyPatch, durable: Path, backend: FaultyBackend) -> None:
-    backend.local_path = backend.inner.local_path  # type: ignore[attr-defined]
-    real_open = Repository.open.__func__  # type: ignore[attr-defined]
-
-    def open_(cls: Any, root: Any, **kw: Any) -> Any:
-        if os.fspath(root) == os.fspath(durable):
-            kw["backend"] = backend
-        return real_open(cls, root, **kw)
-
-    monkeypatch.setattr(Repository, "open", classmethod(open_))
-
-
 def test_fast_saves_go_on_while_the_durable_root_is_full(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     durable, fast = roots(tmp_path)
-    _durable_backend(monkeypatch, durable, _Full(LocalBackend(durable)))
+    durable_backend(monkeypatch, durable, _Full(LocalBackend(durable)))
     state = make_state(1, extra=400_000)
     with gpusnap.Checkpointer(durable, fast_root=fast, config=CFG, fast_keep_last=1) as ck:
         for step in range(2, 12):  # each asks for promotion; each promotion fails (disk full)

@@ -20,6 +20,7 @@ from fast_support import (
     DurableGate,
     blank_state,
     cfg,
+    durable_backend,
     hold_durable_writes,
     make_state,
     roots,
@@ -141,25 +142,12 @@ class _FullOnce(FaultyBackend):
         return super().open_write(path)
 
 
-def _durable_backend(monkeypatch: pytest.MonkeyPatch, durable: Path, backend: FaultyBackend) -> None:
-    """Every Repository the test opens at ``durable`` writes through ``backend``."""
-    backend.local_path = backend.inner.local_path  # type: ignore[attr-defined]
-    real_open = Repository.open.__func__  # type: ignore[attr-defined]
-
-    def open_(cls: Any, root: Any, **kw: Any) -> Any:
-        if os.fspath(root) == os.fspath(durable):
-            kw["backend"] = backend
-        return real_open(cls, root, **kw)
-
-    monkeypatch.setattr(Repository, "open", classmethod(open_))
-
-
 def test_a_failed_promotion_is_kept_in_the_fast_tier_and_promoted_once_the_durable_root_has_room(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     durable, fast = roots(tmp_path)
     full = _FullOnce(LocalBackend(durable))
-    _durable_backend(monkeypatch, durable, full)
+    durable_backend(monkeypatch, durable, full)
     state = make_state(1)
     with gpusnap.Checkpointer(durable, fast_root=fast, config=CFG, fast_keep_last=1) as ck:
         best = ck.save(state, tag="best", promote=True).wait()
@@ -183,7 +171,7 @@ def test_a_promotion_that_keeps_failing_is_raised_by_wait_and_its_checkpoint_kep
 ) -> None:
     durable, fast = roots(tmp_path)
     full = _FullOnce(LocalBackend(durable), failures=10**6)
-    _durable_backend(monkeypatch, durable, full)
+    durable_backend(monkeypatch, durable, full)
     state = make_state(1)
     with gpusnap.Checkpointer(durable, fast_root=fast, config=CFG, fast_keep_last=1) as ck:
         best = ck.save(state, tag="best", promote=True).wait()

@@ -35,6 +35,7 @@ import threading
 import time
 import traceback
 import weakref
+from collections.abc import Callable
 from types import FrameType
 from typing import Any, Protocol
 
@@ -100,15 +101,8 @@ def _install_sigterm() -> None:
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    if os.getpid() == _pid:  # (a forked child's parent's saves are not its own)
-        deadline = time.monotonic() + _grace_s
-        with _lock:
-            owners = list(_live)
-        for owner in owners:
-            try:
-                owner._at_signal(deadline)
-            except Exception:  # (it reports its own failures; one must not stop the others)
-                traceback.print_exc()
+    deadline = time.monotonic() + _grace_s
+    _each_owner(lambda owner: owner._at_signal(deadline))
     if signal.getsignal(signum) is not _on_sigterm:
         return  # a handler the program installed later called this one: it decides what follows
     replaced = _replaced
@@ -120,12 +114,18 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 def _run(final: bool) -> None:
+    _each_owner(lambda owner: owner._at_exit(final))
+
+
+def _each_owner(call: Callable[[_AtExit], None]) -> None:
+    """``call`` each live owner of this process (in a forked child, such as a DataLoader
+    worker, none: its parent's saves are not its own)."""
     if os.getpid() != _pid:
-        return  # a forked child (a DataLoader worker): its parent's saves are not its own
+        return
     with _lock:
         owners = list(_live)
     for owner in owners:
         try:
-            owner._at_exit(final)
+            call(owner)
         except Exception:  # (it reports its own failures; one must not stop the others)
             traceback.print_exc()
