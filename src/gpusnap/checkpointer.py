@@ -371,6 +371,7 @@ class Checkpointer:
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         if self.fast_root is not None:
+            piece = max(1, min(piece, nbytes))  # (no piece of a save is larger than the save)
             fast = self._fast_tier()
             fast.set_budget(self._fast_saves_held(), nbytes, piece)  # (too little room: said here)
             made = fast.prepare_for(self.fast_keep_last + 1, nbytes, piece)
@@ -598,8 +599,8 @@ class Checkpointer:
         """A fast-tier transaction with room for ``flat`` reserved, or None (``when_busy=
         "skip"`` and no room). ``"wait"`` waits while saves or a promotion in flight may
         make room; with none in flight, no room is a StorageError that says what to change."""
-        piece = self.config.piece_bytes()
-        need = room_needed([s.nbytes for s in flat.spans], piece)
+        need = room_needed([s.nbytes for s in flat.spans], self.config.piece_bytes())
+        piece = min(self.config.piece_bytes(), need)  # (no piece of a save is larger than the save)
         fast.set_budget(self._fast_saves_held(), need, piece)
         retained = False
         while True:
