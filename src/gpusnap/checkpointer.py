@@ -350,7 +350,7 @@ class Checkpointer:
         thread at the lowest priority (``wait=True`` returns once they are made); without
         one it grows the pinned staging a save of CUDA state copies through, on this thread.
         Either way, ``wait=True`` also waits for the save kernels to load. Making the memory
-        costs the program ~70 ms per GiB on the H200 whenever it happens: here, rather than
+        costs the program ~70 ms per GiB whenever it happens: here, rather than
         in the first checkpoint's window.
 
         >>> ckpt = gpusnap.Checkpointer("runs/x", fast_root="/dev/shm/x")  # doctest: +SKIP
@@ -590,8 +590,8 @@ class Checkpointer:
 
         Its copier copies device memory through pinned staging at the copy engine's rate, and
         its writers hash and store with the caller's thread idle, not holding the GIL. The
-        stop-the-world path copied each tensor synchronously into fresh pageable memory: on
-        the H200, 13.9 s for GPT-2 large against 7.3 s for torch.save (BENCHMARKS.md). Host
+        stop-the-world path copied each tensor synchronously into fresh pageable memory:
+        13.9 s for GPT-2 large against 7.3 s for torch.save (BENCHMARKS.md). Host
         state keeps that path: it stores the caller's memory in place, without a copy."""
         return any(span.device.type != "cpu" for span in flat.spans)
 
@@ -668,7 +668,7 @@ class Checkpointer:
                 arena: Any = FastArena(fast_txn, self.config.piece_bytes())
             else:
                 arena = self._staging_arena(pinned=bool(cuda))
-            # Pinned allocation is slow and, measured on the H200, stalls the program while it
+            # Pinned allocation is slow and stalls the program while it
             # runs; so the arena grows here, once, to hold one whole capture (the first save
             # pays for it, like async_save's first call), never while a window copies.
             if device_bytes and fast_txn is None:

@@ -3,7 +3,7 @@
 ``save()`` makes thousands of short-lived objects for a model of a few thousand tensors
 (views, tree nodes, span records). Each 700 of them start a young collection, and every so
 often one becomes a full collection of the whole heap: 30-200 ms in a training process, on
-the program's thread, at the moment the GPU waits for it (BENCHMARKS.md, eighth session).
+the program's thread, at the moment the GPU waits for it (BENCHMARKS.md).
 Paused, the collections still run, at the program's next allocations, usually while its
 kernels keep the GPU busy.
 """

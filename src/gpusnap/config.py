@@ -22,8 +22,8 @@ def _default_io_threads() -> int:
     """4, or half the usable cores up to 8 on larger machines.
 
     While the program runs Python, each writer thread waits for the GIL after every chunk's
-    hash and write (up to the 5 ms switch interval each time): on the H200 host, 4 writers
-    stored 9.3 GB at ~1.1 GB/s during training (BENCHMARKS.md, fourth session). More writers
+    hash and write (up to the 5 ms switch interval each time): 4 writers stored a 9.3 GB
+    training state at ~1.1 GB/s while it trained (BENCHMARKS.md). More writers
     wait side by side; the number of GIL hand-overs per byte stays the same.
     """
     try:
@@ -66,8 +66,8 @@ class Config:
     )
     # One: while a second copy waits behind the first, the copy engine never runs dry, and
     # the program's own small device-to-host copies (a loss read, an optimizer's check) wait
-    # behind the whole burst: on the H200, training stood still for the whole capture with two
-    # or more pieces in flight, and lost nothing with one (BENCHMARKS.md, sixteenth session).
+    # behind the whole burst: with two or more pieces in flight, training stood still for the
+    # whole capture, and with one it lost nothing (BENCHMARKS.md).
     copy_ahead: int = field(
         default=1, metadata={"doc": "copies in flight per window, at most this many pieces' bytes"}
     )
@@ -94,7 +94,7 @@ class Config:
     warm_up_kernels: bool = field(
         default=True,
         metadata={"doc": "a Checkpointer made once CUDA is up loads the save kernels on a side thread "
-                  "(else the first save() loads them, 0.5-1.6 s on an H200)"},
+                  "(else the first save() loads them: 0.5-1.6 s)"},
     )
     device_snapshot: bool = field(
         default=True,
@@ -114,7 +114,7 @@ class Config:
     )
     restore_piece_bytes: int = field(
         default=0, metadata={"doc": "restore: bytes per read run / host region / device copy (0: automatic, "
-                             "64 MiB with direct copies, else 32 MiB; 64 MiB restored 1.06-1.23x faster on the H200 but "
+                             "64 MiB with direct copies, else 32 MiB; 64 MiB restored 1.06-1.23x faster but "
                              "page-locks twice the host memory at a Checkpointer's first restore)"}
     )
     restore_verify_on_device: str = field(
@@ -139,7 +139,7 @@ class Config:
         default="off",
         metadata={"doc": "restore: helper processes copy device-checked pieces from the page cache straight "
                   "to the device, page-locking it in place, so the host's CPU copies nothing; they keep "
-                  "~2.3 GB of device memory and gained 0-19% on the H200, hence off by default (auto: CUDA "
+                  "~2.3 GB of device memory and gained 0-19%, hence off by default (auto: CUDA "
                   "targets of at least 1 GiB, a local checkpoint directory on Linux, chunks checked on the "
                   "device; on: also CPU targets whose device check is forced, through shared memory, for "
                   "tests; off)"},

@@ -83,7 +83,7 @@ def outside_graph_captures() -> bool:
 
     ``torch.cuda.graph`` captures in the driver's *global* mode: while it captures, any other
     thread's "unsafe" call (an event wait or query, an allocation) fails and invalidates the
-    program's capture; measured on the H200 with a save's copier running. gpusnap's threads
+    program's capture (as a save's copier did, running beside one). gpusnap's threads
     never capture, so they switch themselves to *thread-local* mode, in which only a thread's
     own captures restrict it (what PyTorch's NCCL watchdog thread does). Call it on the thread,
     before its first CUDA call; cheap to repeat. Returns whether the mode is set.

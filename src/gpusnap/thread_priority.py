@@ -3,10 +3,10 @@
 A promotion hashes every byte it copies on the host (BLAKE2b, and the device hash check),
 tens of CPU-seconds per 10 GB; run beside training at the same priority, its threads took
 cores from the thread that launches the program's kernels (and from its data loaders): a
-promoted Llama checkpoint cost training 10.4 s on the H200 (BENCHMARKS.md, sixteenth
-session). At nice 19 the scheduler gives them what the program leaves idle. Linux applies
-``setpriority`` to one thread when given its thread id; threads it then starts (a torch
-intra-op pool made from it) inherit the priority.
+promoted Llama checkpoint cost training 10.4 s (BENCHMARKS.md). At nice 19 the scheduler
+gives them what the program leaves idle. Linux applies ``setpriority`` to one thread when
+given its thread id; threads it then starts (a torch intra-op pool made from it) inherit the
+priority.
 
 >>> import threading
 >>> t = threading.Thread(target=lower_this_thread); t.start(); t.join()

@@ -19,7 +19,7 @@ step ends when its GPU work is done and no other synchronization is added.
 - *bracketed*: the runner charges each save against the plain windows on both sides of it
   (:func:`bracket`: their mean step), so that a step time drifting over the run cancels;
   ``drift_s`` = ``m`` x (the plain step after - the one before) says how much the one-sided
-  figure (``cost_before_only_s``) could be off by. On the H200 a single save's one-sided
+  figure (``cost_before_only_s``) could be off by. A single save's one-sided
   figure moved by up to ±100 ms this way (BENCHMARKS.md).
 - *durable bandwidth* = checkpointed bytes / (``save()`` to durable).
 - *stall after save()*: wall from ``save()`` to the end of the step containing it, minus one

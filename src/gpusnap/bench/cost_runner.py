@@ -2,7 +2,7 @@
 
 Run from the repository root of a GPU machine (no install needed)::
 
-    PYTHONPATH=src python3 -m gpusnap bench --cost --quick --out cost-out        # < 10 min on an H200
+    PYTHONPATH=src python3 -m gpusnap bench --cost --quick --out cost-out        # < 10 min on one GPU
     PYTHONPATH=src python3 -m gpusnap bench --cost --quick --dcp --out cost-out  # + DCP async_save (slow)
     PYTHONPATH=src python3 -m gpusnap bench --cost --out cost-full               # full: N=60, every 1, 10, 100
     python -m gpusnap bench --cost --device cpu --out /tmp/c                     # CPU smoke test (tiny)

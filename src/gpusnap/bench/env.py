@@ -71,7 +71,7 @@ def _git_commit() -> str | None:
 def source_digest(root: str | None = None) -> str:
     """12 hex digits of SHA-256 over the package's Python sources (relative path and bytes,
     in path order). The git stamp can be stale where a tree is copied with old git metadata
-    (as on a lent GPU machine); this names the code that ran. Compare with a checkout:
+    (a working tree copied onto another machine); this names the code that ran. Compare with a checkout:
     ``python -c "from gpusnap.bench.env import source_digest; print(source_digest())"``.
     """
     root = root or os.path.dirname(os.path.abspath(gpusnap.__file__))

@@ -4,7 +4,7 @@ A fast-tier save copies a device's snapshot buffer into slab memory one piece at
 (one copy in flight: ``capture/copier.py``), ~350 pieces for 11.4 GB. Through torch each
 piece was two tensor slices, a ``copy_`` and a ``torch.cuda.Event``: ~60 us of Python under
 the interpreter lock per piece, ~20 ms a save taken from a training thread that launches
-all the time (sampled with ``py-spy --gil`` on the H200, BENCHMARKS.md). Here a piece is
+all the time (sampled with ``py-spy --gil``, BENCHMARKS.md). Here a piece is
 one driver call that queues the copy and one that records an event, both made through
 ``ctypes``, which lets the lock go for the length of each call; waiting on the event lets
 it go too.

@@ -127,7 +127,7 @@ class ConcurrentSave:
             # Spans not snapshotted are hashed now, in the program's stream order; snapshots
             # cannot change, so the copier hashes them later, off the caller's time. With
             # nothing to hash now, the copier sets the table up too (1.5-2.5 ms of save() on
-            # GPT-2 large's 1745 spans, measured on the H200).
+            # GPT-2 large's 1745 spans).
             now = [i for i, s in enumerate(flat.spans) if s.nbytes and i not in self.window.snapshotted]
             if now:
                 self.before = HashTable(flat.spans, chunk_size)
@@ -194,7 +194,7 @@ class ConcurrentSave:
         """The write transaction, opened by the first thread that stores (or commits).
 
         Not at save(): opening takes the root's shared lock, which waits while a retention
-        gc holds it exclusively (measured on the H200: ~200 ms, unlinking an old checkpoint
+        gc holds it exclusively (~200 ms, unlinking an old checkpoint
         from tmpfs), and refreshes the view of stored packs. Opened later, the view also
         includes every chunk the previous save committed meanwhile.
         """
@@ -238,7 +238,7 @@ class ConcurrentSave:
         """Copier thread, once the window has closed: hash the kept snapshots on the copy
         streams, then let them go. The writers store meanwhile, so the hash is off the path to
         the commit (enqueueing it took 170-230 ms of a thread's time on GPT-2 large training,
-        waiting for the GIL, ninth session), and the snapshots' device memory goes back
+        waiting for the GIL), and the snapshots' device memory goes back
         seconds before the commit instead of at it."""
         if self._kept is not None:
             self._hash_snapshots()
@@ -258,7 +258,7 @@ class ConcurrentSave:
         only needs them in its manifest: the copier runs it once the window has closed
         (:meth:`_hash_kept`).
         On the copier thread it kept the window open 175-350 ms longer on GPT-2 large training
-        (BENCHMARKS.md, eighth session): not GPU time (a probe found every call it makes
+        (BENCHMARKS.md): not GPU time (a probe found every call it makes
         returns in under 1 ms with the GPU busy), but a thread waiting for the GIL, which the
         program's step holds. The snapshot buffers stay allocated until then.
 

@@ -95,7 +95,7 @@ class CaptureHistory:
         """Whether an incremental save compares its hashes with the latest checkpoint's
         before copying. Comparing makes the copier wait for the consistent point's hashes,
         which kept GPT-2 large training windows open twice as long with nothing unchanged
-        (BENCHMARKS.md, seventh session). Every incremental save learns the unchanged share
+        (BENCHMARKS.md). Every incremental save learns the unchanged share
         from its hashes, compared or not (an uncompared one after its copies, for a dict
         lookup per chunk), so a save compares only when the previous one found at least
         :data:`SKIP_WORTH` of the bytes unchanged: training copies at once every time, and a

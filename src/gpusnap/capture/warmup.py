@@ -1,7 +1,7 @@
 """Load a save's kernels on a side thread when the Checkpointer is made, not in the first save().
 
-The first ``save()`` of a process snapshotted Llama's 11.4 GB in 0.5-1.6 s instead of ~2 ms
-on the H200: Triton loading (or compiling) the gather-copy kernel on the caller's thread, and
+The first ``save()`` of a process snapshotted Llama's 11.4 GB in 0.5-1.6 s instead of ~2 ms:
+Triton loading (or compiling) the gather-copy kernel on the caller's thread, and
 the chunk-hash kernel on the copier's. A Checkpointer made once CUDA is up starts this
 instead; the first save waits only for what is left of it (``save_phases_s["kernels"]``).
 

@@ -53,11 +53,11 @@ So the hash is 128 bits with roughly 2**-120 collision odds for a realistic chan
 guarantee at all against someone who crafts data: never use it to decide that two different
 checkpoints hold the same bytes (the repository keeps BLAKE2b for that).
 
-Speed: the torch implementation hashes about 1.1 GB/s on one CPU core (measured CPU-only: AMD
-EPYC with AVX-512, torch 2.13, 1 thread, 4 KiB to 16 MiB chunks; 16-byte chunks are ~10x
+Speed: the torch implementation hashes about 1.1 GB/s on one CPU core (measured CPU-only:
+x86-64 with AVX-512, torch 2.13, 1 thread, 4 KiB to 16 MiB chunks; 16-byte chunks are ~10x
 slower, their per-chunk finalization dominates). The Triton kernel's hot loop is, in its
 sm_90 SASS (compiled ahead of time with Triton 3.6 and 3.9), about 9 multiply-add and 8 other
-integer instructions per 4-byte word: at the H200's 4.8 TB/s that would use some 65% of both
+integer instructions per 4-byte word: at 4.8 TB/s of device memory that would use some 65% of both
 integer pipes, so it should run near memory speed if enough loads stay in flight (hence the
 prefetch); ``benchmarks/hash_kernel.py`` measures it and sweeps the launch shape.
 """

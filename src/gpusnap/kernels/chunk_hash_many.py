@@ -3,7 +3,7 @@
 
 ``save()`` hashes every storage span at the consistent point, on the program's stream; one
 :func:`chunk_hashes` call per span costs the calling thread two launches plus Python (about
-0.18 ms on an H200), hundreds of times per save. :func:`chunk_hashes_many` enqueues the same
+0.18 ms), hundreds of times per save. :func:`chunk_hashes_many` enqueues the same
 work as three operations whatever the number of spans: one host-to-device copy of a row table
 and two kernels.
 
@@ -103,7 +103,7 @@ def _row_table(
 
     NumPy on the host, not torch ops: each torch call costs the calling thread several times
     a NumPy call's host time, and a restore's copy thread builds one table per batch (the
-    torch version took ~35% of its samples on the H200)."""
+    torch version took ~35% of its samples)."""
     _rows_from_arrays(*_span_arrays(spans, counts), chunk_size, host)
 
 

@@ -4,7 +4,7 @@
 device at the consistent point, on the program's stream. Through PyTorch that meant a uint8
 alias per storage, a ``split`` of the destination into as many views, and a
 ``_foreach_copy_`` over both lists: a few tensor objects per storage, most of ``save()``'s
-host time after ``flatten`` (BENCHMARKS.md, eighth session). Here the spans are three NumPy
+host time after ``flatten`` (BENCHMARKS.md). Here the spans are three NumPy
 arrays (source address, destination offset, length); the host builds a tile table from them
 with a few vectorized operations, copies it to the device from pinned memory without
 waiting, and launches one kernel whatever the number of spans.
@@ -47,9 +47,8 @@ __all__ = [
     "DEFAULT_TILE_BYTES", "gather_copy", "gather_copy_available", "gather_copy_host", "gather_copy_tensors", "tile_table",
 ]
 
-# Launch shape: the best of a sweep on the H200 (BENCHMARKS.md, ninth session: 4.99 ms for
-# GPT-2 large's 9.29 GB, 1862 GB/s, against 4.32 ms for one device copy of as many bytes; the
-# other shapes tried took 5.0-6.2 ms)
+# Launch shape: the best of a sweep (4.99 ms for GPT-2 large's 9.29 GB, 1862 GB/s, against
+# 4.32 ms for one device copy of as many bytes; the other shapes tried took 5.0-6.2 ms)
 DEFAULT_TILE_BYTES = 4 << 20  # per program: spreads a 9 GB snapshot over ~2.3k programs
 DEFAULT_BLOCK_WORDS = 2048  # int64 words per loop step (16 KiB)
 DEFAULT_NUM_WARPS = 16

@@ -10,7 +10,7 @@ targets, device to device: a corrupt chunk never lands in a target, the same gua
 ``verify="stream"`` on the host, without the host's BLAKE2b pass (about 1 GB/s per core
 against 55 GB/s of host-to-device bandwidth). Comparing on the host rather than with device
 kernels saves the copy thread, which bounds the restore rate, four torch calls a piece (45 µs
-of its ~215 µs on the H200, BENCHMARKS.md).
+of its ~215 µs, BENCHMARKS.md).
 
 Each device has a ring of ``slots`` scratch slots used in turn, so the copy thread checks a
 piece while the next ones are already being copied: the host waits for a piece only when its

@@ -2,12 +2,11 @@
 into landing slots on the device, with no copy through the host's CPU.
 
 Why: a reader copies every byte from the page cache into a pinned region, then the copy
-engine reads it again: two passes over host memory, which capped the restore near 25 GB/s on
-the H200 host (45% of host-to-device; BENCHMARKS.md, twelfth session). A read-only map of a
+engine reads it again: two passes over host memory, which capped the restore near 25 GB/s
+(45% of host-to-device; BENCHMARKS.md). A read-only map of a
 pack page-locked *in place* (``cudaHostRegister``) lets the copy engine read the page cache
 itself. One process page-locks at only 10-20 GB/s and its threads do not page-lock in
-parallel, but separate processes do: 8 helpers moved a 4 GB file to the device at 48 GB/s
-(thirteenth session).
+parallel, but separate processes do: 8 helpers moved a 4 GB file to the device at 48 GB/s.
 
 Data flow, per batch of a device-checked span (``Loader``)::
 
@@ -43,7 +42,7 @@ __all__ = ["DirectCopies", "DirectUnavailable"]
 
 WORKER = str(Path(__file__).with_name("direct_worker.py"))
 DEPTH = 2  # landing slots per helper: one being filled while the copy thread uses the other
-# CUDA contexts start one process after another (~0.12 s each on the H200): a helper not
+# CUDA contexts start one process after another (~0.12 s each): a helper not
 # ready by then never will be
 START_TIMEOUT_S = 30.0
 

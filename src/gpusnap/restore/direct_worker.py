@@ -6,8 +6,8 @@ maps each pack read-only, page-locks the pages the runs cover *in place*
 (``cudaHostRegister``, read-only), copies each run host-to-device into the landing buffer
 the restoring process shares over CUDA IPC, waits for the copies, unlocks and unmaps. One
 process page-locks at 10-20 GB/s and threads of one process do not page-lock in parallel,
-but processes do: 8 of them moved a 4 GB file to the device at 48 GB/s on the H200, against
-25 GB/s for reader processes copying into pinned memory (BENCHMARKS.md, thirteenth session).
+but processes do: 8 of them moved a 4 GB file to the device at 48 GB/s, against
+25 GB/s for reader processes copying into pinned memory (BENCHMARKS.md).
 
 Backends: ``cuda`` (above); ``memfd`` (tests, and hosts without CUDA): the landing buffer is
 a shared memory file the parent passes, and the copy is a ``memmove`` from the same read-only

@@ -65,7 +65,7 @@ SCRATCH_SLOTS = 3  # device scratch slots per device when checking on the device
 DEVICE_CHECK_READERS = 6  # readers at most when the device checks nearly every byte (below)
 BATCH_CHUNKS = 512  # chunks per batch of small spans at most (sizes the check's hash buffers)
 # Smaller spans keep BLAKE2b on the host (verify_on_device=None): a hash launch costs the copy
-# thread ~0.2 ms (measured on the H200 host), more than hashing a few hundred KiB on a reader.
+# thread ~0.2 ms, more than hashing a few hundred KiB on a reader.
 DEVICE_CHECK_MIN_BYTES = 1 << 20
 # ...unless it shares a batch with other spans checkable on the device (Schedule.take_batch)
 JOIN_CHECKS = True

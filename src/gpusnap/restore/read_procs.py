@@ -5,8 +5,7 @@ Why processes: the copy thread bounds the restore, and each of its torch calls g
 GIL and waits to get it back from whichever reader thread holds it. With the reads in other
 processes a reader thread sends one request per batch and sleeps in a blocking pipe read
 (GIL released) until the reply: one GIL hand-off per batch instead of one per run plus the
-reads' bookkeeping. On the H200 this restored 1.13-1.42x faster than reader threads
-(BENCHMARKS.md, twelfth session).
+reads' bookkeeping. This restored 1.13-1.42x faster than reader threads (BENCHMARKS.md).
 
 A worker that dies, stops answering (``REPLY_TIMEOUT_S``) or answers nonsense is killed and
 raises :class:`ReaderDied`; the loader's thread then reads for itself.

@@ -2,7 +2,7 @@
 
 Standard library only, and run with ``python -I -S``: it starts in tens of milliseconds and
 shares no GIL with the restoring process, whose copy thread bounds the restore rate (every
-torch call gives up the GIL and waits to get it back; BENCHMARKS.md, twelfth session).
+torch call gives up the GIL and waits to get it back; BENCHMARKS.md).
 Parent side and protocol: ``restore/read_procs.py``.
 
 Usage: ``python -I -S read_worker.py RING_FD RING_BYTES``. Writes one ready message once the
@@ -58,7 +58,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ring_fd, ring_bytes = int(sys.argv[1]), int(sys.argv[2])
     # MAP_POPULATE: page tables filled now. Without it every reader took a minor fault per
-    # 4 KiB page it first wrote: 8 readers ran at 15 GB/s on the H200 instead of 22.
+    # 4 KiB page it first wrote: 8 readers ran at 15 GB/s instead of 22.
     ring = mmap.mmap(ring_fd, ring_bytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
     os.close(ring_fd)

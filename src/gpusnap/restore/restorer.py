@@ -62,21 +62,21 @@ VERIFY_MODES: tuple[str, ...] = ("auto", "upfront", "stream", "off")
 AUTO_UPFRONT_BYTES = 256 << 20  # verify="auto": checkpoints up to this size are verified before any write
 PIECE_BYTES = 32 << 20  # a piece: one read run, one host region, one device copy (whole chunks)
 # ...with direct copies: a helper's page-locking costs milliseconds per call whatever its
-# size, and the copy thread's per-batch work bounds the rate (GPT-2 large training state on
-# the H200: 1.06-1.23x with 64 MiB pieces). Not for every CUDA restore: twice the pinned
+# size, and the copy thread's per-batch work bounds the rate (GPT-2 large training state:
+# 1.06-1.23x with 64 MiB pieces). Not for every CUDA restore: twice the pinned
 # bytes cost a fresh process's first restore ~0.25 s more (0.45-0.54 s against 0.22-0.28 s
-# of page-locking; BENCHMARKS.md, thirteenth session), and most restores are a first one.
+# of page-locking; BENCHMARKS.md), and most restores are a first one.
 DIRECT_PIECE_BYTES = 64 << 20
 EXTRA_REGIONS = 4  # host regions beyond one per reader: pieces queued or in flight on the copy stream
 VERIFY_ON_DEVICE: bool | None = None  # Loader's verify_on_device: None = where device hashes allow
 # Reader processes at most: they share no GIL with the copy thread, so more than the threads'
 # DEVICE_CHECK_READERS help, but each takes a core the copy thread and the program need too
-# (16 cores on the H200 host: a shared ring filled by 12-14 processes ran at 26-28 GB/s).
+# (on a 16-core host, a shared ring filled by 12-14 processes ran at 26-28 GB/s).
 PROC_READERS = 12
 WARMUP_JOIN_S = 60.0  # a warm-up left running by a failed restore: waited for this long at most
 READER_PROCESSES: str | None = None  # overrides Config.restore_reader_processes when set (tests)
-# Direct-copy helpers (restore.direct; off by default): 8 moved a 4 GB tmpfs file to the H200
-# at 42-48 GB/s, 6 at 45, 12 at 45 (more contexts to start, no faster; thirteenth session)
+# Direct-copy helpers (restore.direct; off by default): 8 moved a 4 GB tmpfs file to the device
+# at 42-48 GB/s, 6 at 45, 12 at 45 (more contexts to start, no faster)
 DIRECT_HELPERS = 8
 DIRECT_COPIES: str | None = None  # overrides Config.restore_direct_copies when set (tests)
 # auto: only restores with at least this many device-checked bytes start helpers (each keeps

@@ -126,13 +126,13 @@ class Schedule:
         Batched spans share the first one's kind (streamed, same devices, same check), so one
         host region, one device copy and one hash launch serve them all: GPT-2 large has ~1700
         spans, most far smaller than a piece, and the per-piece work of the copy thread
-        bounded the restore at 6.7 GB/s on the H200. Nothing is batched while the program
+        bounded the restore at 6.7 GB/s. Nothing is batched while the program
         waits for a span (``urgent``): a batch would delay it.
 
         A batch passes over a few spans of another kind (:data:`BATCH_SKIP`; they go in the
         next batch): in an AdamW state, each parameter's CPU ``step`` counter sits between its
         two GPU moments, and ended every batch after one tensor (1111 batches for GPT-2
-        large's 1765 pieces on the H200).
+        large's 1765 pieces).
 
         Spans that *could* be checked on the device (``checkable``) count as one kind
         (``join_checks``): a small span, which alone keeps BLAKE2b on the host (one hash

@@ -3,10 +3,9 @@
 A fresh process's first device-checked restore paid ~0.5-1.3 s in its first hash launches
 (Triton loading, or compiling, the kernels and their launchers), on the copy thread, after
 ~0.3 s of set-up that does not need them: the host regions, the reader processes, the
-loader (GPT-2 large on the H200: 1.74 s against 0.92 s with this; BENCHMARKS.md, twelfth
-session). Started before that set-up, the loading overlaps it; the copy thread waits for it
-before its first device check (``Copier``), so it never races it for a first compile, while
-the readers start at once.
+loader (GPT-2 large: 1.74 s against 0.92 s with this; BENCHMARKS.md). Started before that
+set-up, the loading overlaps it; the copy thread waits for it before its first device check
+(``Copier``), so it never races it for a first compile, while the readers start at once.
 
 Each ``(device, chunk size)`` is warmed once per process: a warm process starts no thread.
 """

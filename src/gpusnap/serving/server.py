@@ -2,8 +2,8 @@
 page-locked host memory and copies them into a fresh process's device memory over CUDA IPC.
 
 Why: a fresh process's first restore pays set-up (page-locking staging memory, reader
-processes, the check's kernels) and reads every byte from files, ~2 s for a 6 GB model on
-the H200 against 0.11 s of host-to-device copying. A resident process pays that once; a
+processes, the check's kernels) and reads every byte from files, ~2 s for a 6 GB model
+against 0.11 s of host-to-device copying. A resident process pays that once; a
 client then pays a connection, one request and the copies (docs/serve.md).
 
 Life cycle (:meth:`Server.start` / :meth:`Server.serve_forever` / :meth:`Server.stop`):

@@ -2,7 +2,7 @@
 
 The fast tier names each chunk by the hash its device computed at the consistent point, and
 checks the slab bytes against it before a promotion or a read trusts them. On the host that
-hash is torch's CPU implementation: ~100 CPU-s for an 11.4 GB checkpoint on the H200's host,
+hash is torch's CPU implementation: ~100 CPU-s for an 11.4 GB checkpoint,
 spread over torch's intra-op threads, which run beside the training loop whatever the calling
 thread's priority (a promoted save then cost training 7 s). On the device it is one
 host-to-device copy (page-locked slab memory: DMA) and one kernel per chunk, on a stream of

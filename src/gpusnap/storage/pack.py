@@ -45,7 +45,7 @@ assert FOOTER_SIZE == 40
 
 # Where one chunk lives inside a pack: ``(digest, offset, length)``. A plain tuple, not a
 # class: a process keeps one per stored chunk of every retained checkpoint (16.6k for four
-# of GPT-2 large, tenth session), and Python's collector stops tracking an exact tuple of
+# of GPT-2 large), and Python's collector stops tracking an exact tuple of
 # plain values, where it walked every dataclass instance at each full collection, on
 # whichever thread was allocating (the training loop's, mostly).
 PackEntry = tuple[str, int, int]  # (a type for annotations: build entries as plain tuples)
