@@ -52,7 +52,7 @@ def ensure_private_dir(path: str | os.PathLike[str], *, what: str = "the checkpo
     saying how to fix it otherwise (``elsewhere``: how to use another directory)."""
     text = os.path.abspath(os.fspath(path))
     if create and not os.path.lexists(text):
-        os.makedirs(os.path.dirname(text), exist_ok=True)
+        _make_parents(os.path.dirname(text))
         _check_way(text, what, elsewhere)  # (before anything is made there)
         try:
             os.mkdir(text, 0o700)
@@ -64,11 +64,31 @@ def ensure_private_dir(path: str | os.PathLike[str], *, what: str = "the checkpo
         raise _refused(what, text, "it is not a directory", elsewhere)
     if info.st_uid != os.geteuid():
         raise _refused(what, text, f"it is owned by uid {info.st_uid}",
-                       f"remove it (its owner may have planted it), or {elsewhere}")
+                       f"remove it (its owner may have planted it), make it yours (chown; in a container "
+                       f"writing to a mounted volume: run as the volume's owner, e.g. docker run --user), "
+                       f"or {elsewhere}")
     if info.st_mode & 0o022:
         raise _refused(what, text, f"others may write it (mode {stat.S_IMODE(info.st_mode):04o})",
                        f"run chmod go-w {real}, or {elsewhere}")
     return text
+
+
+def _make_parents(parent: str) -> None:
+    """Make ``parent`` and its missing ancestors, each at most mode 0755 (``os.makedirs`` makes
+    intermediate ones 0777 less the umask: under umask 000 writable by anyone, which the
+    check of the way to the root then refuses)."""
+    missing = []
+    while parent and not os.path.lexists(parent):
+        missing.append(parent)
+        up = os.path.dirname(parent)
+        if up == parent:
+            break
+        parent = up
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, 0o755)
+        except FileExistsError:
+            pass
 
 
 def _check_way(text: str, what: str, elsewhere: str) -> str:
@@ -124,6 +144,8 @@ def open_private(path: str, flags: int) -> int:
         if info.st_uid != os.geteuid():
             raise NotPrivate(f"{path} is owned by uid {info.st_uid}, not this user "
                                   f"(uid {os.geteuid()}): another user may have planted it; remove it")
+        if stat.S_IMODE(info.st_mode) & 0o077:  # (made by an older gpusnap, 0644: what it will hold is private)
+            os.fchmod(fd, 0o600)
     except BaseException:
         os.close(fd)
         raise

@@ -50,7 +50,8 @@ class GpusnapCheckpointIO(CheckpointIO):
     file at the path is a small pointer, written when the checkpoint is durable, to a
     checkpoint in ``root`` (default: ``<checkpoint directory>/.gpusnap``, one root per
     directory, so a save stores only the chunks that changed since the previous one). A
-    path's first save writes a placeholder there first, and the root records the path of
+    path's first save makes it a link to the manifest its checkpoint will be committed as
+    (it exists once that checkpoint does), and the root records the path of
     each checkpoint: after a crash, loading a path (``ckpt_path="last"`` included) gives the
     newest checkpoint committed for it, whether or not its pointer was written. A save that
     fails is raised by the next ``save_checkpoint``, by :meth:`wait`, or by
@@ -179,6 +180,6 @@ def resolve(path: str | os.PathLike[str]) -> Pointer | None:
     """The gpusnap root and checkpoint id that a Lightning checkpoint path names (None for a
     file that is not a gpusnap pointer), for ``gpusnap show ROOT ID`` or ``gpusnap.load``:
     the newest checkpoint committed for the path, as the root records it, or else the one the
-    file names (a copy of a pointer). A file whose first checkpoint never committed (a
-    placeholder left by a crash) is a :class:`gpusnap.CheckpointNotFoundError`."""
+    file names (a copy of a pointer). A file whose first checkpoint never committed (its link
+    dangling, or a placeholder, after a crash) is a :class:`gpusnap.CheckpointNotFoundError`."""
     return resolve_file(_local(path, "path"))

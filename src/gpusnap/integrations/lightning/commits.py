@@ -3,16 +3,17 @@ path's pointer once its checkpoint commits, and deletes the checkpoints no point
 
 Call order (each step in the order Lightning asked for it)::
 
-    save_checkpoint(path)   -> Commits.save()          (a placeholder at ``path`` if nothing is
-                                                        there: it exists before the checkpoint
-                                                        can commit)
+    save_checkpoint(path)   -> Commits.save()          (if nothing is at ``path``: a placeholder
+                                                        first for a root that is not local)
                                -> Checkpointer.save()  (tagged with ``path``; returns at once)
+                               -> (if nothing is at ``path``, a local root) a link to the
+                                  manifest it commits as: it exists once the checkpoint does
                             (queued; the trainer goes on)
     thread                  -> waits for the commit, then writes the pointer unless ``path``
                                was removed since; drops what the pointer replaced and the
                                older checkpoints recorded for ``path`` (a crash's leftovers),
                                or the save itself when ``path`` was removed; a save that
-                               failed takes the placeholder it wrote away
+                               failed takes its link or placeholder away
     remove_checkpoint(path) -> Commits.removed()       (the file goes now; its checkpoints are
                                                         dropped on the thread, in order)
 
@@ -38,7 +39,7 @@ from gpusnap.checkpointer import Checkpointer
 from gpusnap.errors import CheckpointError, CheckpointNotFoundError
 from gpusnap.handles import PendingSave
 
-from .pointer import Placeholder, Pointer, read_pointer, write_placeholder, write_pointer
+from .pointer import Placeholder, Pointer, link_to_manifest, manifest_link, read_pointer, write_placeholder, write_pointer
 from .records import recorded_for
 
 __all__ = ["Commits"]
@@ -89,12 +90,16 @@ class Commits:
     # -- what the trainer's thread calls ------------------------------------------------------
     def save(self, path: str, checkpointer: Checkpointer, start: Callable[[], PendingSave]) -> None:
         """Save ``path`` with ``start()`` (a ``save()`` of ``checkpointer``, tagged with the
-        path): a placeholder first when nothing is at ``path``, so that the file exists before
-        the checkpoint can commit; its pointer is written once it commits."""
+        path): when nothing is at ``path``, a link to the manifest the checkpoint will be
+        committed as (a placeholder first, for a root that is not local), so that the file
+        exists once the checkpoint does; its pointer is written once it commits."""
         placeholder: Placeholder | None = None
+        root = checkpointer.root if "://" in checkpointer.root else os.path.abspath(checkpointer.root)
+        local = "://" not in root.removeprefix("file://")
         with self._lock:
-            if not os.path.lexists(path):
-                placeholder = write_placeholder(path, os.path.abspath(checkpointer.root))
+            fresh = not os.path.lexists(path)
+            if fresh and not local:
+                placeholder = write_placeholder(path, root)
         try:
             pending = start()
         except BaseException:
@@ -102,6 +107,10 @@ class Commits:
                 with self._lock:
                     self._take_placeholder(path)
             raise
+        if fresh and local:
+            with self._lock:  # (unless its pointer is there already: it committed meanwhile)
+                if not os.path.lexists(path):
+                    link_to_manifest(path, root, pending.id)
         save = _Save(path, checkpointer, pending)
         with self._lock:
             self._outstanding.append(save)
@@ -214,7 +223,7 @@ class Commits:
                         error = exc
                 elif not committed and wanted and not any(
                         s.path == save.path and s.wanted for s in self._outstanding if s is not save):
-                    self._take_placeholder(save.path)  # (nothing committed for it: nothing there)
+                    self._take_placeholder(save.path, checkpoint)  # (nothing committed for it: nothing there)
         finally:
             with self._lock:
                 self._outstanding.remove(save)
@@ -247,9 +256,14 @@ class Commits:
             if cid != keep and cid not in busy:
                 self._drop(_Drop(checkpointer, Pointer(root, cid), folder))
 
-    def _take_placeholder(self, path: str) -> None:
-        """Remove the placeholder at ``path``, if that is what is there (under the lock)."""
-        if not os.path.islink(path) and isinstance(_quietly(path), Placeholder):
+    def _take_placeholder(self, path: str, failed: str | None = None) -> None:
+        """Remove the placeholder at ``path``, or the link to ``failed``'s manifest, if that is
+        what is there (under the lock)."""
+        linked = manifest_link(path)
+        if linked is not None:
+            if linked.checkpoint == failed:
+                os.remove(path)
+        elif not os.path.islink(path) and isinstance(_quietly(path), Placeholder):
             os.remove(path)
 
     def _drop(self, drop: _Drop) -> None:

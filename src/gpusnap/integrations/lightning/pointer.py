@@ -6,9 +6,13 @@ small JSON document naming the gpusnap root and checkpoint id; the state itself 
 root, where checkpoints share their unchanged chunks. A pointer is written atomically (a
 temporary name, fsync, rename) once its checkpoint is committed.
 
-A path's first save writes a *placeholder* first (:func:`write_placeholder`: the root, no
-checkpoint yet), before the checkpoint can commit: Lightning's ``ckpt_path="last"`` only
-looks for files, so a checkpoint that commits just before a crash must already have one.
+A path's first save into a local root makes the path a symbolic link to the manifest its
+checkpoint will be committed as (:func:`link_to_manifest`), as soon as ``save()`` returns:
+Lightning's ``ckpt_path="last"`` only looks for files that exist, and this one exists exactly
+once the checkpoint is committed, so a crash before the commit leaves nothing to resume
+(Lightning starts afresh, as without gpusnap) and a crash after it, before the pointer is
+written, leaves the path naming its checkpoint. A root that is not local gets a
+*placeholder* first instead (:func:`write_placeholder`: the root, no checkpoint yet).
 The root records the path of every checkpoint (:mod:`.records`); what a path names is
 resolved from that record and the file together, so a placeholder or a pointer that a crash
 left behind still leads to the newest checkpoint committed for its path.
@@ -32,14 +36,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from gpusnap.errors import CheckpointError
 from gpusnap.storage.backend import fsync_path
+from gpusnap.storage.layout import ID_RE, MANIFESTS
 
-__all__ = ["FORMAT", "HEADER", "Placeholder", "Pointer", "read_pointer", "write_placeholder", "write_pointer"]
+__all__ = ["FORMAT", "HEADER", "Placeholder", "Pointer", "link_to_manifest", "manifest_link", "read_pointer",
+           "write_placeholder", "write_pointer"]
 
 FORMAT = "gpusnap-checkpoint-pointer"
 HEADER = (b"cgpusnap\npointer: not a torch.save file; load it with "
@@ -90,6 +97,39 @@ def write_placeholder(path: str, root: str) -> Placeholder:
     return placeholder
 
 
+def link_to_manifest(path: str, root: str, checkpoint: str) -> bool:
+    """Atomically make ``path`` a symbolic link (relative) to the manifest ``checkpoint`` is
+    committed as in the local ``root``; False (nothing done) where ``root`` is not local."""
+    local = root.removeprefix("file://")
+    if "://" in local:
+        return False
+    folder = os.path.dirname(os.path.abspath(path))
+    target = os.path.join(os.path.abspath(local), MANIFESTS, f"{checkpoint}.json")
+    tmp = f"{path}.{os.getpid()}.tmp"
+    os.symlink(os.path.relpath(target, folder), tmp)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        os.remove(tmp)
+        raise
+    fsync_path(folder)
+    return True
+
+
+_MANIFEST_LINK = re.compile(rf"(?P<root>.*)/{MANIFESTS}/(?P<id>[^/]+)\.json")
+
+
+def manifest_link(path: str) -> Pointer | None:
+    """The checkpoint a link made by :func:`link_to_manifest` names, reached through any links
+    (Lightning's ``save_last="link"`` links last.ckpt to the top-k file), or None (not one)."""
+    if not os.path.islink(path):
+        return None
+    m = _MANIFEST_LINK.fullmatch(os.path.realpath(path))
+    if m is None or not ID_RE.match(m["id"]):
+        return None
+    return Pointer(m["root"], m["id"])
+
+
 def _write(path: str, root: str, fields: dict[str, Any]) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     document = {"format": FORMAT, "version": 1, "root": os.path.relpath(root, folder), **fields}
@@ -111,6 +151,9 @@ def read_pointer(path: str) -> Pointer | Placeholder | None:
     """The pointer or placeholder at ``path``; None when the file is something else (a
     ``torch.save`` checkpoint, say). FileNotFoundError when nothing is there; a damaged
     pointer is a CheckpointError naming the file."""
+    linked = manifest_link(path)
+    if linked is not None:
+        return linked
     with open(path, "rb") as f:
         head = f.read(_MAX_BYTES + 1)
     if len(head) > _MAX_BYTES:

@@ -20,7 +20,7 @@ from gpusnap.errors import CheckpointNotFoundError
 from gpusnap.storage.repository import Repository
 from gpusnap.storage.unreadable import id_time
 
-from .pointer import Placeholder, Pointer, read_pointer
+from .pointer import Placeholder, Pointer, manifest_link, read_pointer
 
 __all__ = ["recorded_for", "resolve_file", "tag_for"]
 
@@ -71,7 +71,7 @@ def resolve_file(path: str, config: Config | None = None) -> Pointer | None:
         choices += [(c, i) for c, i in recorded_for(path, found.root, saves) if c >= linked]
     if choices:
         return Pointer(found.root, max(choices)[1])
-    if isinstance(found, Placeholder):
+    if isinstance(found, Placeholder) or manifest_link(path) is not None:  # (a first save, not committed)
         raise CheckpointNotFoundError(
             f"{path}: no checkpoint is committed for it yet (its first one is still being saved, or the "
             "process saving it stopped first): once that process is gone, delete the file to start from the "
