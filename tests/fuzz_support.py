@@ -141,29 +141,26 @@ class DurableBackend(FaultyBackend):
         self.local_path = self.inner.local_path  # type: ignore[attr-defined]
         self.driver: set[int] = {threading.get_ident()}
         self._lock = threading.Lock()
-        self._shots: list[tuple[str, str]] = []  # armed one-shot faults: ("open" or "rename", in what path)
+        self._shots: list[str] = []  # armed one-shot faults: "open" or "rename"
         self.fired: list[tuple[str, bool]] = []  # (what, on a driver thread)
         self._gate: threading.Event | None = None
         self.write_errno = errno.ENOSPC
         self.rename_errno = errno.ENOSPC
-        self.fail_open_write = lambda path: self._shoot("open", path)
-        self.fail_rename = lambda path: self._shoot("rename", path)
+        self.fail_open_write = lambda path: self._shoot("open")
+        self.fail_rename = lambda path: self._shoot("rename")
 
-    def arm(self, what: str, match: str = "") -> None:
+    def arm(self, what: str) -> None:
         """The next ``what`` (``"open"``: a file opened for writing, ``"rename"``: a commit's
-        rename) whose path contains ``match`` fails with ENOSPC, once (arming it again
-        before it fired changes nothing). A checkpoint id as ``match`` fails the commit of
-        that checkpoint (its manifest's name holds its id)."""
+        rename) fails with ENOSPC, once (arming it again before it fired changes nothing)."""
         with self._lock:
-            if (what, match) not in self._shots:
-                self._shots.append((what, match))
+            if what not in self._shots:
+                self._shots.append(what)
 
-    def _shoot(self, what: str, path: str) -> bool:
+    def _shoot(self, what: str) -> bool:
         with self._lock:
-            shot = next((s for s in self._shots if s[0] == what and s[1] in path), None)
-            if shot is None:
+            if what not in self._shots:
                 return False
-            self._shots.remove(shot)
+            self._shots.remove(what)
             self.fired.append((what, threading.get_ident() in self.driver))
             return True
 

@@ -69,7 +69,7 @@ from gpusnap.storage.fast_tier import ALIGN
 
 LONG = os.environ.get("GPUSNAP_FUZZ", "") == "long"
 EXAMPLES = 200
-STEPS = 24
+STEPS = 20
 SETTINGS = settings(
     max_examples=EXAMPLES * (100 if LONG else 1),
     stateful_step_count=STEPS,
@@ -79,7 +79,7 @@ SETTINGS = settings(
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
-WRITES = ("train", "tied", "x", "x_slice", "view", "view_t", "base", "plain", "replace", "resize")
+WRITES = ("train", "tied", "x", "x_slice", "view", "view_t", "base", "plain")
 PIECE, SLAB = 1024, 16384  # copy pieces and fast-tier slabs (the state: 512-byte chunks)
 GRACE_S = 0.5  # a step held this long while promotions are held waits for one: release them
 PROMOTION_FAILED = "promoting to the durable root"
@@ -156,7 +156,7 @@ class Fuzz(RuleBasedStateMachine):
     def init(self, fast_keep_last: int, keep_last: int | None, promote_every: int | None, tracked: bool,
              small_cow: bool, skip: bool, x_len: int, held: bool) -> None:
         """``held``: promotions run only while the program waits for them (or after
-        ``promotions(hold=False)``): each is in flight across the steps before, as on a slow root."""
+        release_promotions): each is in flight across the steps before, as on a slow root."""
         # the few KiB of state span several chunks, pieces and slabs; tracked: CPU spans are
         # copied while the program runs (not all at save()), through copy-on-write (small_cow:
         # a shadow budget of one chunk, so writes mostly wait for copies)
@@ -195,23 +195,29 @@ class Fuzz(RuleBasedStateMachine):
             shutil.rmtree(self.dir, ignore_errors=True)
 
     # -- the program: writes, frees, resizes ----------------------------------------------------
-    @rule(kind=st.sampled_from(WRITES), k=st.integers(1, 9), n=st.integers(1, 400))
+    @rule(kind=st.sampled_from(WRITES), k=st.integers(1, 9))
     @bounded
-    def write(self, kind: str, k: int, n: int) -> None:
-        """An in-place write of ``kind`` (fuzz_support.write); ``"replace"``: a new tensor of
-        ``n`` elements replaces x, whose memory is freed (maybe under a pending copy);
-        ``"resize"``: x itself is resized to ``n`` (its storage reallocated when it grows)."""
+    def write(self, kind: str, k: int) -> None:
+        write(self.live, kind, k)
+        write(self.plain, kind, k)
+
+    @rule(n=st.integers(1, 400), k=st.integers(1, 9))
+    @bounded
+    def replace_x(self, n: int, k: int) -> None:
+        """The old tensor is dropped (its memory freed, maybe under a pending copy)."""
         for s in (self.live, self.plain):
-            if kind == "replace":
-                s["x"] = torch.arange(n, dtype=torch.float32) * k
-            elif kind == "resize":
-                x = s["x"]
-                old = x.numel()
-                x.resize_(n)
-                if n > old:
-                    x[old:] = 0.25
-            else:
-                write(s, kind, k)
+            s["x"] = torch.arange(n, dtype=torch.float32) * k
+
+    @rule(n=st.integers(1, 400))
+    @bounded
+    def resize_x(self, n: int) -> None:
+        """In place: the same tensor, its storage reallocated when it grows."""
+        for s in (self.live, self.plain):
+            x = s["x"]
+            old = x.numel()
+            x.resize_(n)
+            if n > old:
+                x[old:] = 0.25
 
     @rule(k=st.integers(1, 9))
     @bounded
@@ -435,34 +441,45 @@ class Fuzz(RuleBasedStateMachine):
         assert target not in {i.id for i in self._list()} or error is not None, (
             f"delete({ref!r}) returned, but {target} is still listed")
 
-    @rule(into=st.sampled_from(["blank", "live"]), i=st.integers(0, 7), lazy=st.booleans())
+    @rule(i=st.integers(0, 7), lazy=st.booleans())
     @bounded
-    def restore(self, into: str, i: int, lazy: bool) -> None:
-        """Restore a listed checkpoint into a fresh state (it must equal the state at its
-        save()), or into the live one (lazy: the next steps run while it loads), the shadow
-        then taking the checkpoint's values."""
+    def restore_blank(self, i: int, lazy: bool) -> None:
+        """Restore a listed checkpoint into a fresh state: it equals the state at its save()."""
         assert self.ck is not None
         ck = self.ck
-        self._drain(ck.wait, "Checkpointer.wait()")  # (restore() waits for every save too)
+        self._drain(ck.wait, "Checkpointer.wait()")
         listed = self._list()
         if not listed:
             return
         target = listed[-1 - i % len(listed)]
         expected = self.by_id[target.id].expected
-        if into == "blank":
-            blank = blank_for(expected)
-            handle = self._drain(lambda: ck.restore(blank, target.id, lazy=lazy), "restore()")
-            if lazy:
-                blank["x"].sum()  # waits for x
-            handle.wait()
-            wrong = same(snapshot(blank), expected)
-            assert not wrong, f"checkpoint {target.id} ({target.tier}) restored wrong values at {wrong}"
+        blank = blank_for(expected)
+        handle = self._drain(lambda: ck.restore(blank, target.id, lazy=lazy), "restore()")
+        if lazy:
+            blank["x"].sum()  # waits for x
+        handle.wait()
+        wrong = same(snapshot(blank), expected)
+        assert not wrong, f"checkpoint {target.id} ({target.tier}) restored wrong values at {wrong}"
+
+    @rule(i=st.integers(0, 7), lazy=st.booleans())
+    @bounded
+    def restore_live(self, i: int, lazy: bool) -> None:
+        """Restore into the live state (lazy: the next steps run while it loads); the shadow
+        takes the checkpoint's values."""
+        assert self.ck is not None
+        ck = self.ck
+        self._drain(ck.wait, "Checkpointer.wait()")
+        listed = self._list()
+        if not listed:
             return
+        target = listed[-1 - i % len(listed)]
+        expected = self.by_id[target.id].expected
         if self.live["x"].shape != expected["x"].shape:
             self.live["x"] = torch.empty(expected["x"].shape)
         self.lazy = self._drain(lambda: ck.restore(self.live, target.id, lazy=lazy), "restore()")
         load_snapshot(self.plain, expected)
         assert not same(snapshot(self.plain), expected), "(the shadow state could not take the checkpoint)"
+        note(f"restore {target.id} into the live state, lazy={lazy}")
 
     # -- faults ---------------------------------------------------------------------------------
     @rule(between_saves=st.booleans())
@@ -488,26 +505,23 @@ class Fuzz(RuleBasedStateMachine):
         if in_flight:  # (their promotions, and those of the checkpoints they would have replaced)
             self.pins_may_fail = True  # a promotion from the removed tier may fail (and says so)
 
-    @rule(what=st.sampled_from(["open", "rename"]), of_newest_promoted=st.booleans())
+    @rule(what=st.sampled_from(["open", "rename"]))
     @bounded
-    def durable_disk_full(self, what: str, of_newest_promoted: bool) -> None:
-        """The durable root's disk is full for one write: the next one (a promotion's, or a
-        delete's), or the commit of the newest promote=True save's promotion (if still due)."""
-        promoted = [s for s in self.saves if s.promote]
-        if of_newest_promoted and promoted:
-            self.backend.arm(what, promoted[-1].id)
-        else:
-            self.backend.arm(what)
+    def durable_disk_full(self, what: str) -> None:
+        """The durable root's disk is full for one write (a promotion's, or a delete's)."""
+        self.backend.arm(what)
 
-    @rule(hold=st.booleans())
+    @rule()
     @bounded
-    def promotions(self, hold: bool) -> None:
-        """Hold every promotion's writes (a slow durable root: each stays in flight across the
-        steps that follow) until a step waits for them, or let them go."""
-        if hold:
-            self.backend.hold()
-        else:
-            self.backend.release()
+    def hold_promotions(self) -> None:
+        """The next write a promotion makes waits (a slow durable root) until a rule that
+        waits for promotions, or release_promotions."""
+        self.backend.hold()
+
+    @rule()
+    @bounded
+    def release_promotions(self) -> None:
+        self.backend.release()
 
     # -- invariants -----------------------------------------------------------------------------
     @invariant()
