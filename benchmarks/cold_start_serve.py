@@ -149,7 +149,7 @@ def run_child(kind: str, r: int, work: str, args: argparse.Namespace, env: dict[
     started = time.time()
     try:
         proc = subprocess.run([sys.executable, CHILD, kind, work, args.device], capture_output=True, text=True,
-                              timeout=CHILD_TIMEOUT_S, env=env)
+                              timeout=CHILD_TIMEOUT_S, env=env, check=False)
         out, err, code = proc.stdout, proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as exc:
         out, err, code = str(exc.stdout or ""), str(exc.stderr or ""), "timeout"
@@ -173,8 +173,8 @@ def run_child(kind: str, r: int, work: str, args: argparse.Namespace, env: dict[
 
 
 def table(runs: list[dict[str, Any]], nbytes: int) -> list[str]:
-    rows = ["kind | round | first logits s | restore returned s | second forward s | GB/s to first logits | "
-            "logits bit-equal | source", "---|---:|---:|---:|---:|---:|---|---"]
+    rows = [("kind | round | first logits s | restore returned s | second forward s | GB/s to first logits | "
+             "logits bit-equal | source"), "---|---:|---:|---:|---:|---:|---|---"]
     for res in runs:
         if res.get("failed"):
             rows.append(f"{res['kind']} | {res['round']} | FAILED | - | - | - | - | -")

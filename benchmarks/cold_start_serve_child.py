@@ -16,16 +16,17 @@ from collections.abc import Callable
 from typing import Any
 
 started = time.perf_counter()
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402 (imports are not timed)
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM  # (imports are not timed)
 
-import gpusnap  # noqa: E402
-from gpusnap.restore.cold import _parameters_on_meta as parameters_on_meta  # noqa: E402 (the build empty_model does)
+import gpusnap
+
+# the build empty_model does
+from gpusnap.restore.cold import _parameters_on_meta as parameters_on_meta
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cold_start_serve import build_model  # noqa: E402
-
+from cold_start_serve import build_model
 
 
 def flatten_parameters(model: nn.Module, device: torch.device) -> None:

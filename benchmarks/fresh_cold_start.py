@@ -1,9 +1,8 @@
 """Cold start in a *fresh process*: what a serving process that starts from nothing pays
-before its first logits (issue 5), which ``restore_bench.py`` does not see (its cold start
-runs in a process that has already restored, so CUDA, Triton's kernels and the reader
-processes are warm there).
+before its first logits (issue 5), which a cold start in a process that has already restored
+does not see (CUDA, Triton's kernels and the reader processes are warm there).
 
-The parent saves a model once (``restore_bench``'s models, random weights, a forward inside
+The parent saves a model once (``restore_models.py``'s models, random weights, a forward inside
 the save window so the manifest records the access order). Then, per run, a new Python
 process imports torch and gpusnap, builds the model and produces the first logits, through
 one of:
@@ -13,7 +12,7 @@ one of:
 - ``eager-off``: the same with ``verify="off"`` (no hash kernels: what compiling or loading
   them costs the first restore of a process);
 - a ``-nowarm`` suffix: without loading the hash kernels beside the restore's set-up
-  (``restore/warmup.py``).
+  (``restore/pipeline/warmup.py``).
 
 Runs alternate kinds. Triton's on-disk cache is shared by the runs (warm after the first
 that compiles; the parent's save already compiles the save-side hash kernel) unless
@@ -42,7 +41,7 @@ def mark(name):
 import torch
 import gpusnap
 sys.path.insert(0, os.path.dirname(sys.argv[5]))
-import restore_bench as rb
+import restore_models as rb
 spec = next(s for s in rb.FULL + rb.TINY if s.name == sys.argv[2])
 build, _ = rb.builder(spec)  # (imports transformers' model code: an import, not the build)
 mark("imports")
@@ -52,8 +51,8 @@ if dev.type == "cuda":
 mark("cuda_init")
 ids = torch.arange(64, device=dev).unsqueeze(0) % 50257
 kind = sys.argv[3]
-if kind.endswith("-nowarm"):  # without loading the hash kernels beside the set-up (restore/warmup.py)
-    import gpusnap.restore.warmup as warmup
+if kind.endswith("-nowarm"):  # without loading the hash kernels beside the set-up (restore/pipeline/warmup.py)
+    import gpusnap.restore.pipeline.warmup as warmup
     warmup.WARM_KERNELS = False
     kind = kind[: -len("-nowarm")]
 with gpusnap.Checkpointer(sys.argv[1], config=gpusnap.Config.from_env(fsync=False)) as ck:
@@ -78,7 +77,7 @@ print("RESULT " + json.dumps({"kind": sys.argv[3], "marks": marks, "stats": stat
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gpt2-large", help="one of restore_bench's models (FULL or TINY)")
+    ap.add_argument("--model", default="gpt2-large", help="one of restore_models.py's models (FULL or TINY)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--kinds", default="lazy,eager,eager-off")
     ap.add_argument("--out", default="fresh_cold_start.json")
@@ -87,10 +86,10 @@ def main() -> None:
                          "otherwise the parent's save has already compiled the save-side hash kernel)")
     args = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import restore_models as rb
     import torch
 
     import gpusnap
-    import restore_bench as rb
 
     names = [s.name for s in rb.FULL + rb.TINY]
     if args.model not in names:
@@ -129,7 +128,7 @@ def main() -> None:
                 proc = subprocess.run([sys.executable, "-c", CHILD, ck_dir, spec.name, kind.removesuffix("-p32"),
                                        repr(started),
                                        os.path.abspath(__file__)], capture_output=True, text=True, timeout=300,
-                                      env=env)
+                                      env=env, check=False)
                 lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
                 if proc.returncode or not lines:
                     print(f"round {r} {kind}: failed ({proc.returncode})\n{proc.stderr[-2000:]}", flush=True)

@@ -35,11 +35,11 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-import restore_bench as rb  # noqa: E402  (the same H2D ceiling and device sync)
+import restore_models as rb  # (the H2D ceiling and device sync)
 
-import gpusnap  # noqa: E402
-from gpusnap.restore import loader as loader_mod  # noqa: E402
-from gpusnap.restore import restorer as restorer_mod  # noqa: E402
+import gpusnap
+from gpusnap.restore import restorer as restorer_mod
+from gpusnap.restore.pipeline import loader as loader_mod
 
 MiB = 1 << 20
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -69,7 +69,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "procs8": {"procs": 8, "config": {"restore_direct_copies": "off"}},
     "procs14": {"procs": 14, "config": {"restore_direct_copies": "off"}},
     "p64procs12": {"config": {"restore_piece_bytes": 64 * MiB, "restore_direct_copies": "off"}},
-    # direct-copy helpers (restore/direct.py, the default since the thirteenth session)
+    # direct-copy helpers (restore/pipeline/sources/direct_copies.py)
     "procs": {"config": {"restore_piece_bytes": 32 * MiB}},
     "direct": {"config": {"restore_direct_copies": "auto"}},
     "direct4": {"direct": 4, "config": {"restore_direct_copies": "auto"}},
@@ -104,7 +104,7 @@ class Sampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> Sampler:
+    def __enter__(self) -> Sampler:  # noqa: PYI034 (never subclassed)
         self._thread.start()
         return self
 

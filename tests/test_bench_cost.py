@@ -15,8 +15,21 @@ import pytest
 import torch
 
 from gpusnap.bench import gpusnap_tiers
-from gpusnap.bench.cost import Clocks, CostSample, Window, bracket, cost_window, plain_window
-from gpusnap.bench.cost_runner import CostOptions, _Deadline, _measure_row, _mid_step, run_cost
+from gpusnap.bench.cost import (
+    Clocks,
+    CostSample,
+    Window,
+    bracket,
+    cost_window,
+    plain_window,
+)
+from gpusnap.bench.cost_runner import (
+    CostOptions,
+    _Deadline,
+    _measure_row,
+    _mid_step,
+    run_cost,
+)
 from gpusnap.bench.cost_summary import add_ratios, summarise
 from gpusnap.bench.cost_throughput import derived, every_n
 from gpusnap.bench.env import CPU_DISCLAIMER

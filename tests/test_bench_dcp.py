@@ -38,6 +38,7 @@ def _closing_stage(monkeypatch: pytest.MonkeyPatch) -> None:
         self._state_dict_stager.close()
         return staged
 
+    # private (torch's): DCP's stager has no public hook between staging and its next use
     monkeypatch.setattr(DefaultStager, "_stage", stage_then_close)
 
 
@@ -114,6 +115,7 @@ def test_async_save_warm_saves_reuse_the_staged_copy(monkeypatch, tmp_path):
         storages.append({t.untyped_storage().data_ptr() for t in staged.values()})
         return staged
 
+    # private (torch's): what DCP's stager staged into is visible nowhere else
     monkeypatch.setattr(DefaultStager, "_stage", recording)
     system, notes = _three_saves(wl, tmp_path)
     assert len(storages) == 3 and storages[0] == storages[1] == storages[2]

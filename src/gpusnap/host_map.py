@@ -36,9 +36,8 @@ class MappedMemory:
     writable as ``tensor`` (uint8); page-locked when ``pinned``. ``populate`` faults every
     page in now (the kernel's work, without the GIL) rather than at the first copy, with
     ``madvise(MADV_POPULATE_WRITE)``: ``mmap(MAP_POPULATE)`` of a tmpfs file stopped a
-    training thread for ~1 s per GiB, the madvise ~70 ms per GiB
-    (``experiments/fast_tier_probe.py``), and it reports memory it cannot allocate (a full
-    tmpfs) as an ``OSError`` here instead of a SIGBUS at the first copy.
+    training thread for ~1 s per GiB, the madvise ~70 ms per GiB, and it reports memory it
+    cannot allocate (a full tmpfs) as an ``OSError`` here instead of a SIGBUS at the first copy.
 
     Raises ``OSError`` (the map failed) or ``RuntimeError`` (page-locking failed; nothing
     stays mapped); the caller then decides what to fall back to.

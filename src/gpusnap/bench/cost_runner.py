@@ -399,7 +399,7 @@ def _pass_two(entry: dict[str, Any], wl: Workload, opts: CostOptions, deadline: 
             while not warm.is_durable() and clocks.wall() - t0 < _RUN_CAP_S[opts.preset]:
                 read_step(wl)
             warm.wait()
-            system.settle()  # (untimed: what the first save set going in the background)
+            system.settle(wl)  # (untimed: what the first save set going in the background)
             plain = plain_window(wl, max(opts.window_steps, 10), clocks)  # (CPU's N=3 is too noisy)
             row["throughput_plain"] = dict(plain.__dict__)
             for n in opts.every:

@@ -66,11 +66,9 @@ class GpusnapFast(GpusnapConcurrent):
         if hasattr(self.ckpt, "prepare"):  # as the docs tell a user: slabs made at set-up, not in save 0
             self.ckpt.prepare(wl.app_state, wait=True)
 
-    def settle(self) -> None:
-        tier = getattr(self.ckpt, "_fast", None)
-        preparer = getattr(tier, "_preparer", None)
-        if preparer is not None:
-            preparer.join()
+    def settle(self, wl: Workload) -> None:
+        if self.ckpt is not None and hasattr(self.ckpt, "prepare"):  # the slabs the first save set aside, made
+            self.ckpt.prepare(wl.app_state, wait=True)
 
     def promoted_save(self, wl: Workload, index: int) -> SaveHandle:
         """Save ``index`` with ``promote=True`` (promoted whatever the count)."""

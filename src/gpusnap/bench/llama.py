@@ -109,15 +109,16 @@ class MiniLlama(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
-def build_llama(device: torch.device, size: str, batch: int | None, seq: int | None) -> tuple[Any, ...]:
-    """(model, loss function, optimizer, data, impl, config) for ``size`` on ``device``."""
-    from gpusnap.bench.workloads import have
-
+def build_llama(
+    device: torch.device, size: str, batch: int | None, seq: int | None, *, use_transformers: bool
+) -> tuple[Any, ...]:
+    """(model, loss function, optimizer, data, impl, config) for ``size`` on ``device``;
+    ``transformers``' model where ``use_transformers``, else :class:`MiniLlama`."""
     hidden, layers, heads, kv, mlp, vocab, b, s = LLAMA_SIZES[size]
     b, s = batch or b, seq or s
     cuda = device.type == "cuda"
     with torch.device(device):  # initialising on the device: a 0.95B random init is slow on a CPU
-        if have("transformers"):
+        if use_transformers:
             from transformers import LlamaConfig, LlamaForCausalLM
 
             cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,

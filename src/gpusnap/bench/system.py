@@ -141,7 +141,7 @@ class System:
     def prepare_save(self, wl: Workload, index: int) -> None:
         """Untimed, before save ``index``: drop checkpoints a user would have rotated away."""
 
-    def settle(self) -> None:
+    def settle(self, wl: Workload) -> None:
         """Untimed, before a throughput run: wait for what earlier saves set going in the
         background and a long-running program would long have finished (slab preparation)."""
 

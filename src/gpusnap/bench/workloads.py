@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 import gpusnap
+from gpusnap.bench.llama import build_llama
 from gpusnap.bench.models import MiniGPT
 
 __all__ = ["SIZES", "WORKLOADS", "Hook", "Workload", "build_workload", "size_for"]
@@ -180,9 +181,7 @@ def _gpt(name: str, device: torch.device, size: str, batch: int | None, seq: int
 
 
 def _llama(device: torch.device, size: str, batch: int | None, seq: int | None) -> Workload:
-    from gpusnap.bench.llama import build_llama
-
-    model, loss, optim, data, impl, config = build_llama(device, size, batch, seq)
+    model, loss, optim, data, impl, config = build_llama(device, size, batch, seq, use_transformers=have("transformers"))
     state = _train_state(model, optim)
     cuda = device.type == "cuda"  # bf16 autocast on CUDA only: CPU bf16 matmuls are slow
 

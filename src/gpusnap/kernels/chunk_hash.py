@@ -59,7 +59,7 @@ slower, their per-chunk finalization dominates). The Triton kernel's hot loop is
 sm_90 SASS (compiled ahead of time with Triton 3.6 and 3.9), about 9 multiply-add and 8 other
 integer instructions per 4-byte word: at 4.8 TB/s of device memory that would use some 65% of both
 integer pipes, so it should run near memory speed if enough loads stay in flight (hence the
-prefetch); ``benchmarks/hash_kernel.py`` measures it and sweeps the launch shape.
+prefetch).
 """
 
 from __future__ import annotations
@@ -116,9 +116,9 @@ _M64 = (1 << 64) - 1
 @dataclass(frozen=True)
 class TritonConfig:
     """Launch shape of the streaming kernel: pairs per tile, warps per program, and whether a
-    thread loads its next tile before hashing the current one (``benchmarks/hash_kernel.py``
-    sweeps these; the default is the expected best: 64 to 80 registers per thread, about 24
-    warps per SM, two 16 KiB tiles in flight per program)."""
+    thread loads its next tile before hashing the current one (the default is the expected
+    best: 64 to 80 registers per thread, about 24 warps per SM, two 16 KiB tiles in flight per
+    program)."""
 
     block_pairs: int = 2048
     num_warps: int = 8

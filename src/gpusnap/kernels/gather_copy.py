@@ -108,7 +108,7 @@ def gather_copy(
     addresses cannot be checked: the caller's promise). Destinations are checked to lie within
     ``dst``; overlapping destinations are the caller's error, as for any copy.
     ``tile_bytes``, ``block_words`` (int64 words per loop step, a power of two) and
-    ``num_warps`` shape the launch (``benchmarks/gather_copy_bench.py --sweep``)."""
+    ``num_warps`` shape the launch."""
     if not gather_copy_available(dst.device):
         raise RuntimeError("gather_copy needs Triton and a CUDA tensor (else use gather_copy_tensors)")
     if dst.dtype != torch.uint8 or dst.dim() != 1 or not dst.is_contiguous():

@@ -19,10 +19,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from gpusnap.storage.backend import fsync_path
 from gpusnap.bench.system import SaveHandle, System, sync, writer_handle
 from gpusnap.bench.verify import compare
 from gpusnap.bench.workloads import Workload
+from gpusnap.storage.backend import fsync_path
 
 __all__ = ["TorchSaveThread"]
 

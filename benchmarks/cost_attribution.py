@@ -12,9 +12,9 @@ noise. Every step is split into its launch (Python until the step returns, the G
 working) and its wait (``loss.item()``): a launch-bound step pays for any lock or core
 time taken from it, a wait-bound one has slack to absorb it.
 
-  PYTHONPATH=src python3 experiments/cost_attribution.py --out $OUT/attr
+  PYTHONPATH=src python3 benchmarks/cost_attribution.py --out $OUT/attr
   py-spy record --gil --threads --nonblocking -r 1000 -f raw -o $OUT/gil.txt -- \\
-      python3 experiments/cost_attribution.py --out $OUT/attr-spy --variants base --rounds 6
+      python3 benchmarks/cost_attribution.py --out $OUT/attr-spy --variants base --rounds 6
 
 ``--variants``: ``base`` (defaults), ``switchN`` (``sys.setswitchinterval(N ms)`` for the
 whole round), ``nohash`` (validate=False, incremental=False), ``torchcopy`` (snapshot pieces
@@ -32,6 +32,7 @@ import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -59,7 +60,7 @@ def thread_cpu() -> collections.Counter:
     names = {str(t.native_id): t.name for t in threading.enumerate()}
     for tid in os.listdir("/proc/self/task"):
         try:
-            name = names.get(tid) or "native:" + open(f"/proc/self/task/{tid}/comm").read().strip()
+            name = names.get(tid) or "native:" + Path(f"/proc/self/task/{tid}/comm").read_text().strip()
             with open(f"/proc/self/task/{tid}/schedstat") as f:
                 out[name.rstrip("0123456789_")] += int(f.read().split()[0]) / 1e9
         except OSError:
