@@ -24,9 +24,9 @@ from faults import HANG_S
 from torch import nn
 
 from gpusnap import Config
-from gpusnap.storage import txn as _txn
 from gpusnap.storage.fast_tier import chunk_location
 from gpusnap.storage.repository import Repository
+from gpusnap.storage.txn import WriteTxn
 
 __all__ = [
     "CFG",
@@ -161,7 +161,7 @@ def hold_durable_writes(monkeypatch: pytest.MonkeyPatch) -> Iterator[DurableGate
     """A :class:`DurableGate` on ``WriteTxn.put_chunk``, released at the end whatever happens
     (a test module's fixture yields from it)."""
     g = DurableGate()
-    put_chunk = _txn.WriteTxn.put_chunk
+    put_chunk = WriteTxn.put_chunk
 
     def gated(self: Any, digest: str, data: Any) -> bool:
         g.held += 1
@@ -170,7 +170,7 @@ def hold_durable_writes(monkeypatch: pytest.MonkeyPatch) -> Iterator[DurableGate
             raise TimeoutError("the durable gate was never released")
         return put_chunk(self, digest, data)
 
-    monkeypatch.setattr(_txn.WriteTxn, "put_chunk", gated)
+    monkeypatch.setattr(WriteTxn, "put_chunk", gated)
     yield g
     g.release()
 

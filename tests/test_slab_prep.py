@@ -1,5 +1,5 @@
 """Slab preparation ahead of use: :class:`SlabPreparer` (one background thread, slabs in
-the order wanted, errors kept and logged, never raised), ``FastTier._slab_memory`` (one
+the order wanted, errors kept and logged, never raised), ``FastTier.slab_memory`` (one
 thread prepares a slab, the others wait for it, and try themselves if it failed) and
 ``FastTier.prepare_ahead`` (slabs added up to a size, within the tier's capacity).
 
@@ -21,7 +21,7 @@ import torch
 from fast_support import HANG_S, cfg
 
 from gpusnap.errors import StorageError
-from gpusnap.storage import fast_tier
+from gpusnap.storage import fast_tier, slab_files
 from gpusnap.storage.fast_tier import FastTier, slab_path
 from gpusnap.storage.slab_prep import SlabPreparer
 
@@ -163,7 +163,7 @@ def test_busy_while_there_is_work_and_join_waits_for_all_of_it(recorders: list[R
     assert rec.done == [0, 1, 2] and not prep.busy()
 
 
-# ---------------------------------------------------------------------- FastTier._slab_memory
+# ---------------------------------------------------------------------- FastTier.slab_memory
 
 
 class _FakeMap:
@@ -174,7 +174,7 @@ class _FakeMap:
 
 
 class FakeMaker:
-    """Stands for ``FastTier._make_slab``: counts calls, blocks the first call on a held
+    """Stands for ``FastTier.make_slab``: counts calls, blocks the first call on a held
     slab until :meth:`release`, and raises the errors in ``errors`` (one per call, in turn;
     None: succeeds)."""
 
@@ -205,13 +205,13 @@ class FakeMaker:
     def method(self) -> Callable[[FastTier, int], _FakeMap]:
         """This fake as a function, to patch onto the class (an instance would not bind)."""
 
-        def _make_slab(tier: FastTier, slab: int) -> _FakeMap:
+        def make_slab(tier: FastTier, slab: int) -> _FakeMap:
             return self(tier, slab)
 
-        return _make_slab
+        return make_slab
 
 
-class _SpyEvent(threading.Event):
+class SpyEvent(threading.Event):
     """An Event that says when a thread starts waiting on it (the slab's waiter)."""
 
     waiting = threading.Event()
@@ -222,9 +222,9 @@ class _SpyEvent(threading.Event):
 
 
 class _Threading:
-    """``fast_tier``'s view of :mod:`threading`, with :class:`_SpyEvent` for its Events."""
+    """``slab_files``' view of :mod:`threading`, with :class:`SpyEvent` for its Events."""
 
-    Event = _SpyEvent
+    Event = SpyEvent
 
     def __getattr__(self, name: str) -> Any:
         return getattr(threading, name)
@@ -239,10 +239,10 @@ def tier(tmp_path: Path) -> Iterator[FastTier]:
 
 
 @pytest.fixture
-def spy(monkeypatch: pytest.MonkeyPatch) -> type[_SpyEvent]:
-    monkeypatch.setattr(_SpyEvent, "waiting", threading.Event())
-    monkeypatch.setattr(fast_tier, "threading", _Threading())
-    return _SpyEvent
+def spy(monkeypatch: pytest.MonkeyPatch) -> type[SpyEvent]:
+    monkeypatch.setattr(SpyEvent, "waiting", threading.Event())
+    monkeypatch.setattr(slab_files, "threading", _Threading())
+    return SpyEvent
 
 
 def _in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
@@ -266,14 +266,14 @@ def _joined(*threads: threading.Thread) -> None:
 
 
 def test_two_threads_wanting_one_slab_make_it_once_and_get_the_same_tensor(
-    tier: FastTier, monkeypatch: pytest.MonkeyPatch, spy: type[_SpyEvent]
+    tier: FastTier, monkeypatch: pytest.MonkeyPatch, spy: type[SpyEvent]
 ) -> None:
     maker = FakeMaker(hold=(0,))
-    monkeypatch.setattr(FastTier, "_make_slab", maker.method())
+    monkeypatch.setattr(FastTier, "make_slab", maker.method())
     try:
-        first, a = _in_thread(lambda: tier._slab_memory(0))
+        first, a = _in_thread(lambda: tier.slab_memory(0))
         assert maker.entered.wait(HANG_S)  # the first thread is making slab 0
-        second, b = _in_thread(lambda: tier._slab_memory(0))
+        second, b = _in_thread(lambda: tier.slab_memory(0))
         assert spy.waiting.wait(HANG_S)  # the second waits for the first's preparation
         assert len(maker.calls) == 1
     finally:
@@ -282,7 +282,7 @@ def test_two_threads_wanting_one_slab_make_it_once_and_get_the_same_tensor(
     assert "error" not in a and "error" not in b, (a, b)
     assert len(maker.calls) == 1
     assert a["value"] is b["value"] is maker.made[0].tensor
-    assert tier._slab_memory(0) is a["value"]  # mapped: no new preparation
+    assert tier.slab_memory(0) is a["value"]  # mapped: no new preparation
     assert len(maker.calls) == 1
     assert tier._preparing == {}
     assert tier.prepared_bytes() == maker.made[0].nbytes
@@ -290,14 +290,14 @@ def test_two_threads_wanting_one_slab_make_it_once_and_get_the_same_tensor(
 
 
 def test_a_waiter_prepares_the_slab_itself_when_the_first_preparation_failed(
-    tier: FastTier, monkeypatch: pytest.MonkeyPatch, spy: type[_SpyEvent]
+    tier: FastTier, monkeypatch: pytest.MonkeyPatch, spy: type[SpyEvent]
 ) -> None:
     maker = FakeMaker(hold=(0,), errors=[OSError(28, "first: no space"), None])
-    monkeypatch.setattr(FastTier, "_make_slab", maker.method())
+    monkeypatch.setattr(FastTier, "make_slab", maker.method())
     try:
-        first, a = _in_thread(lambda: tier._slab_memory(0))
+        first, a = _in_thread(lambda: tier.slab_memory(0))
         assert maker.entered.wait(HANG_S)
-        second, b = _in_thread(lambda: tier._slab_memory(0))
+        second, b = _in_thread(lambda: tier.slab_memory(0))
         assert spy.waiting.wait(HANG_S)
     finally:
         maker.release()
@@ -310,14 +310,14 @@ def test_a_waiter_prepares_the_slab_itself_when_the_first_preparation_failed(
 
 
 def test_a_waiter_whose_own_try_fails_too_raises_its_own_error(
-    tier: FastTier, monkeypatch: pytest.MonkeyPatch, spy: type[_SpyEvent]
+    tier: FastTier, monkeypatch: pytest.MonkeyPatch, spy: type[SpyEvent]
 ) -> None:
     maker = FakeMaker(hold=(0,), errors=[OSError(28, "first: no space"), OSError(12, "second: no memory")])
-    monkeypatch.setattr(FastTier, "_make_slab", maker.method())
+    monkeypatch.setattr(FastTier, "make_slab", maker.method())
     try:
-        first, a = _in_thread(lambda: tier._slab_memory(0))
+        first, a = _in_thread(lambda: tier.slab_memory(0))
         assert maker.entered.wait(HANG_S)
-        second, b = _in_thread(lambda: tier._slab_memory(0))
+        second, b = _in_thread(lambda: tier.slab_memory(0))
         assert spy.waiting.wait(HANG_S)
     finally:
         maker.release()
@@ -327,20 +327,20 @@ def test_a_waiter_whose_own_try_fails_too_raises_its_own_error(
     assert len(maker.calls) == 2
     assert tier._preparing == {} and tier.unprepared([0])
     # nothing is left marked busy: a third caller makes it (and succeeds)
-    assert tier._slab_memory(0) is maker.made[0].tensor
+    assert tier.slab_memory(0) is maker.made[0].tensor
     assert len(maker.calls) == 3
 
 
 def test_the_background_preparer_and_a_save_share_one_preparation(
-    tier: FastTier, monkeypatch: pytest.MonkeyPatch, spy: type[_SpyEvent]
+    tier: FastTier, monkeypatch: pytest.MonkeyPatch, spy: type[SpyEvent]
 ) -> None:
     maker = FakeMaker(hold=(0,))
-    monkeypatch.setattr(FastTier, "_make_slab", maker.method())
+    monkeypatch.setattr(FastTier, "make_slab", maker.method())
     try:
         tier.prepare_ahead(SLAB)
         assert maker.entered.wait(HANG_S)
         assert maker.calls == [(0, "gpusnap-slab-prep")]
-        save, out = _in_thread(lambda: tier._slab_memory(0))  # the copier, taking slab 0
+        save, out = _in_thread(lambda: tier.slab_memory(0))  # the copier, taking slab 0
         assert spy.waiting.wait(HANG_S)
     finally:
         maker.release()
@@ -414,7 +414,7 @@ def test_prepare_ahead_counts_the_slabs_a_save_already_reserved(tier: FastTier) 
 def test_a_slab_the_preparer_cannot_make_is_left_to_its_user_who_meets_the_error(
     tier: FastTier, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    real = FastTier._make_slab
+    real = FastTier.make_slab
     failures: list[int] = []
 
     def flaky(self: FastTier, slab: int) -> Any:
@@ -423,7 +423,7 @@ def test_a_slab_the_preparer_cannot_make_is_left_to_its_user_who_meets_the_error
             raise OSError(28, "No space left on device")
         return real(self, slab)
 
-    monkeypatch.setattr(FastTier, "_make_slab", flaky)
+    monkeypatch.setattr(FastTier, "make_slab", flaky)
     with caplog.at_level(logging.WARNING, logger="gpusnap"):
         tier.prepare_ahead(3 * SLAB)  # never raises
         tier._preparer.join()
@@ -431,7 +431,7 @@ def test_a_slab_the_preparer_cannot_make_is_left_to_its_user_who_meets_the_error
     assert any("slab 1" in r.getMessage() for r in caplog.records if r.name == "gpusnap")
     assert tier.unprepared([1]) and tier.unprepared([2]) and not tier.unprepared([0])  # 2 waits: see above
     assert tier._preparer.prepared == 1
-    assert tier._slab_memory(1).numel() == SLAB  # its user tries again (and here succeeds)
+    assert tier.slab_memory(1).numel() == SLAB  # its user tries again (and here succeeds)
     assert not tier.unprepared([0, 1]) and tier.unprepared([2])
     tier.prepare_ahead(3 * SLAB)  # the next save's want
     tier._preparer.join()
@@ -440,7 +440,7 @@ def test_a_slab_the_preparer_cannot_make_is_left_to_its_user_who_meets_the_error
 
 def test_close_stops_the_preparer_mid_way(tier: FastTier, monkeypatch: pytest.MonkeyPatch) -> None:
     maker = FakeMaker(hold=(0,))
-    monkeypatch.setattr(FastTier, "_make_slab", maker.method())
+    monkeypatch.setattr(FastTier, "make_slab", maker.method())
     try:
         tier.prepare_ahead(3 * SLAB)
         assert maker.entered.wait(HANG_S)
@@ -492,14 +492,14 @@ def test_prepare_ahead_makes_ready_only_the_lowest_slabs_that_hold_the_bytes_and
 
 
 def test_wait_prepared_raises_only_for_slabs_still_wanted_and_unmade(tier: FastTier, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = FastTier._make_slab
+    real = FastTier.make_slab
 
     def no_room_for_2(self: FastTier, slab: int) -> Any:
         if slab == 2:
             raise OSError(28, "No space left on device")
         return real(self, slab)
 
-    monkeypatch.setattr(FastTier, "_make_slab", no_room_for_2)
+    monkeypatch.setattr(FastTier, "make_slab", no_room_for_2)
     tier.prepare_ahead(3 * SLAB)
     with pytest.raises(StorageError, match="slab 2: .*No space left"):
         tier.wait_prepared()

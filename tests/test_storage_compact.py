@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -90,8 +91,36 @@ def _mostly_dead(root: str) -> tuple[Repository, Manifest, list[bytes]]:
     return repo, keep, chunks
 
 
+class _LeaseLostAfterOneCheck:
+    """A backend whose writer lease passes its first check, then is found taken over (an
+    object store's lease, idle past its TTL): gc's own check passes, compaction's fails."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.root = inner.root
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def writer_lease(self, owner: dict[str, Any], timeout: float) -> Any:
+        lease = self.inner.writer_lease(owner, timeout)
+        checks: list[int] = []
+
+        class Lost:
+            def confirm(self) -> None:
+                checks.append(1)
+                if len(checks) > 1:
+                    raise OSError(116, "this writer's lease was taken over by pid 1 on elsewhere", "writer")
+                lease.confirm()
+
+            def release(self) -> None:
+                lease.release()
+
+        return Lost()
+
+
 def _packs(repo: Repository) -> set[str]:
-    return {p for p in repo._pack_paths()}
+    return set(repo.pack_paths())
 
 
 def _readable(root: str, chunks: list[bytes]) -> None:
@@ -174,7 +203,7 @@ def test_a_corrupt_copy_in_a_kept_pack_is_not_trusted(
     repo.backend.remove = real_remove  # type: ignore[method-assign]
     (new,) = _packs(repo) - old
     fresh = Repository.open(repo.root, config=small_config(io_threads=1))
-    fresh._forget_packs(sorted(old))
+    fresh.forget_packs(sorted(old))
     _path, offset, _n = fresh._locate(a0, "")
     target = Path(fresh.backend.describe(new))
     data = bytearray(target.read_bytes())
@@ -292,22 +321,13 @@ def test_live_chunks_fill_new_packs_of_at_most_pack_size(tmp_path: Path) -> None
 
 
 def test_a_lease_lost_while_compacting_deletes_no_old_pack(
-    mostly_dead: tuple[Repository, Manifest, list[bytes]], monkeypatch: pytest.MonkeyPatch
+    mostly_dead: tuple[Repository, Manifest, list[bytes]],
 ) -> None:
     repo, _keep, chunks = mostly_dead
     before = _packs(repo)
-    real = repo._lease.confirm
-    calls: list[int] = []
-
-    def confirm() -> None:
-        calls.append(1)
-        if len(calls) > 1:  # gc's own check passes; compaction's finds another writer
-            raise OSError(116, "this writer's lease was taken over by pid 1 on elsewhere", "writer")
-        real()
-
-    monkeypatch.setattr(repo._lease, "confirm", confirm)
+    lost = Repository.open(repo.root, config=repo.config, backend=_LeaseLostAfterOneCheck(repo.backend))
     with pytest.raises(StorageError, match="gc: confirming the writer lease .* taken over .*kept whole"):
-        repo.gc()
+        lost.gc()
     assert before <= _packs(repo)  # every old pack is still there (the new one too)
     _readable(repo.root, chunks)
 
@@ -318,7 +338,7 @@ def test_a_verify_that_could_not_lock_the_root_follows_a_compaction_elsewhere(
     repo, _keep, chunks = mostly_dead
     reader = Repository.open(repo.root)
     # verify waits 30 s for the shared lock, then checks without it: here at once
-    monkeypatch.setattr(reader, "_lock", lambda **_: (_ for _ in ()).throw(StorageError("busy")))
+    monkeypatch.setattr(reader.backend, "lock", lambda **_: (_ for _ in ()).throw(TimeoutError("busy")))
     real_read = reader.backend.read_range
     compacted: list[GcReport] = []
 

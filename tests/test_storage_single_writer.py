@@ -151,6 +151,7 @@ def test_an_object_store_lease_names_its_writer_and_expires(memory_root: str, mo
     with gpusnap.Checkpointer(memory_root, config=_config()) as ck:
         with pytest.raises(StorageError, match="pid 1 on host elsewhere"):
             ck.save(state)
+    # private: the lease clock; a Checkpointer opens its backend itself, so no clock argument reaches it
     monkeypatch.setattr(fsspec_backend, "_now", lambda: now + fsspec_backend.LEASE_TTL_S + 1)
     with gpusnap.Checkpointer(memory_root, config=_config()) as ck:
         ck.save(state).wait()

@@ -35,9 +35,7 @@ from gpusnap.capture.window import CaptureWindow, SnapshotBuffer, WindowSpan
 from gpusnap.errors import CheckpointError, ValidationError
 from gpusnap.kernels.hashing import chunk_digest
 from gpusnap.state.flatten import FlatState
-from gpusnap.storage.fast_chunks import FastChunks, chunk_location, chunk_ranges, span_runs
-from gpusnap.storage.manifest import StorageEntry
-from gpusnap.storage.txn import WriteTxn
+from gpusnap.storage import ChunkSink, SlabSink, StorageEntry
 
 __all__ = ["ConcurrentSave"]
 
@@ -48,7 +46,7 @@ class ConcurrentSave:
     def __init__(
         self,
         flat: FlatState,
-        open_txn: Callable[[], WriteTxn],
+        open_txn: Callable[[], ChunkSink | SlabSink],
         options: CaptureOptions,
         *,
         staging: StagingArena,
@@ -66,7 +64,7 @@ class ConcurrentSave:
         # nothing is hashed or written on the host
         self.fast = fast
         self._open_txn = open_txn
-        self._txn: WriteTxn | None = None
+        self._txn: Any = None  # a ChunkSink, or (fast) a SlabSink
         self._txn_refused: BaseException | None = None  # set once the save is over (abort_txn)
         self._txn_lock = threading.Lock()
         self.staging = staging
@@ -190,7 +188,7 @@ class ConcurrentSave:
             raise
 
     @property
-    def txn(self) -> WriteTxn:
+    def txn(self) -> Any:
         """The write transaction, opened by the first thread that stores (or commits).
 
         Not at save(): opening takes the root's shared lock, which waits while a retention
@@ -290,7 +288,7 @@ class ConcurrentSave:
             same = self.txn.reuse(same)  # their packs); those already deleted are copied
         for k, digest in same.items():
             if self.fast:
-                _h, slab, offset, _n = chunk_location(digest)
+                slab, offset = self.txn.locate(digest)
                 self._slabs[self._first[ws.index] + k] = slab
                 self._offsets[self._first[ws.index] + k] = offset
             else:
@@ -396,16 +394,11 @@ class ConcurrentSave:
         if unplaced:  # (every chunk was copied or reused: a bug, never committed)
             raise CheckpointError(f"{unplaced} chunk(s) of this save were never placed in the fast tier; "
                                   "nothing was committed")
-        runs = span_runs(self._slabs, self._offsets, self._first, self._counts, cs)
-        # the slab ranges this save's manifest names, for the tier's used map at the commit
-        self.txn.placed_ranges = chunk_ranges(self._slabs, self._offsets, self._chunk_sizes())  # type: ignore[attr-defined]
         devices: dict[torch.device, str] = {}  # (str() of a torch.device is slow; a save has a few)
-        entries = []
-        for s, r, h in zip(self.flat.spans, runs, hashes):
-            n, device = s.nbytes, s.device
-            name = devices.get(device) or devices.setdefault(device, str(device))
-            entries.append(StorageEntry(n, name, FastChunks(h, r, nbytes=n, chunk_size=cs), h))
-        return tuple(entries)
+        spans = [(s.nbytes, devices.get(s.device) or devices.setdefault(s.device, str(s.device))) for s in self.flat.spans]
+        # the sink names the chunks, and keeps the slab ranges they name for its commit
+        return self.txn.entries(self._slabs, self._offsets, self._first, self._counts, self._chunk_sizes(), cs,
+                                spans, hashes)
 
     def _store(self, index: int, start: int, data: torch.Tensor) -> None:
         """Hash and store the chunks of span ``index`` that start at byte ``start`` (``data``

@@ -12,24 +12,18 @@ from __future__ import annotations
 
 from gpusnap.capture.staging import Region
 from gpusnap.errors import CheckpointError
-from gpusnap.storage.fast_tier import FastTxn
+from gpusnap.storage import SlabSink, fast_room_needed
 
 __all__ = ["FastArena", "room_needed"]
 
 
-def room_needed(span_bytes: list[int], piece: int) -> int:
-    """Slab bytes one save may take: every span's bytes, each region page-aligned, plus the
-    tail of a reserved extent that a piece did not fit in (``FastTier._reserve`` adds it)."""
-    from gpusnap.storage.fast_tier import ALIGN
-
-    pieces = sum(-(-n // piece) for n in span_bytes if n)
-    return sum(span_bytes) + pieces * ALIGN
+room_needed = fast_room_needed  # slab bytes one save may take (storage.slab_layout.room_needed)
 
 
 class FastArena:
     """The copier's arena for one save into the fast tier (``txn`` holds the reservation)."""
 
-    def __init__(self, txn: FastTxn, piece: int) -> None:
+    def __init__(self, txn: SlabSink, piece: int) -> None:
         self.txn = txn
         self.piece = piece
         self.bytes_taken = 0

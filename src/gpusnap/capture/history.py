@@ -26,11 +26,11 @@ import torch
 from gpusnap.capture.validation import known_chunks
 from gpusnap.errors import CheckpointError
 from gpusnap.state.flatten import FlatPlan, FlatState
-from gpusnap.storage.manifest import Manifest
+from gpusnap.storage import Manifest
 
 if TYPE_CHECKING:
     from gpusnap.capture.concurrent import ConcurrentSave
-    from gpusnap.storage.repository import Repository
+    from gpusnap.storage import Repository
 
 __all__ = ["SKIP_WORTH", "CaptureHistory"]
 

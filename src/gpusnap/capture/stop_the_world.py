@@ -18,8 +18,7 @@ from gpusnap.device import to_host
 from gpusnap.capture.validation import HashTable
 from gpusnap.kernels.hashing import chunk_digest
 from gpusnap.state.flatten import FlatState
-from gpusnap.storage.manifest import StorageEntry
-from gpusnap.storage.txn import WriteTxn
+from gpusnap.storage import ChunkSink, StorageEntry
 
 __all__ = ["CaptureCounters", "snapshot_to_host", "write_host_spans"]
 
@@ -83,7 +82,7 @@ def _chunk_views(data: torch.Tensor, chunk_size: int) -> list[memoryview]:
 def write_host_spans(
     flat: FlatState,
     host_spans: Sequence[torch.Tensor],
-    txn: WriteTxn,
+    txn: ChunkSink,
     *,
     chunk_size: int,
     pool: ThreadPoolExecutor,

@@ -41,7 +41,7 @@ from gpusnap.kernels.chunk_hash import (
 )
 from gpusnap.kernels.chunk_hash_many import chunk_hashes_many, chunk_hashes_packed
 from gpusnap.state.flatten import StorageSpan
-from gpusnap.storage.manifest import Manifest
+from gpusnap.storage import Manifest
 
 __all__ = ["HashTable", "KnownChunks", "known_chunks", "unchanged_chunks"]
 

@@ -123,7 +123,7 @@ def compact(
         copier.discard()
     _confirm_lease(repo)  # (an object store's lease can be lost: then another writer may rely on them)
     old = [i for i in chosen if i.path not in damaged]
-    repo._forget_packs([i.path for i in old])  # this process reads the new copies from now on
+    repo.forget_packs([i.path for i in old])  # this process reads the new copies from now on
     for index in old:
         with _io(repo, "deleting compacted pack", index.path):
             repo.backend.remove(index.path)
@@ -161,7 +161,7 @@ def _confirm_lease(repo: Repository) -> None:
     """Check (and renew) the writer lease: a compaction may run longer than an object
     store's lease lives unrenewed."""
     with _io(repo, "confirming the writer lease", LEASE_NAME):
-        repo._lease.confirm()
+        repo.renew_lease()
 
 
 @contextmanager
@@ -198,7 +198,7 @@ class _Copier:
         with _io(self.repo, "compacting: reading pack", path):
             data = self.repo.backend.read_range(path, offset, length)
         try:
-            self.repo._check(digest, data, path, offset, length, "")
+            self.repo.check_chunk(digest, data, path, offset, length, "")
         except IntegrityError as exc:
             return f"{exc}; gc kept its pack whole, run `gpusnap verify {self.repo.root}`"
         return data

@@ -41,8 +41,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from gpusnap.storage.backend import BackendLock, WriteHandle, _poll_until
-from gpusnap.storage.lease import LEASE_NAME, LeaseBusy, WriterLease, describe_owner, encode_owner, parse_owner
+from gpusnap.storage.backend_protocol import BackendLock, WriteHandle, poll_until
+from gpusnap.storage.lease import (
+    LEASE_NAME,
+    LeaseBusy,
+    WriterLease,
+    describe_owner,
+    encode_owner,
+    parse_owner,
+)
 
 __all__ = ["LEASE_TTL_S", "FsspecBackend"]
 
@@ -367,6 +374,6 @@ class FsspecBackend:
                 return False
             return True
 
-        if not _poll_until(attempt, timeout):
+        if not poll_until(attempt, timeout):
             raise LeaseBusy(describe_owner(holder[0]))
         return _ObjectLease(self, owner)

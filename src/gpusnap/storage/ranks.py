@@ -47,20 +47,22 @@ def rank_manifest_path(rank: int, checkpoint_id: str) -> str:
     return f"{RANKS}/{rank}/{MANIFESTS}/{checkpoint_id}.json"
 
 
-class RankedRepository(Repository):
+class RankedRepository(Repository, root_kind="ranks"):
     """A root that holds distributed checkpoints (``Repository.open`` returns one when it has
     ``ranks/``). Reads find chunks in every rank's packs; :meth:`rank_manifests` reads a
     checkpoint's parts, each checked against the checksum its global manifest names.
     Writes to the root itself are global manifests only (no chunks)."""
 
-    def _pack_paths(self) -> builtins.list[str]:
-        paths = super()._pack_paths()
-        for rank in self._listdir(RANKS):
+    holds_ranks = True
+
+    def pack_paths(self) -> builtins.list[str]:
+        paths = super().pack_paths()
+        for rank in self.listdir(RANKS):
             if rank.isdigit():
                 base = f"{RANKS}/{rank}/{PACKS}"
-                for fan in self._listdir(base):
+                for fan in self.listdir(base):
                     if len(fan) == 2:
-                        paths.extend(f"{base}/{fan}/{n}" for n in self._listdir(f"{base}/{fan}") if n.endswith(".pack"))
+                        paths.extend(f"{base}/{fan}/{n}" for n in self.listdir(f"{base}/{fan}") if n.endswith(".pack"))
         return paths
 
     def _collectable(self) -> builtins.list[PackIndex]:
@@ -123,7 +125,7 @@ def collect_ranks(
     :meth:`Repository.gc`'s, for each rank's compaction in turn."""
     parts: builtins.list[str] = []
     reports: builtins.list[GcReport] = []
-    for rank in sorted((n for n in root_repo._listdir(RANKS) if n.isdigit()), key=int):
+    for rank in sorted((n for n in root_repo.listdir(RANKS) if n.isdigit()), key=int):
         sub = Repository.open(rank_root(root_repo.root, int(rank)), config=root_repo.config)
         parts += _drop_orphans(sub, root_repo, None, timeout=timeout)
         report = sub.gc(None, timeout=timeout, compact=compact, progress=progress)

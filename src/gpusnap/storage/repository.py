@@ -12,8 +12,12 @@ until it commits or aborts, and its ``tmp/`` files are kept. The root lock (shar
 transactions and verify, exclusive for gc) still keeps a gc away from readers and from
 writers that predate the lease, except that a gc does not wait for its own transactions.
 
-Write transactions are in ``storage.txn``, verification in ``storage.verify``, the root's
-layout and error helpers in ``storage.layout``.
+Parts: reading chunks in ``storage.chunk_reads``, gc in ``storage.retention``, write
+transactions in ``storage.txn`` (they use the small public interface under "for write
+transactions" below: pins, the commit lock, the lease check, I/O errors), verification in
+``storage.verify``, the root's layout and error helpers in ``storage.layout``. A subclass
+for another kind of root (``storage.fast_tier``, ``storage.ranks``) names its kind
+(``root_kind``) and :meth:`Repository.open` returns it for such roots.
 """
 
 from __future__ import annotations
@@ -27,17 +31,17 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from gpusnap.config import Config
-from gpusnap.errors import CheckpointError, CheckpointNotFoundError, IntegrityError, StorageError
-from gpusnap.kernels.hashing import chunk_digest
-from gpusnap.storage.backend import Backend, BackendLock, _poll_until, open_backend
-from gpusnap.storage.compact import Compaction, mostly_dead
-from gpusnap.storage.compact import compact as compact_packs
-from gpusnap.storage.compact import dead_bytes as pack_dead_bytes
-from gpusnap.storage.lease import LEASE_NAME, LeaseBusy, LeaseHolds
+from gpusnap.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    IntegrityError,
+    StorageError,
+)
+from gpusnap.storage.backend import Backend, BackendLock, open_backend
+from gpusnap.storage.chunk_reads import ChunkReads, PackReads
 from gpusnap.storage.layout import (
     ID_RE,
     LAYOUT,
@@ -46,61 +50,33 @@ from gpusnap.storage.layout import (
     RANKS,
     ROOT_FILE,
     TMP,
-    about,
-    byte_view,
-    map_chunks,
-    os_reason,
     storage_error,
 )
-from gpusnap.storage.manifest import FORMAT, VERSION, Manifest, canonical_json
-from gpusnap.storage.pack import PackIndex, read_pack_index
+from gpusnap.storage.lease import LEASE_NAME, LeaseBusy, LeaseHolds
+from gpusnap.storage.manifest import FORMAT, VERSION, Manifest, RankPart, canonical_json
+from gpusnap.storage.pack import PackIndex
+from gpusnap.storage.retention import GcReport, Retention, merge_reports
 from gpusnap.storage.txn import WriteTxn
 from gpusnap.storage.unknown_ref import Retired, unknown_ref
 from gpusnap.storage.unreadable import UnreadableManifest, id_time, may_be_newer
 from gpusnap.storage.verify import VerifyReport, verify
 
-__all__ = ["ChunkReads", "GcReport", "Repository", "UnreadableManifest", "VerifyReport", "WriteTxn", "merge_reports"]
+__all__ = ["ChunkReads", "GcReport", "Repository", "UnreadableManifest", "VerifyReport", "WriteTxn", "fresh_id", "merge_reports"]
 
 log = logging.getLogger("gpusnap")
 
 
-@dataclass(frozen=True)
-class ChunkReads:
-    """What one :meth:`Repository.read_chunks_into` cost: system reads, seconds reading and verifying."""
-
-    reads: int
-    read_s: float
-    verify_s: float
-
-
-@dataclass(frozen=True)
-class GcReport:
-    """What a gc run removed, or why it held back.
-
-    ``freed_bytes`` counts everything it freed: manifests, dead packs, the packs it compacted
-    less the packs that replaced them (``compacted_bytes``), and ``tmp/`` files. Compaction
-    (``storage.compact``): ``compacted_packs`` were rewritten into ``written_packs``, which
-    took ``rewritten_bytes`` of live chunks. ``dead_bytes``: chunk bytes no checkpoint names
-    still kept in partly live packs. ``problems``: corrupt chunks compaction found (their
-    packs are kept whole), in verify's words."""
-
-    deleted_checkpoints: tuple[str, ...] = ()
-    deleted_packs: tuple[str, ...] = ()
-    freed_bytes: int = 0
-    skipped: bool = False
-    notes: tuple[str, ...] = ()
-    unreadable: tuple[UnreadableManifest, ...] = ()  # why no pack was deleted, when not empty
-    compacted_packs: tuple[str, ...] = ()
-    written_packs: tuple[str, ...] = ()
-    rewritten_bytes: int = 0
-    compacted_bytes: int = 0
-    dead_bytes: int = 0
-    problems: tuple[str, ...] = ()
-
-
-class Repository:
+class Repository(PackReads, Retention):
     """A checkpoint root. Thread-safe; open one per process (or several: locks and the writer
     lease are per object, so two objects on one root cannot both write)."""
+
+    _kinds: ClassVar[dict[str, type[Repository]]] = {}  # root kind -> the class that opens it
+    holds_ranks = False  # a root of distributed checkpoints (storage.ranks)
+
+    def __init_subclass__(cls, root_kind: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if root_kind is not None:
+            Repository._kinds[root_kind] = cls
 
     def __init__(self, backend: Backend, config: Config) -> None:
         """Use :meth:`open`; this constructor assumes the root layout already exists."""
@@ -114,12 +90,13 @@ class Repository:
         self._manifest_cache: dict[str, Manifest] = {}
         self._issued_ids: set[str] = set()
         self._lease = LeaseHolds(backend.writer_lease)
-        self._txns: set[WriteTxn] = set()  # open write transactions (their pins), under _mutex
+        # open write transactions -> the digests gc must keep for each (stored or reused), under _mutex
+        self._pins: dict[Any, set[str]] = {}
         # begin_write calls between taking the shared lock and registering their transaction:
         # gc must count them as open (their shared lock excludes its exclusive one)
         self._opening = 0
         self._cache_complete = False  # _manifest_cache lists every readable manifest (writer only)
-        self._commit_lock = threading.Lock()  # commits of this object, one at a time (txn.py)
+        self.commit_lock = threading.Lock()  # commits of this object, one at a time (txn.py, fast_txn.py)
         self._warned: set[str] = set()  # unreadable manifests already reported (warn_unreadable)
         self._retired = Retired()  # what this object's retention deleted, for lookup errors
 
@@ -173,14 +150,11 @@ class Repository:
                 )
         except OSError as exc:
             raise storage_error(exc, "opening checkpoint root", where, writing=False) from exc
-        if cls is Repository and backend.exists(ROOT_FILE) and cls._check_root_file(backend).get("tier") == "fast":
-            from gpusnap.storage.fast_tier import FastTier
-
-            return FastTier(backend, config)
-        if cls is Repository and backend.exists(RANKS):  # it holds distributed checkpoints
-            from gpusnap.storage.ranks import RankedRepository
-
-            return RankedRepository(backend, config)
+        if cls is Repository:  # (the subclasses register themselves: gpusnap.storage imports them)
+            if backend.exists(ROOT_FILE) and cls._check_root_file(backend).get("tier") == "fast":
+                return cls._kinds["fast"](backend, config)
+            if backend.exists(RANKS):  # it holds distributed checkpoints
+                return cls._kinds["ranks"](backend, config)
         return cls(backend, config)
 
     @staticmethod
@@ -223,22 +197,17 @@ class Repository:
     # ------------------------------------------------------------------ helpers
 
     @contextmanager
-    def _io(self, doing: str, path: str, *, writing: bool = False) -> Iterator[None]:
+    def io_errors(self, doing: str, path: str, *, writing: bool = False) -> Iterator[None]:
+        """Turn an :class:`OSError` raised inside into a :class:`StorageError` that says what
+        was being done (``doing``) to which file (``path``)."""
         try:
             yield
         except OSError as exc:
             raise storage_error(exc, doing, self.backend.describe(path), writing=writing) from exc
 
-    def _listdir(self, path: str) -> builtins.list[str]:
-        """Names under ``path``; a missing directory is empty (object stores have no empty dirs)."""
-        try:
-            return self.backend.listdir(path)
-        except FileNotFoundError:
-            return []
-        except OSError as exc:
-            raise storage_error(exc, "listing", self.backend.describe(path), writing=False) from exc
-
-    def _lock(self, *, exclusive: bool, timeout: float) -> BackendLock:
+    def lock_root(self, *, exclusive: bool, timeout: float) -> BackendLock:
+        """The root lock (shared: write transactions, verify; exclusive: gc), waiting up to
+        ``timeout``; a :class:`StorageError` when it stays busy."""
         try:
             return self.backend.lock(exclusive=exclusive, timeout=timeout)
         except TimeoutError:
@@ -266,9 +235,15 @@ class Repository:
         except OSError as exc:
             raise storage_error(exc, "taking the writer lease", self.backend.describe(LEASE_NAME), writing=False) from exc
 
-    def _confirm_lease(self, doing: str) -> None:
+    def renew_lease(self) -> None:
+        """Check (and renew) the writer lease this object holds; :class:`OSError` if it was
+        lost (an object store's, taken over after it went stale)."""
+        self._lease.confirm()
+
+    def confirm_lease(self, doing: str) -> None:
+        """:meth:`renew_lease`, its failure a :class:`StorageError` naming ``doing``."""
         try:
-            self._lease.confirm()
+            self.renew_lease()
         except OSError as exc:
             raise storage_error(exc, doing, self.backend.describe(LEASE_NAME), writing=True) from exc
 
@@ -342,7 +317,7 @@ class Repository:
         complete = self._lease.persistent  # a writer's scan: nobody else adds manifests
         with self._mutex:
             known = set(self._manifest_cache)  # a commit cached after the listing stays cached
-        names = [n for n in self._listdir(MANIFESTS) if n.endswith(".json")]
+        names = [n for n in self.listdir(MANIFESTS) if n.endswith(".json")]
         for name in names:
             cached = None if fresh else self._manifest_cache.get(name)
             if cached is not None:
@@ -372,9 +347,10 @@ class Repository:
         """Committed, readable checkpoints, oldest first (by ``created``, then id)."""
         return self._scan()[0]
 
-    def scan(self) -> tuple[builtins.list[Manifest], builtins.list[UnreadableManifest]]:
-        """:meth:`list` and :meth:`unreadable` from one listing of ``manifests/``."""
-        return self._scan()
+    def scan(self, *, fresh: bool = False) -> tuple[builtins.list[Manifest], builtins.list[UnreadableManifest]]:
+        """:meth:`list` and :meth:`unreadable` from one listing of ``manifests/`` (``fresh``:
+        every manifest read again, none taken from this object's cache)."""
+        return self._scan(fresh=fresh)
 
     def problems(self) -> builtins.list[tuple[str, str]]:
         """``(manifest file, error)`` for every manifest that cannot be read or fails its checksum."""
@@ -469,6 +445,11 @@ class Repository:
             return tagged[-1]
         raise unknown_ref(ref, self.root, manifests, self._retired, note)
 
+    def rank_manifest(self, manifest: Manifest, part: RankPart) -> Manifest:
+        """Rank ``part.rank``'s manifest of the distributed ``manifest``: a root of
+        distributed checkpoints reads it (``storage.ranks``); this one has none."""
+        raise CheckpointError(f"checkpoint {manifest.id}: distributed, but {self.root} has no ranks/ directory")
+
     def delete(self, checkpoint_id: str, *, timeout: float = 30.0) -> None:
         """Remove one manifest (the checkpoint disappears); its packs wait for :meth:`gc`.
         A write: it holds the writer lease (waiting up to ``timeout`` for another writer)."""
@@ -477,7 +458,7 @@ class Repository:
         path = f"{MANIFESTS}/{checkpoint_id}.json"
         self._hold_lease(timeout)
         try:
-            with self._io("deleting checkpoint", path):
+            with self.io_errors("deleting checkpoint", path):
                 if not self.backend.exists(path):
                     raise CheckpointNotFoundError(f"no checkpoint {checkpoint_id!r} in {self.root}")
                 self.backend.remove(path)
@@ -487,235 +468,6 @@ class Repository:
                 self._manifest_cache.pop(f"{checkpoint_id}.json", None)
         finally:
             self._lease.drop()
-
-    # ------------------------------------------------------------------ chunk index
-
-    def _pack_paths(self) -> builtins.list[str]:
-        paths: builtins.list[str] = []
-        for fan in self._listdir(PACKS):
-            if len(fan) != 2:
-                continue
-            paths.extend(f"{PACKS}/{fan}/{n}" for n in self._listdir(f"{PACKS}/{fan}") if n.endswith(".pack"))
-        return paths
-
-    def _refresh_packs(self, errors: builtins.list[tuple[str, str]] | None = None) -> None:
-        """Re-list ``packs/``: forget vanished packs (another gc), index new ones from their trailers.
-
-        A damaged trailer is skipped (its chunks count as missing); with ``errors`` given, every
-        failure is collected there instead of a backend error being raised.
-        """
-        with self._refresh_mutex:
-            present = self._pack_paths()
-            with self._mutex:
-                gone = set(self._packs) - set(present)
-                for path in gone:
-                    del self._packs[path]
-                if gone:
-                    self._rebuild_chunk_map()
-                new = [p for p in present if p not in self._packs]
-            for path in new:
-                try:
-                    index = read_pack_index(self.backend, path)
-                except FileNotFoundError:
-                    continue
-                except IntegrityError as exc:
-                    if errors is not None:
-                        errors.append((path, str(exc)))
-                    continue
-                except OSError as exc:
-                    err = storage_error(exc, "reading pack index", self.backend.describe(path), writing=False)
-                    if errors is None:
-                        raise err from exc
-                    errors.append((path, str(err)))
-                    continue
-                self._add_pack(index)
-
-    def _rebuild_chunk_map(self) -> None:
-        self._chunks = {}
-        for index in self._packs.values():
-            map_chunks(self._chunks, index)
-
-    def _add_pack(self, index: PackIndex) -> None:
-        with self._mutex:
-            self._packs[index.path] = index
-            map_chunks(self._chunks, index)
-
-    def _known(self, digest: str) -> bool:
-        with self._mutex:
-            return digest in self._chunks
-
-    def _locate(self, digest: str, what: str) -> tuple[str, int, int]:
-        with self._mutex:
-            loc = self._chunks.get(digest)
-        if loc is None:
-            self._refresh_packs()
-            with self._mutex:
-                loc = self._chunks.get(digest)
-        if loc is None:
-            raise IntegrityError(f"chunk {digest}{about(what)} is missing: no pack under {self.root} holds it")
-        return loc
-
-    def _forget_pack(self, path: str) -> None:
-        self._forget_packs([path])
-
-    def _forget_packs(self, paths: Sequence[str]) -> None:
-        with self._mutex:
-            if [self._packs.pop(path, None) for path in paths if path in self._packs]:
-                self._rebuild_chunk_map()
-
-    # ------------------------------------------------------------------ reading chunks
-
-    def chunk_length(self, digest: str) -> int:
-        """Stored length of a chunk (for sizing a :meth:`read_chunk_into` buffer)."""
-        return self._locate(digest, "")[2]
-
-    def read_chunk(self, digest: str, *, what: str = "") -> bytes:
-        """A chunk's bytes, verified against ``digest``."""
-        path, offset, length = self._locate(digest, what)
-        try:
-            data = self.backend.read_range(path, offset, length)
-        except FileNotFoundError:
-            # Deleted by a gc elsewhere (the chunk may live in another pack too): look again.
-            self._forget_pack(path)
-            path, offset, length = self._locate(digest, what)
-            try:
-                data = self.backend.read_range(path, offset, length)
-            except OSError as exc:
-                raise self._read_error(exc, path, what) from exc
-        except OSError as exc:
-            raise self._read_error(exc, path, what) from exc
-        self._check(digest, data, path, offset, length, what)
-        return data
-
-    def read_chunk_into(self, digest: str, out: memoryview, *, what: str = "", verify: bool = True) -> None:
-        """Read a chunk straight into ``out`` (exactly its length), then verify it in place.
-
-        ``verify=False`` skips the digest check (never the length check): for callers that
-        chose speed over integrity, e.g. ``restore(..., verify="off")``.
-        """
-        view = byte_view(out)
-        if view.readonly:
-            raise ValueError("read_chunk_into needs a writable buffer")
-        for attempt in (0, 1):
-            path, offset, length = self._locate(digest, what)
-            if length != len(view):
-                raise IntegrityError(
-                    f"chunk {digest}{about(what)} in pack {self.backend.describe(path)} is {length} bytes, "
-                    f"the checkpoint expects {len(view)}"
-                )
-            try:
-                got = self.backend.readinto_range(path, offset, view)
-            except FileNotFoundError as exc:
-                if attempt:
-                    raise self._read_error(exc, path, what) from exc
-                self._forget_pack(path)
-                continue
-            except OSError as exc:
-                raise self._read_error(exc, path, what) from exc
-            if verify:
-                self._check(digest, view[:got], path, offset, length, what)
-            elif got != length:
-                raise IntegrityError(
-                    f"chunk {digest}{about(what)} in pack {self.backend.describe(path)} is truncated: "
-                    f"{got} of {length} bytes"
-                )
-            return
-
-    def read_chunks_into(
-        self, digests: Sequence[str], out: memoryview, chunk_size: int, *, what: str = "", verify: bool = True
-    ) -> ChunkReads:
-        """Read consecutive chunks of one span into ``out`` (chunk ``j`` at ``j * chunk_size``).
-
-        Chunks that sit back to back in one pack (a capture writes a span's chunks mostly in
-        order) are read with one call per run, so a restore pays one system call per run rather
-        than per chunk; the rest (deduplicated chunks, chunks of older packs) are read one by
-        one. Each chunk is then checked against its digest (``verify``) or only for its
-        length. ``out`` must be exactly the chunks' total length.
-        """
-        view = byte_view(out)
-        if view.readonly:
-            raise ValueError("read_chunks_into needs a writable buffer")
-        runs = self.chunk_runs(digests, chunk_size, len(view), what=what)
-        started = time.perf_counter()
-        for path, offset, first, n in runs:
-            lo, hi = first * chunk_size, min(len(view), (first + n) * chunk_size)
-            try:
-                got = self.backend.readinto_range(path, offset, view[lo:hi])
-            except FileNotFoundError:
-                # Deleted by a gc elsewhere: read chunk by chunk, which looks each one up again.
-                self._forget_pack(path)
-                for j in range(first, first + n):
-                    self.read_chunk_into(
-                        digests[j], view[j * chunk_size : min(len(view), (j + 1) * chunk_size)], what=what, verify=False
-                    )
-                continue
-            except OSError as exc:
-                raise self._read_error(exc, path, what) from exc
-            if got != hi - lo:
-                j = first + min(got // chunk_size, n - 1)
-                raise IntegrityError(
-                    f"chunk {digests[j]}{about(what)} in pack {self.backend.describe(path)} is truncated "
-                    f"(read {got} of {hi - lo} bytes of its run)"
-                )
-        read_s = time.perf_counter() - started
-        if verify:
-            self.check_runs(digests, view, chunk_size, runs, what=what)
-        return ChunkReads(reads=len(runs), read_s=read_s, verify_s=time.perf_counter() - started - read_s)
-
-    def check_runs(
-        self, digests: Sequence[str], view: memoryview, chunk_size: int,
-        runs: Sequence[tuple[str, int, int, int]], *, what: str = ""
-    ) -> None:
-        """Check chunks read into ``view`` along ``runs`` (``chunk_runs``) against their
-        digests; raises :class:`IntegrityError` at the first that differs."""
-        for path, offset, first, n in runs:
-            for j in range(first, first + n):
-                lo, hi = j * chunk_size, min(len(view), (j + 1) * chunk_size)
-                self._check(digests[j], view[lo:hi], path, offset + (j - first) * chunk_size, hi - lo, what)
-
-    def chunk_runs(
-        self, digests: Sequence[str], chunk_size: int, nbytes: int, *, what: str = ""
-    ) -> builtins.list[tuple[str, int, int, int]]:
-        """Where consecutive chunks of one span (``nbytes`` in all, chunk ``j`` at ``j *
-        chunk_size``) are stored: ``(pack path, pack offset, first chunk, chunks)`` per run of
-        chunks stored back to back. Checks each chunk's stored length."""
-        runs: builtins.list[tuple[str, int, int, int]] = []
-        for j, digest in enumerate(digests):
-            path, offset, length = self._locate(digest, what)
-            want = min(chunk_size, nbytes - j * chunk_size)
-            if length != want:
-                raise IntegrityError(
-                    f"chunk {digest}{about(what)} in pack {self.backend.describe(path)} is {length} bytes, "
-                    f"the checkpoint expects {want}"
-                )
-            if runs:
-                p, o, first, n = runs[-1]
-                if p == path and o + (j - first) * chunk_size == offset and j == first + n:
-                    runs[-1] = (p, o, first, n + 1)
-                    continue
-            runs.append((path, offset, j, 1))
-        return runs
-
-    def local_path(self, path: str) -> str | None:
-        """The file system path of a pack, for another process to read; None when the
-        backend is not a local directory."""
-        local = getattr(self.backend, "local_path", None)
-        return None if local is None else str(local(path))
-
-    def _read_error(self, exc: OSError, path: str, what: str) -> StorageError:
-        doing = f"reading chunk for {what} from pack" if what else "reading chunk from pack"
-        return storage_error(exc, doing, self.backend.describe(path), writing=False)
-
-    def _check(self, digest: str, data: bytes | memoryview, path: str, offset: int, length: int, what: str) -> None:
-        where = self.backend.describe(path)
-        if len(data) != length:
-            raise IntegrityError(
-                f"chunk {digest}{about(what)} in pack {where} is truncated: {len(data)} of {length} bytes"
-            )
-        if chunk_digest(data) != digest:
-            raise IntegrityError(
-                f"chunk {digest}{about(what)} in pack {where} at offset {offset} does not match its digest (corrupt)"
-            )
 
     # ------------------------------------------------------------------ writing
 
@@ -728,7 +480,7 @@ class Repository:
             self._opening += 1
         try:
             try:
-                lock = self._lock(exclusive=False, timeout=timeout)
+                lock = self.lock_root(exclusive=False, timeout=timeout)
             except BaseException:
                 self._lease.drop()
                 raise
@@ -747,230 +499,43 @@ class Repository:
         self._refresh_packs()
         return WriteTxn(self, lock)
 
-    def _pin_known(self, txn: WriteTxn, digest: str) -> bool:
+    # ------------------------------------------------------------------ for write transactions
+
+    def txn_opened(self, txn: Any) -> None:
+        """Register ``txn`` (its ``token`` names its ``tmp/`` files): gc keeps its pins and
+        files from now until :meth:`txn_closed`."""
+        with self._mutex:
+            self._pins[txn] = set()
+
+    def txn_closed(self, txn: Any) -> bool:
+        """``txn`` committed or aborted: unpin its chunks (after a commit its manifest is
+        cached, so gc sees them). Whether it was open (its lease hold then goes with
+        :meth:`drop_lease_hold`, once it has released its lock)."""
+        with self._mutex:
+            return self._pins.pop(txn, None) is not None
+
+    def drop_lease_hold(self) -> None:
+        """Let go of one hold on the writer lease (a transaction's, taken by :meth:`begin_write`)."""
+        self._lease.drop()
+
+    def pin_if_stored(self, txn: Any, digest: str) -> bool:
         """Whether ``digest`` is stored; if so, pinned for ``txn`` (gc keeps its pack), in one
         step with gc's choice of packs to delete."""
         with self._mutex:
             if digest in self._chunks:
-                txn._pinned.add(digest)
+                self._pins[txn].add(digest)
                 return True
             return False
 
-    def _pin(self, txn: WriteTxn, digest: str) -> None:
+    def pin(self, txn: Any, digest: str) -> None:
+        """Keep ``digest`` through gc until ``txn`` ends (a chunk in its temporary pack)."""
         with self._mutex:
-            txn._pinned.add(digest)
+            self._pins[txn].add(digest)
 
-    # ------------------------------------------------------------------ gc
-
-    def gc(
-        self, keep_last: int | None = None, *, blocking: bool = True, timeout: float = 30.0, fresh: bool = True,
-        compact: bool = True, progress: Callable[[int], Callable[[int], None]] | None = None,
-    ) -> GcReport:
-        """Delete old checkpoints, then packs nothing references, then compact packs that are
-        mostly dead, then delete stale ``tmp/`` files.
-
-        Holds the writer lease (a gc from another process waits, up to ``timeout``, for the
-        writer to close; with ``blocking=False`` it is skipped), then the exclusive root lock
-        (it waits for readers such as verify), except while write transactions of this
-        object are open: it does not wait for them but keeps what they rely on (pins, their
-        ``tmp/`` files). So a Checkpointer's retention runs after every commit even while the
-        next save writes. Crash-safe in every order: manifests go first, so an interrupted
-        gc leaves only garbage.
-
-        A pack is deleted when *none* of its chunks is referenced or pinned. With ``compact``,
-        a pack of whose chunk bytes more than ``Config.gc_compact_percent`` per cent are dead
-        has its live chunks rewritten into a new pack, which is made durable before the old
-        one is deleted (``storage.compact``: manifests name chunks by digest, so none is
-        touched; a crash at any step leaves only garbage). Compaction needs the root to
-        itself: it is skipped (a note says so) while transactions of this object are open,
-        and a Checkpointer's retention passes ``compact=False``, so that rewriting packs never
-        competes with the next save's writes. If any manifest is unreadable, no pack is
-        deleted or compacted at all: its references are unknown (``GcReport.unreadable``).
-
-        ``fresh=False`` takes the manifests this object has already read or committed from
-        its cache (the list of manifest files is always read afresh): a Checkpointer's
-        retention after each commit. Committed manifests never change, and a cached one
-        still names every chunk it needs, so no pack it needs can be deleted. Re-reading
-        them cost every save a parse of each retained manifest on the writer thread, and
-        replaced the committed manifest (whose tree shares its nodes with the next save's)
-        by a parsed copy: ~10k more objects per retained checkpoint of GPT-2 large for
-        Python's full collections to walk.
-
-        ``progress``, for a progress bar over compaction (what takes time): called once, when
-        compaction has chosen its packs, with the bytes of their live chunks (what it
-        rewrites, less a chunk that a kept pack holds a good copy of, or a corrupt one); it
-        returns a callable that is then called with each chunk's length as it goes, the
-        lengths summing to that total. Not called when nothing is compacted.
-        """
-        if keep_last is not None and keep_last < 0:
-            raise ValueError(f"keep_last must be >= 0 or None, got {keep_last}")
-        wait = timeout if blocking else 0.0
-        try:
-            self._hold_lease(wait)
-        except StorageError as exc:
-            if blocking:
-                raise
-            return GcReport(skipped=True, notes=(str(exc),))
-        lock: BackendLock | None = None
-        try:
-            try:
-                lock = self._gc_lock(wait)
-            except StorageError as exc:
-                if blocking:
-                    raise
-                return GcReport(skipped=True, notes=(str(exc),))
-            self._confirm_lease("gc: confirming the writer lease")
-            return self._gc_locked(keep_last, fresh, compact=compact, alone=lock is not None, progress=progress)
-        finally:
-            if lock is not None:
-                lock.release()
-            self._lease.drop()
-
-    def _has_txns(self) -> bool:
-        """Whether a write transaction of this object is open or opening (its shared lock,
-        held or wanted, keeps gc from the exclusive one: gc then relies on the pins)."""
+    def remember_committed(self, manifest: Manifest) -> None:
+        """A manifest ``txn`` just committed: listed and resolved from now on without a read."""
         with self._mutex:
-            return bool(self._txns) or self._opening > 0
-
-    def _gc_lock(self, timeout: float) -> BackendLock | None:
-        """The exclusive root lock, or None while this object's own transactions are open
-        (their shared locks exclude it; pins protect them instead)."""
-        got: builtins.list[BackendLock] = []
-
-        def attempt() -> bool:
-            if self._has_txns():
-                return True
-            try:
-                got.append(self.backend.lock(exclusive=True, timeout=0.0))
-                return True
-            except TimeoutError:
-                return self._has_txns()  # one began meanwhile
-            except OSError as exc:
-                raise storage_error(exc, "locking", self.backend.describe("lock"), writing=False) from exc
-
-        if not _poll_until(attempt, timeout):
-            raise StorageError(
-                f"another process holds {self.root} (gc or save in progress, or a verify); "
-                f"gave up waiting for the exclusive lock after {timeout:g}s"
-            )
-        return got[0] if got else None
-
-    def _gc_locked(self, keep_last: int | None, fresh: bool = True, *, compact: bool = False,
-                   alone: bool = False, progress: Callable[[int], Callable[[int], None]] | None = None) -> GcReport:
-        """gc with the lease held (and the exclusive root lock when ``alone``)."""
-        notes: builtins.list[str] = []
-        freed = 0
-        compaction = Compaction()
-        partly: builtins.list[PackIndex] = []
-        dead_bytes = 0
-        manifests, bad = self._scan(fresh=fresh)
-        deleted_ids: builtins.list[str] = []
-        if keep_last is not None and len(manifests) > keep_last:
-            doomed = manifests[: len(manifests) - keep_last]
-            for m in doomed:
-                path = f"{MANIFESTS}/{m.id}.json"
-                with self._io("gc: deleting manifest", path):
-                    try:
-                        freed += self.backend.size(path)
-                    except FileNotFoundError:
-                        pass
-                    self.backend.remove(path)
-                deleted_ids.append(m.id)
-                self._retired.note(m, keep_last)
-            if self.config.fsync:
-                with self._io("gc: syncing", MANIFESTS):
-                    self.backend.sync_dir(MANIFESTS)
-            with self._mutex:
-                for cid in deleted_ids:
-                    self._manifest_cache.pop(f"{cid}.json", None)
-
-        deleted_packs: builtins.list[str] = []
-        if bad:
-            notes.append(
-                f"deleted no packs: {len(bad)} manifest(s) are unreadable, so which packs they need "
-                f"is unknown ({bad[0].path}: {bad[0].reason}); fix or delete them, then run gc again"
-            )
-        else:
-            with self._refresh_mutex:  # no refresh brings a doomed pack back before it is gone
-                errors: builtins.list[tuple[str, str]] = []
-                self._refresh_packs(errors)
-                for path, err in errors:
-                    notes.append(f"kept pack with unreadable index {self.backend.describe(path)}: {err}")
-                retained = [m for m in manifests if m.id not in deleted_ids]
-                doomed_packs, live = self._doom_packs(retained, set(deleted_ids))
-                for index in doomed_packs:
-                    with self._io("gc: deleting pack", index.path):
-                        self.backend.remove(index.path)
-                    deleted_packs.append(index.path)
-                    freed += index.size
-                if compact and alone:
-                    compaction = self._compact(live, progress)
-                    freed += compaction.freed_bytes
-                with self._mutex:
-                    partly = [i for i in self._collectable() if 0 < pack_dead_bytes(i, live)]
-                dead_bytes = sum(pack_dead_bytes(i, live) for i in partly)
-            if partly:
-                why = (f"each at most {self.config.gc_compact_percent}% dead: Config.gc_compact_percent"
-                       + ("; a pack with a corrupt chunk is kept whole" if compaction.problems else "")
-                       if compact and alone else
-                       "compaction needs the root to itself: this object's saves are writing" if compact else
-                       f"compaction off: `gpusnap gc {self.root}` compacts")
-                notes.append(f"{len(partly)} pack(s) are partly live: {dead_bytes} dead bytes kept ({why})")
-
-        names = self._listdir(TMP)
-        with self._mutex:
-            live_tmp = tuple(f"{txn._token}-" for txn in self._txns)
-        for name in names:
-            if name.startswith(live_tmp):
-                continue  # an open transaction of this object writes it
-            path = f"{TMP}/{name}"
-            try:
-                size = self.backend.size(path)
-                self.backend.remove(path)
-                freed += size
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                notes.append(f"could not delete temporary {self.backend.describe(path)}: {os_reason(exc)}")
-        return GcReport(tuple(deleted_ids), tuple(deleted_packs), freed, False, tuple(notes), tuple(bad),
-                        compacted_packs=compaction.compacted, written_packs=compaction.written,
-                        rewritten_bytes=compaction.rewritten_bytes, compacted_bytes=compaction.freed_bytes,
-                        dead_bytes=dead_bytes, problems=compaction.problems)
-
-    def _compact(self, live: set[str], progress: Callable[[int], Callable[[int], None]] | None = None) -> Compaction:
-        """Compact this root's mostly dead packs (``storage.compact``), the root held alone."""
-        with self._mutex:
-            packs = self._collectable()
-        chosen = mostly_dead(packs, live, self.config.gc_compact_percent)
-        paths = {i.path for i in chosen}
-        return compact_packs(self, chosen, [i for i in packs if i.path not in paths], live, progress)
-
-    def _doom_packs(
-        self, retained: builtins.list[Manifest], deleted: set[str]
-    ) -> tuple[builtins.list[PackIndex], set[str]]:
-        """Packs no manifest needs and no open transaction pinned, forgotten at once (so no
-        transaction reuses their chunks from now on), and the live digests.
-
-        Live: every manifest listed or committed (``retained``, and the cache less what this
-        gc deleted: a commit that finished after the listing is in it) and every pin, in one
-        step under the mutex that pinning takes."""
-        with self._mutex:
-            live = {d for txn in self._txns for d in txn._pinned}
-            live.update(d for m in retained for st in m.storages for d in st.chunks)
-            for m in self._manifest_cache.values():
-                if m.id not in deleted:
-                    live.update(d for st in m.storages for d in st.chunks)
-            doomed = [i for i in self._collectable() if not any(e[0] in live for e in i.entries)]
-            for index in doomed:
-                del self._packs[index.path]
-            if doomed:
-                self._rebuild_chunk_map()
-        return doomed, live
-
-    def _collectable(self) -> builtins.list[PackIndex]:
-        """The packs this root's gc may delete: all it knows (a distributed root's rank packs
-        are each rank's own: storage/ranks.py)."""
-        return builtins.list(self._packs.values())
+            self._manifest_cache[f"{manifest.id}.json"] = manifest
 
     # ------------------------------------------------------------------ verify
 
@@ -980,16 +545,6 @@ class Repository:
     ) -> VerifyReport:
         """Re-hash every chunk of one checkpoint (id or tag) or of all (``storage.verify``)."""
         return verify(self, checkpoint_id, progress=progress, on_total=on_total)
-
-
-def merge_reports(reports: Sequence[GcReport]) -> GcReport:
-    """One report of several gc runs (a distributed root's ranks): tuples joined, counts added."""
-    tuples = ("deleted_checkpoints", "deleted_packs", "notes", "unreadable", "compacted_packs", "written_packs",
-              "problems")
-    counts = ("freed_bytes", "rewritten_bytes", "compacted_bytes", "dead_bytes")
-    fields: dict[str, Any] = {k: tuple(x for r in reports for x in getattr(r, k)) for k in tuples}
-    fields.update({k: sum(getattr(r, k) for r in reports) for k in counts})
-    return GcReport(skipped=any(r.skipped for r in reports), **fields)
 
 
 def fresh_id(created: float) -> str:

@@ -1,7 +1,7 @@
 """Prepare a fast tier's slabs on a background thread, ahead of the saves that need them.
 
 A slab is ready once its file is allocated, mapped and page-locked
-(``FastTier._slab_memory``). That costs ~0.5 s per GiB of a thread's time and
+(``FastTier.slab_memory``). That costs ~0.5 s per GiB of a thread's time and
 ~70 ms per GiB of the training it runs beside (the kernel populating 4 KiB tmpfs pages),
 whoever does it; a save whose copier has to do it waits for it (its window lasts seconds).
 The preparer does it between saves instead: the first save sets aside room for the
@@ -76,7 +76,7 @@ class SlabPreparer:
 
     def stop(self) -> None:
         """Prepare nothing more; returns at once (the slab in hand is finished, and its
-        owner, told it is closed, lets it go: ``FastTier._slab_memory``). Never waits: it
+        owner, told it is closed, lets it go: ``FastTier.slab_memory``). Never waits: it
         runs from ``close()``, which a garbage collection may call on any thread, the
         preparer's own or one holding what the slab in hand needs."""
         with self._lock:

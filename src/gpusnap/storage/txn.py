@@ -46,7 +46,7 @@ class WriteTxn:
         self._backend = repo.backend
         self._config = repo.config
         self._lock: BackendLock | None = lock
-        self._token = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self.token = f"{os.getpid()}-{secrets.token_hex(4)}"  # names its tmp/ files
         self._cond = threading.Condition()
         self._state = "open"
         self._error: StorageError | None = None  # first backend failure; the txn cannot commit
@@ -58,9 +58,7 @@ class WriteTxn:
         self._live = 0  # unfinished writers (free or in use), at most config.io_threads
         self._busy = 0  # put_chunk calls holding a writer
         self._seq = 0
-        self._pinned: set[str] = set()  # digests gc must keep (stored or reused); under repo._mutex
-        with repo._mutex:
-            repo._txns.add(self)
+        repo.txn_opened(self)  # gc keeps what it pins (stored or reused) and its tmp/ files
 
     def __enter__(self) -> WriteTxn:
         return self
@@ -94,7 +92,7 @@ class WriteTxn:
         with self._cond:
             if digest in self._put:
                 return True
-        return self._repo._pin_known(self, digest)
+        return self._repo.pin_if_stored(self, digest)
 
     def reuse(self, chunks: dict[int, str]) -> dict[int, str]:
         """The entries of ``chunks`` (index -> digest, e.g. chunks unchanged since the previous
@@ -103,7 +101,7 @@ class WriteTxn:
         with self._cond:
             self._check_usable()
             put = set(self._put)
-        return {k: d for k, d in chunks.items() if d in put or self._repo._pin_known(self, d)}
+        return {k: d for k, d in chunks.items() if d in put or self._repo.pin_if_stored(self, d)}
 
     def put_chunk(self, digest: str, data: bytes | bytearray | memoryview) -> bool:
         """Store one chunk unless known; returns False when deduplicated. Thread-safe.
@@ -116,19 +114,19 @@ class WriteTxn:
         with self._cond:
             while True:
                 self._check_usable()
-                if digest in self._put or self._repo._pin_known(self, digest):
+                if digest in self._put or self._repo.pin_if_stored(self, digest):
                     return False
                 if self._free or self._live < self._config.io_threads:
                     break
                 self._cond.wait()
             self._put.add(digest)
-            self._repo._pin(self, digest)  # kept by gc from its temporary pack to the commit
+            self._repo.pin(self, digest)  # kept by gc from its temporary pack to the commit
             self._busy += 1
             writer = self._take_free_writer()
             if writer is None:
                 self._live += 1
                 self._seq += 1
-            path = writer.tmp_path if writer is not None else f"{TMP}/{self._token}-{self._seq:04d}.pack"
+            path = writer.tmp_path if writer is not None else f"{TMP}/{self.token}-{self._seq:04d}.pack"
         index: PackIndex | None = None
         try:
             if writer is None:
@@ -191,7 +189,7 @@ class WriteTxn:
             self.abort()  # a failed put left temporary files; a closed txn makes this a no-op
             raise problem
         try:
-            with self._repo._commit_lock:  # the tag check and the manifest's rename: one step
+            with self._repo.commit_lock:  # the tag check and the manifest's rename: one step
                 self._commit(manifest)
         except BaseException:
             self.abort()
@@ -204,13 +202,13 @@ class WriteTxn:
         repo, backend, fsync = self._repo, self._backend, self._config.fsync
         if not ID_RE.match(manifest.id):
             raise CheckpointError(f"checkpoint id {manifest.id!r} is not a safe file name")
-        missing = [d for s in manifest.storages for d in s.chunks if d not in self._put and not repo._known(d)]
+        missing = [d for s in manifest.storages for d in s.chunks if d not in self._put and not repo.is_stored(d)]
         if missing:
             raise CheckpointError(
                 f"manifest {manifest.id} names {len(missing)} chunk(s) never stored, e.g. {missing[0]}; "
                 "nothing was committed"
             )
-        repo._confirm_lease("confirming the writer lease")  # an object store's can be lost
+        repo.confirm_lease("confirming the writer lease")  # an object store's can be lost
         if manifest.tag is not None:
             owner = repo.tag_owner(manifest.tag, other_than=manifest.id)
             if owner is not None:
@@ -219,26 +217,26 @@ class WriteTxn:
                     f"one checkpoint: {manifest.id} was not committed"
                 )
         final = f"{MANIFESTS}/{manifest.id}.json"
-        with repo._io("checking", final, writing=True):
+        with repo.io_errors("checking", final, writing=True):
             if backend.exists(final):
                 raise CheckpointError(f"checkpoint {manifest.id} already exists in {repo.root}")
         data = manifest.to_json()
 
         packs = list(self._finished)
         for writer in self._free:
-            with repo._io("writing pack", writer.tmp_path, writing=True):
+            with repo.io_errors("writing pack", writer.tmp_path, writing=True):
                 packs.append(writer.finish())
         self._free = []
-        publish_packs(repo, packs, lambda doing, path: repo._io(doing, path, writing=True))
+        publish_packs(repo, packs, lambda doing, path: repo.io_errors(doing, path, writing=True))
 
-        tmp = f"{TMP}/{self._token}-{manifest.id}.json"
-        with repo._io("writing manifest", tmp, writing=True):
+        tmp = f"{TMP}/{self.token}-{manifest.id}.json"
+        with repo.io_errors("writing manifest", tmp, writing=True):
             handle = backend.open_write(tmp)
             try:
                 handle.write(data)
             finally:
                 handle.close(sync=fsync)
-        with repo._io("publishing manifest", final, writing=True):
+        with repo.io_errors("publishing manifest", final, writing=True):
             backend.rename(tmp, final)
         if fsync:
             try:
@@ -250,8 +248,7 @@ class WriteTxn:
                 except OSError:
                     pass
                 raise storage_error(exc, "syncing", backend.describe(MANIFESTS), writing=True) from exc
-        with repo._mutex:
-            repo._manifest_cache[f"{manifest.id}.json"] = manifest
+        repo.remember_committed(manifest)
 
     def abort(self) -> None:
         """Drop everything this transaction wrote to ``tmp/`` and release the lock. Idempotent."""
@@ -266,7 +263,7 @@ class WriteTxn:
         for writer in writers:
             writer.discard()  # best effort; a file already renamed into packs/ is simply gone
         try:
-            leftovers = [n for n in self._backend.listdir(TMP) if n.startswith(f"{self._token}-")]
+            leftovers = [n for n in self._backend.listdir(TMP) if n.startswith(f"{self.token}-")]
         except OSError:
             leftovers = []
         for name in leftovers:
@@ -278,16 +275,12 @@ class WriteTxn:
 
     def _release(self) -> None:
         """Unpin (after a commit, its manifest is cached: gc sees it) and let the locks go."""
-        repo = self._repo
-        with repo._mutex:
-            registered = self in repo._txns
-            repo._txns.discard(self)
-            self._pinned = set()
+        registered = self._repo.txn_closed(self)
         lock, self._lock = self._lock, None
         if lock is not None:
             lock.release()
         if registered:
-            repo._lease.drop()
+            self._repo.drop_lease_hold()
 
 
 def publish_packs(
@@ -312,5 +305,5 @@ def publish_packs(
             with io("syncing", d):
                 backend.sync_dir(d)
     for index in published:
-        repo._add_pack(index)
+        repo.add_pack(index)
     return published

@@ -1,7 +1,7 @@
 """``verify``: re-hash stored chunks and check pack trailers, from freshly read indexes.
 
-A fast tier's root (``storage/fast_tier.py``) has no packs: each chunk is re-read from its
-slab through the tier's own read path and checked against the device hash its name holds.
+A fast tier's root has no packs: ``storage.verify_fast`` re-reads each chunk from its slab
+and checks the device hash its name holds (``FastTier.verify``).
 """
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ from gpusnap.storage.layout import MANIFESTS, map_chunks, storage_error
 from gpusnap.storage.pack import PACK_MAGIC, PackIndex, pack_path, read_pack_index
 
 if TYPE_CHECKING:
-    from gpusnap.storage.fast_tier import FastTier
     from gpusnap.storage.manifest import Manifest
     from gpusnap.storage.repository import Repository
 
-__all__ = ["VerifyReport", "verify"]
+__all__ = ["VerifyReport", "deleted_meanwhile", "select_manifests", "verify"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +38,7 @@ def verify(
     on_total: Callable[[int], None] | None = None,
 ) -> VerifyReport:
     """Re-hash every chunk of one checkpoint (id or tag) or of all, and check pack trailers
-    (a fast tier: re-read every chunk from its slab and check its device hash).
+    (a fast tier's: ``storage.verify_fast``).
 
     ``progress`` is called with each checked chunk's length; ``on_total``, once before the
     first, with what those lengths sum to (a chunk that checkpoints share is checked once, so
@@ -48,18 +47,10 @@ def verify(
     Works from freshly read pack indexes, not from what this object remembers. Holds the
     shared lock (best effort) so a concurrent gc cannot pull packs away mid-check; without
     it (a gc held the root longer than verify waits) a chunk whose pack vanished is looked
-    up again in a fresh listing, where a compaction put it. A fast tier's verify holds no
-    lock, so its writer's retention never waits for it.
+    up again in a fresh listing, where a compaction put it.
     """
-    # (imported here: fast_tier imports repository.py, which imports this module)
-    from gpusnap.storage.fast_tier import FastTier
-
-    if isinstance(repo, FastTier):
-        # No lock: the writer's retention must not wait for a reader (its saves would find
-        # no room); a checkpoint it retires meanwhile is left out (_deleted_meanwhile).
-        return _verify_fast(repo, checkpoint_id, progress, on_total)
     try:
-        lock: BackendLock | None = repo._lock(exclusive=False, timeout=30.0)
+        lock: BackendLock | None = repo.lock_root(exclusive=False, timeout=30.0)
     except StorageError:
         lock = None  # read-only media or a long gc: verify anyway, a vanished pack is reported
     try:
@@ -69,10 +60,10 @@ def verify(
             lock.release()
 
 
-def _selected(repo: Repository, checkpoint_id: str | None, problems: list[str]) -> list[Manifest]:
+def select_manifests(repo: Repository, checkpoint_id: str | None, problems: list[str]) -> list[Manifest]:
     """The manifests to check (read afresh); an unreadable one is a problem, not an error."""
     if checkpoint_id is None:
-        manifests, bad = repo._scan(fresh=True)
+        manifests, bad = repo.scan(fresh=True)
         problems.extend(f"manifest {u.path}: {u.reason}" for u in bad)
         return manifests
     try:
@@ -89,7 +80,7 @@ def _verify(
     on_total: Callable[[int], None] | None = None,
 ) -> VerifyReport:
     problems: list[str] = []
-    selected = _selected(repo, checkpoint_id, problems)
+    selected = select_manifests(repo, checkpoint_id, problems)
     manifests = _parts(repo, selected, problems)
 
     packs: dict[str, PackIndex] = {}
@@ -135,7 +126,7 @@ def _verify(
                         f"checkpoint {m.id}: storage {si} chunks hold {total} bytes, "
                         f"the manifest says {storage.nbytes}"
                     )
-        if len(problems) > found and _deleted_meanwhile(repo, m.id):
+        if len(problems) > found and deleted_meanwhile(repo, m.id):
             del problems[found:]  # the writer's retention retired it while this ran
 
     for path in sorted(packs if checkpoint_id is None else used_packs & set(packs)):
@@ -146,13 +137,11 @@ def _verify(
 def _parts(repo: Repository, manifests: list[Manifest], problems: list[str]) -> list[Manifest]:
     """``manifests`` with each distributed one replaced by its rank manifests (what holds
     chunks); a rank manifest missing or not the one named is a problem."""
-    from gpusnap.storage.ranks import RankedRepository
-
     out: list[Manifest] = []
     for m in manifests:
         if not m.ranks:
             out.append(m)
-        elif not isinstance(repo, RankedRepository):
+        elif not repo.holds_ranks:
             problems.append(f"checkpoint {m.id}: distributed, but {repo.root} has no ranks/ directory")
         else:
             for part in m.ranks:
@@ -163,92 +152,7 @@ def _parts(repo: Repository, manifests: list[Manifest], problems: list[str]) -> 
     return out
 
 
-def _verify_fast(
-    tier: FastTier, checkpoint_id: str | None, progress: Callable[[int], None] | None,
-    on_total: Callable[[int], None] | None = None,
-) -> VerifyReport:
-    """:func:`verify` of a fast tier: every chunk of the selected manifests read from its
-    slab (``FastTier.read_chunk``, which checks its 128-bit device hash); a chunk whose slab
-    is gone or too short is missing. Slab bytes no manifest names are free space, not
-    problems (a crashed save's, or a deleted checkpoint's)."""
-    from gpusnap.storage.fast_tier import chunk_location
-
-    problems: list[str] = []
-    manifests = _selected(tier, checkpoint_id, problems)
-    try:
-        slabs = tier._slab_list()  # slab -> bytes, listed now
-    except CheckpointError as exc:  # slabs/ cannot be listed: every chunk is reported below
-        problems.append(str(exc))
-        slabs = {}
-    if on_total is not None:
-        on_total(_fast_bytes_to_check(manifests, slabs))
-    results: dict[str, str | None] = {}
-    checked_chunks = checked_bytes = 0
-    for m in manifests:
-        found = len(problems)
-        for si, storage in enumerate(m.storages):
-            total: int | None = 0
-            for ci, name in enumerate(storage.chunks):
-                try:
-                    _h, slab, offset, length = chunk_location(name)
-                except IntegrityError as exc:
-                    results[name], total = str(exc), None
-                else:
-                    total = None if total is None else total + length
-                    if name not in results:
-                        results[name] = _fast_chunk_problem(tier, name, slab, offset + length, slabs.get(slab))
-                        if slabs.get(slab, 0) >= offset + length:  # (read and hashed, whatever it found)
-                            checked_chunks += 1
-                            checked_bytes += length
-                            if progress is not None:
-                                progress(length)
-                if results[name] is not None:
-                    problems.append(f"checkpoint {m.id}: storage {si} chunk {ci}: {results[name]}")
-            if total is not None and total != storage.nbytes:
-                problems.append(
-                    f"checkpoint {m.id}: storage {si} chunks hold {total} bytes, the manifest says {storage.nbytes}"
-                )
-        if len(problems) > found and _deleted_meanwhile(tier, m.id):
-            del problems[found:]  # the writer's retention retired it (its bytes may be reused)
-    return VerifyReport(not problems, tuple(problems), len(manifests), checked_chunks, checked_bytes)
-
-
-def _fast_bytes_to_check(manifests: list[Manifest], slabs: dict[int, int]) -> int:
-    """What :func:`_verify_fast` reports to ``progress``: each distinct chunk its slab is long
-    enough to hold (a chunk past its slab's end is missing, not read)."""
-    from gpusnap.storage.fast_tier import chunk_location
-
-    lengths: dict[str, int] = {}
-    for m in manifests:
-        for storage in m.storages:
-            for name in storage.chunks:
-                try:
-                    _h, slab, offset, length = chunk_location(name)
-                except IntegrityError:
-                    continue
-                if slabs.get(slab, 0) >= offset + length:
-                    lengths[name] = length
-    return sum(lengths.values())
-
-
-def _fast_chunk_problem(tier: FastTier, name: str, slab: int, end: int, slab_size: int | None) -> str | None:
-    """The problem with fast chunk ``name`` (ending at byte ``end`` of slab ``slab``, whose
-    file holds ``slab_size`` bytes or is absent), or None."""
-    from gpusnap.storage.fast_tier import slab_path
-
-    where = tier.backend.describe(slab_path(slab))
-    if slab_size is None:
-        return f"chunk {name} is missing: no slab {where}"
-    if end > slab_size:
-        return f"chunk {name} is missing: slab {where} holds {slab_size} bytes, the chunk ends at {end}"
-    try:
-        tier.read_chunk(name)
-    except CheckpointError as exc:  # IntegrityError (hash, length), StorageError (I/O)
-        return str(exc)
-    return None
-
-
-def _deleted_meanwhile(repo: Repository, checkpoint_id: str) -> bool:
+def deleted_meanwhile(repo: Repository, checkpoint_id: str) -> bool:
     """Whether a checkpoint's manifest is gone: a writer's retention does not wait for
     readers (see ``gc``), so packs of a checkpoint it retires can vanish under a verify."""
     try:
@@ -263,7 +167,7 @@ _GONE = "(its pack is gone)"  # the chunk's pack vanished since it was listed: l
 def _index_packs(repo: Repository, packs: dict[str, PackIndex], errors: list[str]) -> dict[str, tuple[str, int, int]]:
     """List the packs now: ``packs`` (path -> index) forgets the vanished ones and gains the
     new ones (a damaged index goes to ``errors``); returns where each chunk is."""
-    present = set(repo._pack_paths())
+    present = set(repo.pack_paths())
     for path in set(packs) - present:
         del packs[path]
     for path in sorted(present - set(packs)):
@@ -286,11 +190,11 @@ def _verify_chunk(repo: Repository, digest: str, path: str, offset: int, length:
     """The problem with one chunk, or None (``_GONE`` when its pack no longer exists)."""
     try:
         data = repo.backend.read_range(path, offset, length)
-        repo._check(digest, data, path, offset, length, "")
+        repo.check_chunk(digest, data, path, offset, length, "")
     except FileNotFoundError:
         return _GONE
     except OSError as exc:
-        return str(repo._read_error(exc, path, ""))
+        return str(repo.read_error(exc, path, ""))
     except CheckpointError as exc:
         return str(exc)
     return None
@@ -304,7 +208,7 @@ def _verify_pack_header(repo: Repository, index: PackIndex) -> list[str]:
     try:
         head = repo.backend.read_range(index.path, 0, len(PACK_MAGIC))
     except FileNotFoundError:
-        return out  # deleted since its index was read: a writer's retention (see _deleted_meanwhile)
+        return out  # deleted since its index was read: a writer's retention (see deleted_meanwhile)
     except OSError as exc:
         return [*out, str(storage_error(exc, "reading pack", where, writing=False))]
     if head != PACK_MAGIC:
