@@ -37,7 +37,7 @@ def _reader_processes(monkeypatch: pytest.MonkeyPatch) -> None:
 
         monkeypatch.setattr(restorer, "READER_PROCESSES", mode)
     direct = os.environ.get("GPUSNAP_TEST_DIRECT_COPIES")
-    if direct:  # the same for direct-copy helpers (restore/direct.py; CPU ones need a forced device check)
+    if direct:  # the same for direct-copy helpers (restore/pipeline/sources/direct_copies.py; CPU ones need a forced device check)
         from gpusnap.restore import restorer
 
         monkeypatch.setattr(restorer, "DIRECT_COPIES", direct)
@@ -49,7 +49,8 @@ def _patient_worker_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     a restore gives them: on a loaded machine a fresh interpreter may take longer, and a test
     would then see the thread fallback instead of what it checks. Tests of the start timeout
     set their own."""
-    from gpusnap.restore import direct, read_procs
+    from gpusnap.restore.pipeline.sources import direct_copies as direct
+    from gpusnap.restore.pipeline.sources import reader_procs as read_procs
 
     monkeypatch.setattr(read_procs, "START_TIMEOUT_S", 60.0)
     monkeypatch.setattr(direct, "START_TIMEOUT_S", 60.0)

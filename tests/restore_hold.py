@@ -47,8 +47,8 @@ class Hold:
 def hold_loads(monkeypatch: pytest.MonkeyPatch, *, allow: int = 0) -> Hold:
     """Hold every restore's loading from now on (see the module docstring)."""
     from gpusnap.handles import RestoreHandle
-    from gpusnap.restore.loader import Loader
-    from gpusnap.restore.schedule import Schedule, SpanState
+    from gpusnap.restore.pipeline.loader import Loader
+    from gpusnap.restore.pipeline.schedule import Schedule, SpanState
 
     hold = Hold(allow)
     take_batch, wait, wait_all, join = Schedule.take_batch, Schedule.wait, Schedule.wait_all, Loader.join

@@ -35,13 +35,14 @@ HOLD_LIMIT = 240.0  # (under pytest's 300 s per test: a hang fails here, naming 
 
 
 class HeldBackend(FaultyBackend):
-    """Chunk reads wait while held, then sleep ``delay`` (+ random ``jitter``), and are logged."""
+    """Chunk reads wait while held, then sleep ``delay`` (+ random ``jitter``), and are logged
+    in ``chunk_reads`` as ``(path, offset)`` (``reads``, FaultyBackend's, names every read)."""
 
     def __init__(self, inner: LocalBackend, *, delay: float = 0.0, jitter: float = 0.0, seed: int = 0) -> None:
         super().__init__(inner)
         self.delay = delay
         self.jitter = jitter
-        self.reads: list[tuple[str, int]] = []
+        self.chunk_reads: list[tuple[str, int]] = []
         self._open = threading.Event()
         self._open.set()
         self._rng = random.Random(seed)
@@ -61,7 +62,7 @@ class HeldBackend(FaultyBackend):
         if pause:
             time.sleep(pause)
         with self._lock:
-            self.reads.append((path, offset))
+            self.chunk_reads.append((path, offset))
         return super().readinto_range(path, offset, out)
 
 
@@ -121,8 +122,8 @@ def on_demand(monkeypatch: pytest.MonkeyPatch) -> OnDemand:
     always taken by the next free reader: no deadlock, and no span loads unless asked.
     """
     from gpusnap.handles import RestoreHandle
-    from gpusnap.restore.loader import Loader
-    from gpusnap.restore.schedule import Schedule, SpanState
+    from gpusnap.restore.pipeline.loader import Loader
+    from gpusnap.restore.pipeline.schedule import Schedule, SpanState
 
     demand = OnDemand()
     init, take_batch, wait, wait_all = Schedule.__init__, Schedule.take_batch, Schedule.wait, Schedule.wait_all
@@ -252,7 +253,8 @@ def states_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
 def log_ranges(monkeypatch: pytest.MonkeyPatch, log: Any) -> None:
     """Call ``log(span index)`` on every ``apply_range`` of a restore (the copy thread's and
     the readers' own, for host targets), before it copies."""
-    from gpusnap.restore import apply_bytes, copier, loader
+    from gpusnap.restore import apply_bytes
+    from gpusnap.restore.pipeline import copier, loader
 
     real = apply_bytes.apply_range
 
@@ -267,7 +269,7 @@ def log_ranges(monkeypatch: pytest.MonkeyPatch, log: Any) -> None:
 def loader_batches(monkeypatch: pytest.MonkeyPatch, keep: Any) -> list[int]:
     """The reader threads of the batches the loader takes whose first span passes ``keep``
     (a ``LoadSpan`` predicate), in the order taken."""
-    from gpusnap.restore.loader import Loader
+    from gpusnap.restore.pipeline.loader import Loader
 
     seen: list[int] = []
     real = Loader._read
@@ -277,5 +279,6 @@ def loader_batches(monkeypatch: pytest.MonkeyPatch, keep: Any) -> list[int]:
             seen.append(k)
         real(self, batch, k)
 
+    # private: no public seam counts the batches by kind (handle.stats has only totals per source)
     monkeypatch.setattr(Loader, "_read", read)
     return seen

@@ -13,7 +13,7 @@ import pytest
 from fast_support import CFG, make_state, roots
 
 import gpusnap
-from gpusnap.serving import paths
+from gpusnap.restore.via_server import paths
 
 OTHER_UID = 65534  # nobody
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")

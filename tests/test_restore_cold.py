@@ -66,7 +66,7 @@ def test_cold_start_serves_before_everything_is_loaded(tmp_path, monkeypatch, de
         state = {"served": -1}
         model, handle = gpusnap.cold_start(lambda: TinyLM(layers=12), ck, device=device, app_state=state)
         assert state == {"served": 0, "model": model}
-        assert not backend.reads, "cold_start returned before any chunk was read"
+        assert not backend.chunk_reads, "cold_start returned before any chunk was read"
         with torch.no_grad():
             out = model(ids)
         assert demand.waited, "the forward waited for what it read"
@@ -111,7 +111,7 @@ def test_cold_start_warm_up_runs_beside_the_restore_without_waiting_for_weights(
         seen["thread"] = threading.current_thread().name
         seen["grad"] = torch.is_grad_enabled()
         seen["shape"] = tuple(model(ids).shape)
-        seen["reads"] = len(backend.reads)
+        seen["reads"] = len(backend.chunk_reads)
         finished.set()
 
     with (

@@ -85,7 +85,7 @@ def test_a_model_that_does_not_fit_is_refused_naming_only_its_own_keys(tmp_path:
         with pytest.raises(UnknownKeyError, match=r"key 'net' names nothing .* top-level keys are \['model', 'optim'"):
             gpusnap.cold_start(TiedLM, ck, device="cpu", key="net")
     assert "blocks.2.weight" in str(raised.value) and "optim" not in str(raised.value)
-    assert not backend.reads, "refused before any chunk was read"
+    assert not backend.chunk_reads, "refused before any chunk was read"
 
 
 def test_the_models_entry_is_found_by_its_keys_or_named(tmp_path: Path):

@@ -1,5 +1,6 @@
-"""Direct copies (restore/direct.py, direct_worker.py): helper processes copy device-checked
-batches from the page cache into landing slots, and the copy thread checks them there.
+"""Direct copies (restore/pipeline/sources/direct_copies.py, direct_worker.py): helper
+processes copy device-checked batches from the page cache into landing slots, and the copy
+thread checks them there.
 
 On CPU the helpers run their memfd backend (the landing buffer is shared memory, the copy a
 memmove from the same read-only map the CUDA backend page-locks), with the device check
@@ -28,10 +29,10 @@ from restore_support import states_equal as _equal
 
 import gpusnap
 from gpusnap import IntegrityError
-from gpusnap.restore import direct as direct_mod
-from gpusnap.restore import direct_worker
 from gpusnap.restore import restorer as restorer_mod
-from gpusnap.restore.staging import can_share
+from gpusnap.restore.pipeline.sources import direct_copies as direct_mod
+from gpusnap.restore.pipeline.sources import direct_worker
+from gpusnap.restore.pipeline.staging import can_share
 
 pytestmark = pytest.mark.skipif(not can_share(), reason="direct copies need memfd (Linux)")
 
@@ -389,9 +390,9 @@ def test_a_broken_device_still_ends_the_load_and_gives_every_region_back(monkeyp
     """The copy thread's waits in ``_drain`` and ``_finish`` may raise once the device is
     broken: the thread must still give every region back and report, or a reader waiting
     for a region and every waiter on the load hang (found by review)."""
-    from gpusnap.restore.copier import Copier
-    from gpusnap.restore.sources import Region
-    from gpusnap.restore.staging import SlotPool
+    from gpusnap.restore.pipeline.copier import Copier
+    from gpusnap.restore.pipeline.sources.source import Region
+    from gpusnap.restore.pipeline.staging import SlotPool
 
     monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)  # (a CPU stand-in for the stream)
 
@@ -415,6 +416,7 @@ def test_a_broken_device_still_ends_the_load_and_gives_every_region_back(monkeyp
         if fail_in == "handle":
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
+    # private: on CPU no public seam fails the copy thread mid-batch, or holds a region to the end
     monkeypatch.setattr(copier, "_handle", handle)
     region = Region([], pool.acquire(), pool)
     copier.start()

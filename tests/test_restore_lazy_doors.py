@@ -336,7 +336,7 @@ def test_a_write_from_a_thread_the_gate_does_not_cover_fails_the_restore(tmp_pat
 
 
 def test_doors_are_wrapped_only_while_a_restore_loads(tmp_path, monkeypatch):
-    from gpusnap.restore import doors
+    from gpusnap.restore.lazy import doors
 
     assert not doors.installed() and "tolist" not in vars(torch.Tensor)
     before = {name: vars(owner).get(name) for owner, name in doors.DOORS}

@@ -14,14 +14,14 @@ import gpusnap
 from gpusnap import IntegrityError
 from gpusnap.kernels.chunk_hash import hashes_to_hex
 from gpusnap.restore import restorer as restorer_mod
-from gpusnap.restore.copier import Copier
-from gpusnap.restore.device_check import hex_to_hashes
-from gpusnap.restore.loader import Loader
-from gpusnap.restore.schedule import Schedule
-from gpusnap.restore.staging import SlotPool
+from gpusnap.restore.apply_bytes import apply_ranges
+from gpusnap.restore.pipeline import copier as copier_mod
+from gpusnap.restore.pipeline.device_check import hex_to_hashes
+from gpusnap.restore.pipeline.loader import Loader
+from gpusnap.restore.pipeline.schedule import Schedule
+from gpusnap.restore.pipeline.staging import SlotPool
 from gpusnap.state import SpanInfo, plan_restore
 from gpusnap.storage.repository import Repository
-from gpusnap.restore.apply_bytes import apply_ranges
 
 CS = 512  # tiny_config's chunk size
 
@@ -58,9 +58,9 @@ def test_piece_read_is_one_call_per_stored_run(tmp_path, monkeypatch):
         for entry, name in zip(manifest.storages, ("plain", "mixed")):
             expected = _runs(repo, entry.chunks)
             out = bytearray(entry.nbytes)
-            backend.reads.clear()
+            backend.chunk_reads.clear()
             cost = repo.read_chunks_into(entry.chunks, memoryview(out), CS, what=name)
-            assert cost.reads == len(backend.reads) == expected, name
+            assert cost.reads == len(backend.chunk_reads) == expected, name
             assert bytes(out) == source[name].numpy().tobytes()
         plain, mixed_entry = manifest.storages
         assert _runs(repo, plain.chunks) <= 4, "a span is written mostly in order: a few runs, not 40"
@@ -223,6 +223,9 @@ class _FakeEvent:
     def synchronize(self) -> None:
         self._note("synchronize")
 
+    def record(self, stream: Any = None) -> None:
+        pass
+
 
 @pytest.mark.parametrize("on_device", [False, True])
 def test_only_the_copy_thread_waits_on_events(tmp_path, monkeypatch, on_device):
@@ -231,8 +234,8 @@ def test_only_the_copy_thread_waits_on_events(tmp_path, monkeypatch, on_device):
     checkpoint = _save(root, source)
     add_device_hashes(root, checkpoint)
     _FakeEvent.calls = []
-    monkeypatch.setattr(Copier, "_evented", staticmethod(lambda device: True))  # CPU copies "asynchronous"
-    monkeypatch.setattr(Copier, "_event", lambda self, device: _FakeEvent())
+    monkeypatch.setattr(copier_mod, "ASYNC_COPY_DEVICES", frozenset({"cuda", "cpu"}))  # CPU copies "asynchronous"
+    monkeypatch.setattr(copier_mod, "waitable_event", _FakeEvent)
     monkeypatch.setattr(restorer_mod, "VERIFY_ON_DEVICE", on_device)
     monkeypatch.setattr("gpusnap.restore.restorer.os.sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
     with gpusnap.Checkpointer(root, config=tiny_config(io_threads=4)) as ck:
@@ -274,7 +277,7 @@ def _small_state() -> dict[str, torch.Tensor]:
 
 
 def test_take_batch_joins_whole_small_spans_of_one_kind() -> None:
-    from gpusnap.restore.schedule import BATCH_ALIGN, LoadSpan
+    from gpusnap.restore.pipeline.schedule import BATCH_ALIGN, LoadSpan
 
     cpu = frozenset({torch.device("cpu")})
     spans = [
@@ -304,7 +307,7 @@ def test_take_batch_joins_whole_small_spans_of_one_kind() -> None:
 def test_take_batch_joins_small_checkable_spans_to_a_device_checked_batch() -> None:
     """A small span that could be checked on the device (``checkable``) joins its checked
     neighbours and is then checked on the device too; alone it keeps the host check."""
-    from gpusnap.restore.schedule import LoadSpan
+    from gpusnap.restore.pipeline.schedule import LoadSpan
 
     cpu = frozenset({torch.device("cpu")})
 
@@ -343,8 +346,8 @@ def test_take_batch_joins_small_checkable_spans_to_a_device_checked_batch() -> N
 def test_take_batch_passes_over_a_few_spans_of_another_kind() -> None:
     """An AdamW state in load order: each parameter's step counter (CPU) between its two
     moments (GPU). The moments batch together, the counters too, and every span loads once."""
-    from gpusnap.restore import schedule as schedule_mod
-    from gpusnap.restore.schedule import LoadSpan
+    from gpusnap.restore.pipeline import schedule as schedule_mod
+    from gpusnap.restore.pipeline.schedule import LoadSpan
 
     cpu, gpu = frozenset({torch.device("cpu")}), frozenset({torch.device("meta")})
     spans = []
@@ -373,15 +376,14 @@ def _interleaved_state() -> dict[str, torch.Tensor]:
 
 def _checkable_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """CPU targets count as device-checkable in "auto" mode, as CUDA ones do on a GPU."""
-    from gpusnap.restore import loader as loader_mod
+    from gpusnap.restore.pipeline import loader as loader_mod
 
-    monkeypatch.setattr(loader_mod, "_checkable", lambda hashes, devices, on: (
-        hashes is not None and on is not False and len(devices) == 1))
+    monkeypatch.setattr(loader_mod, "DEVICE_CHECKED", frozenset({"cuda", "cpu"}))
 
 
 @pytest.mark.parametrize("join", [True, False])
 def test_small_spans_between_large_ones_are_checked_on_the_device_in_their_batch(tmp_path, monkeypatch, join):
-    from gpusnap.restore import loader as loader_mod
+    from gpusnap.restore.pipeline import loader as loader_mod
 
     root = tmp_path / "ck"
     source = _interleaved_state()
@@ -509,7 +511,7 @@ def test_apply_ranges_writes_every_member_of_a_batch(tmp_path, monkeypatch, fail
         ranges.append((index[key], 0, at, raw.numel()))
         at += 256  # members at aligned offsets, padding between them
     if fail_batch_call:
-        monkeypatch.setattr(torch, "_foreach_copy_", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no")))
+        monkeypatch.setattr(gpusnap.restore.apply_bytes, "copy_batch", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no")))
     version = target["p"]._version
     apply_ranges(plan, ranges, region, non_blocking=False)
     for key, t in source.items():
@@ -525,7 +527,7 @@ def test_apply_ranges_names_the_tensor_it_could_not_write(tmp_path, monkeypatch)
     _, plan = _plan_of(tmp_path / "ck", checkpoint, target)
     index = {paths[0]: i for i, paths in plan.span_paths.items() if paths}
     region = torch.cat([source["a"].view(torch.uint8), source["b"].view(torch.uint8)])
-    monkeypatch.setattr(torch, "_foreach_copy_", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no")))
+    monkeypatch.setattr(gpusnap.restore.apply_bytes, "copy_batch", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no")))
     real = gpusnap.restore.apply_bytes.copy_bytes
 
     def copy_bytes(dst, src, inference, non_blocking):  # noqa: ANN001 (the second target fails)
@@ -551,7 +553,7 @@ def test_a_batch_copy_failure_on_the_copy_thread_counts_what_it_wrote(tmp_path, 
     add_device_hashes(root, checkpoint)
     monkeypatch.setattr(restorer_mod, "VERIFY_ON_DEVICE", True)
     monkeypatch.setattr(restorer_mod, "reader_threads", lambda io_threads: io_threads)
-    monkeypatch.setattr(torch, "_foreach_copy_", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no")))
+    monkeypatch.setattr(gpusnap.restore.apply_bytes, "copy_batch", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no")))
     target = {k: torch.zeros_like(v) for k, v in source.items()}
     bad = target["s9"].data_ptr()
     real = gpusnap.restore.apply_bytes.copy_bytes

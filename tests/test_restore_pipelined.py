@@ -15,11 +15,11 @@ from torch import nn
 import gpusnap
 from gpusnap import CheckpointError, IntegrityError
 from gpusnap.restore import restorer as restorer_mod
-from gpusnap.restore.loader import Loader
-from gpusnap.restore.staging import SlotPool
+from gpusnap.restore.apply_bytes import apply_range, apply_span
+from gpusnap.restore.pipeline.loader import Loader
+from gpusnap.restore.pipeline.staging import SlotPool
 from gpusnap.state import SpanInfo, flatten, plan_restore
 from gpusnap.storage.repository import Repository
-from gpusnap.restore.apply_bytes import apply_range, apply_span
 
 MODES = ["upfront", "stream", "off"]
 

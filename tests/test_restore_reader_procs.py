@@ -1,5 +1,6 @@
-"""Restore reader processes (restore/read_procs.py, read_worker.py): every byte arrives, and
-every failure of a process ends as the thread path would end, never as a hang or a wrong byte."""
+"""Restore reader processes (restore/pipeline/sources/reader_procs.py, reader_worker.py): every
+byte arrives, and every failure of a process ends as the thread path would end, never as a
+hang or a wrong byte."""
 
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ from restore_support import states_equal as _equal
 
 import gpusnap
 from gpusnap import IntegrityError, StorageError
-from gpusnap.restore import read_procs
 from gpusnap.restore import restorer as restorer_mod
-from gpusnap.restore.staging import SlotPool, can_share
+from gpusnap.restore.pipeline.sources import reader_procs as read_procs
+from gpusnap.restore.pipeline.staging import SlotPool, can_share
 
 pytestmark = pytest.mark.skipif(not can_share(), reason="reader processes need memfd (Linux)")
 

@@ -1,9 +1,9 @@
-"""The loader's three sources (restore/sources.py): every region handed out comes back to its
-pool exactly once, on every path (success, a corrupt chunk, cancellation, a worker's death, an
+"""The loader's three sources (restore/pipeline/sources/): every region handed out comes back
+to its pool exactly once, on every path (success, a corrupt chunk, cancellation, a worker's death, an
 error of the source itself), and no wait blocks for good.
 
 Each source gets each failure through a fake worker (reader processes, direct-copy helpers)
-that reads the real packs with the worker's own code (``read_worker.read_runs``) and fails
+that reads the real packs with the worker's own code (``reader_worker.read_runs``) and fails
 on cue; the loader runs its real reader threads and copy thread on CPU targets. ``HANG_S``
 only turns a hang into a failure: no test waits for time to pass.
 """
@@ -22,16 +22,16 @@ from restore_support import add_device_hashes, corrupt_chunk, tiny_config
 
 import gpusnap
 from gpusnap import CheckpointError, IntegrityError
-from gpusnap.restore.loader import Loader
-from gpusnap.restore.read_procs import ReaderDied, ReaderProcs
-from gpusnap.restore.read_worker import read_runs
-from gpusnap.restore.schedule import LoadSpan, Piece
-from gpusnap.restore.source_direct import DirectReads
-from gpusnap.restore.source_host import HostReads
-from gpusnap.restore.source_procs import ProcReads
-from gpusnap.restore.sources import Region
-from gpusnap.restore.staging import SlotPool, can_share
-from gpusnap.restore.stats import LoadStats
+from gpusnap.restore.pipeline.loader import Loader
+from gpusnap.restore.pipeline.schedule import LoadSpan, Piece
+from gpusnap.restore.pipeline.sources.direct_reads import DirectReads
+from gpusnap.restore.pipeline.sources.host_reads import HostReads
+from gpusnap.restore.pipeline.sources.proc_reads import ProcReads
+from gpusnap.restore.pipeline.sources.reader_procs import ReaderDied, ReaderProcs
+from gpusnap.restore.pipeline.sources.reader_worker import read_runs
+from gpusnap.restore.pipeline.sources.source import Region
+from gpusnap.restore.pipeline.staging import SlotPool, can_share
+from gpusnap.restore.pipeline.stats import LoadStats
 from gpusnap.state import SpanInfo, plan_restore
 from gpusnap.storage.repository import Repository
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap.restore.staging import can_share
+from gpusnap.restore.pipeline.staging import can_share
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITES = ["test_restore_lazy.py", "test_restore_pipelined.py", "test_restore_pieces.py", "test_corruption.py",

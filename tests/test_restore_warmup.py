@@ -1,4 +1,4 @@
-"""restore/warmup.py: the device check's hash kernels load on a side thread during set-up;
+"""restore/pipeline/warmup.py: the device check's hash kernels load on a side thread during set-up;
 the copy thread waits for them before its first device check."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import gpusnap
 from gpusnap.kernels.chunk_hash import chunk_hashes, num_chunks
 from gpusnap.kernels.chunk_hash_many import chunk_hashes_many
 from gpusnap.restore import restorer as restorer_mod
-from gpusnap.restore import warmup
+from gpusnap.restore.pipeline import warmup
 
 
 def test_nothing_to_warm_without_cuda_targets() -> None:
@@ -71,7 +71,7 @@ def test_the_copy_thread_waits_for_the_warmup_before_its_first_device_check(
     import threading
     import time
 
-    from gpusnap.restore.device_check import DeviceCheck
+    from gpusnap.restore.pipeline.device_check import DeviceCheck
 
     events: list[str] = []
     release = threading.Event()
@@ -94,7 +94,7 @@ def test_the_copy_thread_waits_for_the_warmup_before_its_first_device_check(
         real_stage(self, *args, **kwargs)
 
     monkeypatch.setattr(DeviceCheck, "stage", stage)
-    from gpusnap.restore.source_host import HostReads
+    from gpusnap.restore.pipeline.sources.host_reads import HostReads
 
     real_read = HostReads.read_into
 

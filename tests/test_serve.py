@@ -1,4 +1,4 @@
-"""The restore server (``gpusnap serve``; ``serving/``, ``restore/server_client.py``): a restore
+"""The restore server (``gpusnap serve``; ``serving/``, ``restore/via_server/``): a restore
 served from the server's host memory is bit-exact, and every way the server can be absent,
 stale or fail falls back to the files with the same result.
 
@@ -26,9 +26,9 @@ from serve_support import HANG_S, SRC, private_runtime, running_server  # noqa: 
 from test_restore_cold import TinyLM
 
 import gpusnap
-from gpusnap.restore import server_client
-from gpusnap.restore.staging import can_share
-from gpusnap.serving import connect, paths, protocol
+from gpusnap.restore.pipeline.staging import can_share
+from gpusnap.restore.via_server import client as server_client
+from gpusnap.restore.via_server import connection, paths, protocol
 
 pytestmark = pytest.mark.skipif(not can_share(), reason="the restore server needs memfd (Linux)")
 
@@ -246,9 +246,9 @@ def test_a_socket_directory_others_may_write_is_refused(tmp_path: Path, private_
 def _raw_request(root: Path, request: dict[str, Any], fds: tuple[int, ...] = ()) -> dict[str, Any]:
     import time
 
-    conn, _ = connect.connect(paths.socket_path(root), timeout=HANG_S)
+    conn, _ = connection.connect(paths.socket_path(root), timeout=HANG_S)
     with conn:
-        connect.read_hello(conn, time.monotonic() + HANG_S)
+        connection.read_hello(conn, time.monotonic() + HANG_S)
         protocol.send_msg(conn, request, fds)
         reply, _ = protocol.recv_msg(conn, time.monotonic() + HANG_S)
     return reply  # type: ignore[no-any-return]

@@ -1,5 +1,5 @@
 """The restore server's CUDA path: copies from its page-locked memory straight into this
-process's device memory over CUDA IPC (``serving/cuda_ipc.py``, ``restore/server_request.py``),
+process's device memory over CUDA IPC (``restore/via_server/cuda_ipc.py``, ``restore/via_server/request.py``),
 and the fallbacks when the server fails after writing there. GPU only (``cuda``)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from serve_support import HANG_S, private_runtime, running_server  # noqa: F401 
 from test_restore_cold import TinyLM
 
 import gpusnap
-from gpusnap.restore import server_client
+from gpusnap.restore.via_server import client as server_client
 
 pytestmark = pytest.mark.cuda
 

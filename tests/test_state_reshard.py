@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from gpusnap.errors import RestoreMismatchError
-from gpusnap.state.apply import SpanInfo, plan_restore
-from gpusnap.state.dtensor import intersect, slices
-from gpusnap.state.tree import signature, signature_lines
 from gpusnap.restore.apply_bytes import apply_span
+from gpusnap.state.apply import plan_restore
+from gpusnap.state.dtensor import intersect, slices
+from gpusnap.state.targets import SpanInfo
+from gpusnap.state.tree import signature, signature_lines
 
 WHOLE = torch.arange(30, dtype=torch.float32).reshape(5, 6)
 

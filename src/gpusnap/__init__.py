@@ -22,7 +22,8 @@ from gpusnap.errors import (
 )
 from gpusnap.handles import CheckpointInfo, PendingSave, RestoreHandle
 from gpusnap.interop import export, import_
-from gpusnap.restore.cold import cold_start, empty_model
+from gpusnap.cold_entry import cold_start
+from gpusnap.restore.cold import empty_model
 from gpusnap.restore.template_free import load
 from gpusnap.serving import serve
 from gpusnap.state.rng import RNGState

@@ -3,7 +3,8 @@
 
 - ``group``: who the ranks are, the store they talk through, the run id they agree on once;
 - ``messages``, ``protocol``: a save's parts, rank 0's decision, the waits between them;
-- ``liveness``: whether a rank waited for has died (its root's writer lease);
+- ``liveness``: whether a rank waited for has died (its root's writer lease); ``poll``: how
+  every wait on the store polls;
 - ``exchange``: the small agreements of a collective restore;
 - ``collective``: what the Checkpointer asks at save, commit, failure and restore;
 - ``restore``: the collective restore.

@@ -17,12 +17,13 @@ from collections.abc import MutableMapping
 from typing import Any
 
 from gpusnap.distributed.collective import Collective
-from gpusnap.restore.rank_view import rank_view
 from gpusnap.errors import CheckpointError
 from gpusnap.handles import RestoreHandle
+from gpusnap.restore.rank_view import rank_view
 from gpusnap.restore.restorer import Restorer
-from gpusnap.state.apply import SpanInfo, plan_restore
+from gpusnap.state.apply import plan_restore
 from gpusnap.state.dtensor import prime_optimizers
+from gpusnap.state.targets import SpanInfo
 
 __all__ = ["collective_restore"]
 

@@ -6,7 +6,7 @@ wait cannot be a Checkpointer's own: every save, of any Checkpointer on any thre
 :func:`before_save` first. Call order (``LazyRestore`` makes the calls, on the threads named)::
 
     begin(session)       restoring thread, before its loader starts: saves wait for it; the
-                         doors (``restore.doors``) are installed with the first live gate
+                         doors (``restore.lazy.doors``) are installed with the first live gate
     gate_done(session)   copy thread, everything loaded: the doors go with the last live gate
     settled(session, ..) once the load is over and restore() has returned: its targets hold
                          restored bytes, or (it failed) the ones it never loaded are *stale*
@@ -38,11 +38,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from gpusnap import fork_safety
 from gpusnap.errors import CheckpointError
-from gpusnap.restore import doors
-from gpusnap.restore.gate import looking_past_failures, storage_key, storage_of
+from gpusnap.restore.lazy import doors
+from gpusnap.restore.lazy.gate import looking_past_failures, storage_key, storage_of
 
 if TYPE_CHECKING:
-    from gpusnap.restore.lazy import LazyRestore
+    from gpusnap.restore.lazy.lazy_restore import LazyRestore
 
 __all__ = [
     "before_save", "begin", "end", "gate_done", "live", "quiesce_for_fork", "restored", "retire_failed", "settled", "track",

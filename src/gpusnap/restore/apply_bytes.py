@@ -25,9 +25,10 @@ from typing import Any
 import torch
 
 from gpusnap.errors import CheckpointError
-from gpusnap.state.apply import RestorePlan, TensorSpec
+from gpusnap.state.plan import RestorePlan
+from gpusnap.state.targets import TensorSpec
 
-__all__ = ["apply_all", "apply_range", "apply_ranges", "apply_span"]
+__all__ = ["apply_all", "apply_range", "apply_ranges", "apply_span", "copy_batch", "copy_bytes"]
 
 # Copying through an integer dtype of the same width moves bits, never values.
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -88,8 +89,7 @@ def apply_ranges(plan: RestorePlan, ranges: Sequence[tuple[int, int, int, int]],
         for inference in (False, True):
             group = [(d, s) for _, d, s, inf, _ in pairs if inf is inference]
             if group:
-                with inference_guard(inference):
-                    torch._foreach_copy_([d for d, _ in group], [s for _, s in group], non_blocking=non_blocking)
+                copy_batch([d for d, _ in group], [s for _, s in group], inference, non_blocking)
     except Exception:
         for r, dst, src, inference, path in pairs:  # one by one: the error names the tensor
             try:
@@ -148,9 +148,15 @@ def copy_into(dest: torch.Tensor, inference: bool, data: torch.Tensor, spec: Ten
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor, inference: bool, non_blocking: bool) -> None:
-    # dst is a detached (or .data) alias: the write is never recorded by autograd
+    """``dst`` (a detached or ``.data`` alias: autograd never records the write) from ``src``."""
     with inference_guard(inference):
         dst.copy_(src, non_blocking=non_blocking)
+
+
+def copy_batch(dsts: list[torch.Tensor], srcs: list[torch.Tensor], inference: bool, non_blocking: bool) -> None:
+    """:func:`copy_bytes` for many pairs in one call (one kernel for device-to-device)."""
+    with inference_guard(inference):
+        torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
 
 
 def inference_guard(inference: bool) -> AbstractContextManager[Any]:

@@ -4,7 +4,7 @@ Pieces of consecutive chunks are read by a thread pool straight into host buffer
 system call per run the packs store back to back), each chunk checked against its digest by
 the repository. Nothing is applied until every chunk has been verified, so a
 corrupt checkpoint raises ``IntegrityError`` and leaves the targets untouched (at the cost
-of holding the checkpoint in host memory; ``restore.loader`` streams instead). This is
+of holding the checkpoint in host memory; ``restore.pipeline.loader`` streams instead). This is
 ``restore(..., verify="upfront")``, and ``verify="auto"`` for small checkpoints.
 """
 
@@ -19,14 +19,14 @@ import torch
 
 from gpusnap.device import host_buffer
 from gpusnap.restore.apply_bytes import apply_span
-from gpusnap.restore.loader import describe_span
-from gpusnap.state.apply import RestorePlan
+from gpusnap.restore.pipeline.loader import describe_span
+from gpusnap.state.plan import RestorePlan
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.repository import Repository
 
-__all__ = ["RestoreCounters", "load_spans"]
+__all__ = ["PIECE_BYTES", "RestoreCounters", "load_spans"]
 
-_PIECE_BYTES = 16 << 20
+PIECE_BYTES = 16 << 20  # per read task when Config.restore_piece_bytes is 0
 
 
 @dataclass
@@ -43,14 +43,16 @@ def load_spans(
     pool: ThreadPoolExecutor,
     apply: Callable[[int, torch.Tensor], None] | None = None,
     progress: Callable[[int], None] | None = None,
+    piece_bytes: int = 0,
 ) -> RestoreCounters:
     """Read, verify and apply every span of ``manifest`` through ``plan``: by
     ``apply_bytes.apply_span``, or ``apply(index, data)`` when given (``gpusnap.load`` keeps
     the buffers instead). ``progress``: called on this thread with the bytes of each read
-    task as it completes (all of them: they sum to the spans' bytes)."""
+    task as it completes (all of them: they sum to the spans' bytes). ``piece_bytes``: bytes
+    per read task (``Config.restore_piece_bytes``; 0: :data:`PIECE_BYTES`)."""
     counters = RestoreCounters()
     cs = manifest.chunk_size
-    per = max(1, _PIECE_BYTES // cs)  # chunks per read task: one system call per run stored back to back
+    per = max(1, (piece_bytes or PIECE_BYTES) // cs)  # chunks per read task: one system call per run stored back to back
     buffers: list[torch.Tensor] = []
     futures = []
     sizes: list[int] = []  # each read task's bytes

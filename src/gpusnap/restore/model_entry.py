@@ -24,7 +24,8 @@ from torch import nn
 
 from gpusnap.errors import RestoreMismatchError
 from gpusnap.restore.template_free import UnknownKeyError
-from gpusnap.state.apply import _child, _kind, _Planner
+from gpusnap.state.apply import Planner
+from gpusnap.state.nodes import node_child, node_kind
 
 __all__ = ["DEFAULT_KEY", "ModelEntry", "locate"]
 
@@ -47,8 +48,8 @@ def locate(tree: dict[str, Any], model: nn.Module, *, key: str | None, allow_pic
     """The entry of checkpoint ``tree`` that restores ``model`` (``where`` names the
     checkpoint in errors); UnknownKeyError for a ``key`` it lacks, RestoreMismatchError when
     no entry (or more than one) fits."""
-    decoder = _Planner([], allow_pickle)
-    if _kind(tree, "") != "dict":
+    decoder = Planner([], allow_pickle)
+    if node_kind(tree, "") != "dict":
         raise RestoreMismatchError(f"{where}: its tree is not a dict at the root")
     top = decoder.keyed(tree, "")
     names = tuple(k for k, _ in top)
@@ -61,7 +62,7 @@ def locate(tree: dict[str, Any], model: nn.Module, *, key: str | None, allow_pic
             raise UnknownKeyError(f"key {key!r} names nothing in {where}; its top-level keys are {_show(names)}")
         keys = _entry_keys(decoder, node, str(key))
         if keys is None:
-            held = _kind(node, str(key))
+            held = node_kind(node, str(key))
             raise RestoreMismatchError(f"{where}: {key!r} holds a {held!r}, not a module's state_dict; "
                                        "pass key= naming the entry that holds the model")
         _fit(keys, live, f"{where}, entry {key!r}")
@@ -84,11 +85,11 @@ def locate(tree: dict[str, Any], model: nn.Module, *, key: str | None, allow_pic
     )
 
 
-def _entry_keys(decoder: _Planner, node: dict[str, Any], path: str) -> list[Any] | None:
+def _entry_keys(decoder: Planner, node: dict[str, Any], path: str) -> list[Any] | None:
     """The keys of a module's entries or of a dict (an imported state_dict); None otherwise."""
-    kind = _kind(node, path)
+    kind = node_kind(node, path)
     if kind == "module":
-        node = _child(node, "entries", path)
+        node = node_child(node, "entries", path)
     elif kind != "dict":
         return None
     return [k for k, _ in decoder.keyed(node, path)]

@@ -4,13 +4,13 @@ Call order, from ``Checkpointer.restore``: ``settle()`` (a lazy restore still lo
 first) -> ``restore(repo, manifest, app_state, ...)`` -> ``plan_restore`` (every check, no
 byte written; with ``strict=False`` the spans only skipped keys use are emptied from the
 manifest, ``Manifest.without_data``, so no path reads them) -> the root's restore server
-(``restore.server_client``; when it serves, every byte is in place and the restore is done)
+(``restore.via_server.client``; when it serves, every byte is in place and the restore is done)
 -> else one of
 
 - ``upfront``: read and verify everything, then apply (``restore.eager``); targets untouched
   if any chunk is corrupt. ``verify="auto"`` picks it for checkpoints up to
   :data:`AUTO_UPFRONT_BYTES`, where holding them in host memory is cheap;
-- ``stream``/``off``: the pipelined :class:`~gpusnap.restore.loader.Loader`, chunks verified
+- ``stream``/``off``: the pipelined :class:`~gpusnap.restore.pipeline.loader.Loader`, chunks verified
   (or not, ``off``) on the way; ``restore`` returns when every copy has run;
 - lazy: the same loader in the background behind the gate (:class:`LazyRestore`).
 
@@ -37,19 +37,20 @@ from typing import Any, Literal
 import torch
 
 from gpusnap.device import synchronize
-from gpusnap.handles import RestoreHandle
+from gpusnap.handles import RestoreCompletion, RestoreHandle
 from gpusnap.restore import active
 from gpusnap.restore.eager import load_spans
-from gpusnap.restore.gate import GateMode, lazy_refusal
-from gpusnap.restore.lazy import LazyRestore, pop_gate
-from gpusnap.restore import loader as loader_mod
-from gpusnap.restore.direct import DirectCopies, DirectUnavailable
-from gpusnap.restore.loader import Loader
-from gpusnap.restore.read_procs import ReaderProcs
-from gpusnap.restore.server_client import ServerClient
-from gpusnap.restore.staging import SlotPool, can_share
-from gpusnap.restore.warmup import WarmUp, start_kernel_warmup
-from gpusnap.state.apply import RestorePlan, SpanInfo, plan_restore
+from gpusnap.restore.lazy.gate import GateMode, lazy_refusal
+from gpusnap.restore.lazy.lazy_restore import LazyRestore, pop_gate
+from gpusnap.restore.pipeline.loader import Loader, device_checkable
+from gpusnap.restore.pipeline.sources.direct_copies import DirectCopies, DirectUnavailable
+from gpusnap.restore.pipeline.sources.reader_procs import ReaderProcs
+from gpusnap.restore.pipeline.staging import SlotPool, can_share
+from gpusnap.restore.pipeline.warmup import WarmUp, start_kernel_warmup
+from gpusnap.restore.via_server.client import ServerClient
+from gpusnap.state.apply import plan_restore
+from gpusnap.state.plan import RestorePlan
+from gpusnap.state.targets import SpanInfo
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.repository import Repository
 
@@ -75,7 +76,7 @@ VERIFY_ON_DEVICE: bool | None = None  # Loader's verify_on_device: None = where 
 PROC_READERS = 12
 WARMUP_JOIN_S = 60.0  # a warm-up left running by a failed restore: waited for this long at most
 READER_PROCESSES: str | None = None  # overrides Config.restore_reader_processes when set (tests)
-# Direct-copy helpers (restore.direct; off by default): 8 moved a 4 GB tmpfs file to the device
+# Direct-copy helpers (pipeline.sources.direct_copies; off by default): 8 moved a 4 GB tmpfs file to the device
 # at 42-48 GB/s, 6 at 45, 12 at 45 (more contexts to start, no faster)
 DIRECT_HELPERS = 8
 DIRECT_COPIES: str | None = None  # overrides Config.restore_direct_copies when set (tests)
@@ -201,8 +202,8 @@ class Restorer:
                                 missing=plan.missing, unexpected=plan.unexpected)
         if verify == "auto":
             verify = "stream" if lazy or manifest.nbytes > AUTO_UPFRONT_BYTES else "upfront"
-        handle = RestoreHandle(manifest.id)
-        handle._on_wait = self.reap
+        done = RestoreCompletion(manifest.id, self.reap)
+        handle = RestoreHandle(done)
         handle.stats.update(served.stats)
         handle.stats.update(mode="lazy" if lazy else "eager", verify=verify, threads=self.threads,
                             missing=list(plan.missing), unexpected=list(plan.unexpected),
@@ -210,7 +211,7 @@ class Restorer:
         if refused is not None:
             handle.stats["lazy_refused"] = refused
         if verify == "upfront":
-            self._upfront(repo, manifest, plan, handle, started)
+            self._upfront(repo, manifest, plan, handle, done, started)
             active.restored(_all_targets(plan, len(spans)))
             return handle
         order, source = load_order(manifest, plan)
@@ -251,9 +252,9 @@ class Restorer:
         setup.mark("loader_s")
         handle.stats["setup"] = setup.marks
         if lazy:
-            session = LazyRestore(loader, plan, handle, started)
+            session = LazyRestore(loader, plan, handle, done, started)
             setup.mark("prepare_s")
-            handle._on_wait = lambda: (session.refresh(), self.reap())
+            done.set_on_wait(lambda: (session.refresh(), self.reap()))
             with self._lock:
                 self._active = session
             try:
@@ -277,7 +278,7 @@ class Restorer:
             wait_s=0.0,
             first_needed={},
         )
-        handle._finish()
+        done.finish()
         return handle
 
     def _served(self, checkpoint_id: str, plan: RestorePlan, stats: dict[str, Any], started: float, n: int, *,
@@ -287,19 +288,20 @@ class Restorer:
         plan.finish()
         active.restored(_all_targets(plan, n))
         elapsed = time.perf_counter() - started
-        handle = RestoreHandle(checkpoint_id)
-        handle._on_wait = self.reap
+        done = RestoreCompletion(checkpoint_id, self.reap)
+        handle = RestoreHandle(done)
         handle.stats.update(stats)
         handle.stats.update(mode="eager", served_lazy=lazy, verify="server", threads=0, missing=list(missing),
                             unexpected=list(unexpected), return_s=elapsed, total_s=elapsed, bytes_read=0,
                             chunks_read=0, waits=0, wait_s=0.0, first_needed={})
-        handle._finish()
+        done.finish()
         return handle
 
     def _upfront(
-        self, repo: Repository, manifest: Manifest, plan: RestorePlan, handle: RestoreHandle, started: float
+        self, repo: Repository, manifest: Manifest, plan: RestorePlan, handle: RestoreHandle,
+        done: RestoreCompletion, started: float,
     ) -> None:
-        counters = load_spans(repo, manifest, plan, pool=self._pool())
+        counters = load_spans(repo, manifest, plan, pool=self._pool(), piece_bytes=self.piece_bytes or 0)
         plan.finish()
         for dev in {torch.device(e.device) for e in manifest.storages}:
             if dev.type == "cuda" and torch.cuda.is_available():
@@ -314,7 +316,7 @@ class Restorer:
             wait_s=0.0,
             first_needed={},
         )
-        handle._finish()
+        done.finish()
 
     # -- the lazy restore in progress ----------------------------------------------------------
     def settle(self) -> None:
@@ -504,11 +506,11 @@ class _Setup:
 
 def _checked_bytes(manifest: Manifest, plan: RestorePlan, on_device: bool | None) -> dict[torch.device, int]:
     """Per device, the bytes of the streamed spans the loader may check there (by the
-    loader's own rule, ``loader._checkable``: one device per span)."""
+    loader's own rule, ``loader.device_checkable``: one device per span)."""
     per: dict[torch.device, int] = {}
     for i, e in enumerate(manifest.storages):
         devices = frozenset(plan.devices(i))
-        if plan.streamable(i) and loader_mod._checkable(e.hashes, devices, on_device):
+        if plan.streamable(i) and device_checkable(e.hashes, devices, on_device):
             (device,) = devices
             per[device] = per.get(device, 0) + e.nbytes
     return per

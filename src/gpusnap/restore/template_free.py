@@ -9,17 +9,17 @@ as ``model.state_dict()`` would give them, detached; an optimizer's ``state`` an
 Call order::
 
     repo.resolve_reporting(ref)          # the manifest: id, tag or None (latest)
-    _Planner walk (TemplateFree)         # tree decoded by state.apply; keys selected; no byte read
+    Planner walk (TemplateFree)          # tree decoded by state.apply; keys selected; no byte read
     restore.eager.load_spans(cut, plan)  # the selected spans' chunks only, each one verified
     root.build()                         # tensors as views of their spans' bytes
 
 It reuses the restore machinery rather than its own decoding: the tree is walked by
-:class:`~gpusnap.state.apply._Planner` (its ``in_state`` path, where the checkpoint's
+:class:`~gpusnap.state.apply.Planner` (its ``in_state`` path, where the checkpoint's
 structure wins), plain values are decoded by it (``pickle`` nodes refused unless
 ``allow_pickle``), and chunks are read and checked by :func:`~gpusnap.restore.eager.load_spans`
 (every chunk of a selected span verified before anything is returned: a corrupt one is an
 :class:`~gpusnap.IntegrityError`). What differs: instead of one new tensor per node
-(``state.apply._allocate``), each stored span becomes one buffer on ``device`` and every
+(``state.targets.allocate``), each stored span becomes one buffer on ``device`` and every
 tensor node a view of it, so views and tied weights come back sharing storage, with their
 strides, offsets and dtypes exactly as saved.
 """
@@ -40,19 +40,14 @@ from gpusnap.restore.eager import load_spans
 from gpusnap.restore.key_select import KeyPath, Selector, ambiguity, covers, leads_to, match, normalize
 from gpusnap.restore.rank_view import rank_view
 from gpusnap.restore.restorer import reader_threads
-from gpusnap.state.apply import (
-    RestorePlan,
-    SpanInfo,
-    _child,
-    _Dict,
-    _kind,
-    _Planner,
-    _Slot,
-    TensorSpec,
-)
+from gpusnap.state.apply import Planner
 from gpusnap.state.dtensor import slices
+from gpusnap.state.nodes import node_child, node_kind
 from gpusnap.state.plain import join_path
+from gpusnap.state.plan import RestorePlan
 from gpusnap.state.reshard import DTensorNode
+from gpusnap.state.slots import DictSlot, Slot
+from gpusnap.state.targets import SpanInfo, TensorSpec
 from gpusnap.storage.repository import Repository
 
 __all__ = ["UnknownKeyError", "load", "load_reporting"]
@@ -139,7 +134,8 @@ def load_reporting(
         landing = _Landing(slot, planner, [e.nbytes for e in cut.storages], target)
         advance = None if progress is None else progress(sum(e.nbytes for e in cut.storages))
         with ThreadPoolExecutor(reader_threads(repo.config.io_threads), thread_name_prefix="gpusnap-load-io") as pool:
-            load_spans(repo, cut, landing, pool=pool, apply=landing.keep_span, progress=advance)
+            load_spans(repo, cut, landing, pool=pool, apply=landing.keep_span, progress=advance,
+                       piece_bytes=repo.config.restore_piece_bytes)
         result = slot.build()
     finally:
         repo.close()
@@ -147,7 +143,7 @@ def load_reporting(
     return result
 
 
-class _TemplateFree(_Planner):
+class _TemplateFree(Planner):
     """The restore planner with nothing live: modules and Stateful values become their state
     dicts, tensors views of their span's buffer (``spans``, filled once the chunks are read)."""
 
@@ -157,13 +153,13 @@ class _TemplateFree(_Planner):
         self.wanted: set[int] = set()  # spans some selected tensor views
         self._in_module = 0  # inside a module's entries: detached, as state_dict() gives them
 
-    def select(self, tree: dict[str, Any], selectors: tuple[Selector, ...] | None, where: str) -> _Slot:
+    def select(self, tree: dict[str, Any], selectors: tuple[Selector, ...] | None, where: str) -> Slot:
         """The slot of what ``selectors`` select (everything when None); UnknownKeyError or
         AmbiguousKeyError for a selector naming no entry or (a string) several."""
-        if _kind(tree, "") != "dict":
+        if node_kind(tree, "") != "dict":
             raise CheckpointError("the checkpoint tree must be a 'dict' node at its root")
         if selectors is None:
-            return _Dict(None, [(k, self.in_state(None, n, join_path("", k))) for k, n in self.keyed(tree, "")])
+            return DictSlot(None, [(k, self.in_state(None, n, join_path("", k))) for k, n in self.keyed(tree, "")])
         chosen: list[KeyPath] = []
         unknown: list[Selector] = []
         for selector in selectors:
@@ -175,23 +171,23 @@ class _TemplateFree(_Planner):
         if unknown:
             top = [key for key, _ in self.keyed(tree, "")]
             raise UnknownKeyError(f"keys {unknown!r} name nothing in {where}; its top-level keys are {top!r}")
-        return self.pick(tree, "", (), chosen) or _Dict(None, [])
+        return self.pick(tree, "", (), chosen) or DictSlot(None, [])
 
     def children(self, node: dict[str, Any], path: str) -> list[tuple[Any, dict[str, Any], str]] | None:
         """The keyed entries selection can descend into: a dict's, a module's state_dict
         entries, a Stateful's state_dict (when it is a dict); None for anything else."""
-        kind = _kind(node, path)
+        kind = node_kind(node, path)
         if kind == "module":
-            node = _child(node, "entries", path)
+            node = node_child(node, "entries", path)
         elif kind == "stateful":
-            node = _child(node, "state", path)
+            node = node_child(node, "state", path)
         elif kind != "dict":
             return None
-        if _kind(node, path) != "dict":
+        if node_kind(node, path) != "dict":
             return None
         return [(key, child, join_path(path, key)) for key, child in self.keyed(node, path)]
 
-    def pick(self, node: dict[str, Any], path: str, at: KeyPath, chosen: list[KeyPath]) -> _Slot | None:
+    def pick(self, node: dict[str, Any], path: str, at: KeyPath, chosen: list[KeyPath]) -> Slot | None:
         """The slot of what is chosen at or below ``node`` (key path ``at``), or None."""
         if at and covers(chosen, at):
             return self.in_state(None, node, path)
@@ -200,7 +196,7 @@ class _TemplateFree(_Planner):
         items = self.children(node, path)
         if items is None:
             return None
-        module = _kind(node, path) == "module"
+        module = node_kind(node, path) == "module"
         self._in_module += module
         try:
             picked = [(key, self.pick(child, child_path, at + ((type(key), key),), chosen))
@@ -208,25 +204,25 @@ class _TemplateFree(_Planner):
         finally:
             self._in_module -= module
         kept = [(key, slot) for key, slot in picked if slot is not None]
-        return _Dict(None, kept) if kept else None
+        return DictSlot(None, kept) if kept else None
 
-    def object(self, live: Any, node: dict[str, Any], path: str) -> _Slot:
+    def object(self, live: Any, node: dict[str, Any], path: str) -> Slot:
         if node["t"] == "module":
             self._in_module += 1
             try:
-                return self.in_state(None, _child(node, "entries", path), path)
+                return self.in_state(None, node_child(node, "entries", path), path)
             finally:
                 self._in_module -= 1
-        return self.in_state(None, _child(node, "state", path), path)
+        return self.in_state(None, node_child(node, "state", path), path)
 
-    def tensor_in_state(self, current: Any, node: dict[str, Any], path: str) -> _Slot:
+    def tensor_in_state(self, current: Any, node: dict[str, Any], path: str) -> Slot:
         spec = self.spec(node, path)
         self.span_paths[spec.storage].append(path)
         self.wanted.add(spec.storage)
         return _View(self.buffers, spec, spec.requires_grad and not self._in_module)
 
 
-    def dtensor_target(self, live: Any, node: dict[str, Any], path: str, *, allocate: bool) -> _Slot:
+    def dtensor_target(self, live: Any, node: dict[str, Any], path: str, *, allocate: bool) -> Slot:
         d = self.dnode(node, path)
         if not d.pieces:
             raise CheckpointError(
@@ -287,7 +283,7 @@ class _Landing(RestorePlan):
     """What :func:`load_spans` applies the verified spans to: each span's bytes are kept as
     the buffer its tensors view (CPU: the very buffer read into, no copy)."""
 
-    def __init__(self, root: _Slot, planner: _TemplateFree, span_nbytes: list[int], device: torch.device) -> None:
+    def __init__(self, root: Slot, planner: _TemplateFree, span_nbytes: list[int], device: torch.device) -> None:
         super().__init__(root, {}, span_nbytes, planner.span_paths, set())
         self._buffers = planner.buffers
         self._device = device

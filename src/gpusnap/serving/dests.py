@@ -21,7 +21,7 @@ import os
 from typing import Any
 
 from gpusnap.host_map import MappedMemory
-from gpusnap.serving.cuda_ipc import Runtime, Stream
+from gpusnap.serving.cuda_runtime import Runtime, Stream
 
 __all__ = ["DestError", "Destinations"]
 

@@ -14,13 +14,13 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor, wait
 
 from gpusnap.host_map import MappedMemory
-from gpusnap.restore.staging import SharedMemory
+from gpusnap.restore.pipeline.staging import SharedMemory
+from gpusnap.restore.via_server.protocol import ALIGN
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.repository import Repository
 
 __all__ = ["ALIGN", "HeldCheckpoint", "layout", "load_checkpoint"]
 
-ALIGN = 4096  # each span starts on a page: the copy engine's reads stay aligned
 PIECE_BYTES = 16 << 20  # per read task: one system call per run the packs store back to back
 
 

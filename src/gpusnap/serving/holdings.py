@@ -18,7 +18,7 @@ from typing import Any
 
 from gpusnap.config import Config
 from gpusnap.errors import CheckpointError, CheckpointNotFoundError
-from gpusnap.serving.cuda_ipc import Runtime
+from gpusnap.serving.cuda_runtime import Runtime
 from gpusnap.serving.held import HeldCheckpoint, layout, load_checkpoint
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.repository import Repository

@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from gpusnap.serving.cuda_ipc import CudaError, Runtime
+from gpusnap.restore.via_server.cuda_ipc import CudaError
+from gpusnap.serving.cuda_runtime import Runtime
 from gpusnap.serving.dests import DestError, Destinations
 from gpusnap.serving.holdings import Holdings
 

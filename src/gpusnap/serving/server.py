@@ -35,9 +35,10 @@ from typing import Any
 import torch
 
 from gpusnap.config import Config
-from gpusnap.serving import paths, protocol
-from gpusnap.serving.connect import peer
-from gpusnap.serving.cuda_ipc import Runtime, bus_id
+from gpusnap.restore.via_server import paths, protocol
+from gpusnap.restore.via_server.connection import peer
+from gpusnap.restore.via_server.cuda_ipc import bus_id
+from gpusnap.serving.cuda_runtime import Runtime
 from gpusnap.serving.holdings import Holdings
 from gpusnap.serving.request import BrokenDevice, Fault, serve_restore
 from gpusnap.storage.private_dir import open_private

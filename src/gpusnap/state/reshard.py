@@ -1,5 +1,5 @@
 """Planning the restore of a DTensor (a ``dtensor`` node, state/dtensor.py) into what
-app_state holds: part of :class:`~gpusnap.state.apply._Planner`.
+app_state holds: part of :class:`~gpusnap.state.apply.Planner`.
 
 - A DTensor laid out as saved (same placements, mesh shape and local shape) takes its own
   rank's local tensor in place: an ordinary copy, bit-exact, streamable, lazy-capable.
@@ -18,16 +18,15 @@ parameter and FSDP2's storage stay the objects the program holds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..errors import CheckpointError
 from .dtensor import Box, box_of, encode_placements, intersect, is_dtensor, reshardable, slices, volume
 from .plain import dtype_from_name, dtype_name
-
-if TYPE_CHECKING:
-    from .apply import TensorSpec, _Slot
+from .slots import Slot, Value
+from .targets import TensorSpec, device_here
 
 __all__ = ["DTensorNode", "ReshardPlanning"]
 
@@ -55,7 +54,7 @@ class DTensorNode:
 
 
 class ReshardPlanning:
-    """What :class:`~gpusnap.state.apply._Planner` does with DTensors (a mixin: it uses the
+    """What :class:`~gpusnap.state.apply.Planner` does with DTensors (a mixin: it uses the
     planner's ``spec``, ``mismatch``, ``add_copy`` and ``add_box_copy``)."""
 
     resharded: list[str]
@@ -87,9 +86,7 @@ class ReshardPlanning:
                 raise CheckpointError(f"{where}: a piece of shape {list(piece.spec.shape)} claims a box of {list(piece.box[1])}")
         return parsed
 
-    def dtensor_target(self, live: Any, node: dict[str, Any], path: str, *, allocate: bool) -> _Slot:
-        from .apply import _device_here, _Value
-
+    def dtensor_target(self, live: Any, node: dict[str, Any], path: str, *, allocate: bool) -> Slot:
         d = self.dnode(node, path)
         if is_dtensor(live):
             self.sharded = True
@@ -100,16 +97,16 @@ class ReshardPlanning:
             if (d.own is not None and encode_placements(live.placements) == d.placements
                     and tuple(live.device_mesh.shape) == d.mesh and tuple(local.shape) == d.own.shape):
                 self.add_copy(local, d.own, path)  # type: ignore[attr-defined]
-                return _Value(live)
+                return Value(live)
             target_placements = encode_placements(live.placements)
             if not reshardable(d.placements) or not reshardable(target_placements):
                 return self.unreshardable(path, d, f"placed {target_placements} on a mesh of shape "
                                                    f"{list(live.device_mesh.shape)}")
             self.fill_box(local, box_of(live), d, path)
-            return _Value(live)
+            return Value(live)
         if isinstance(live, torch.Tensor) or allocate:
             if not isinstance(live, torch.Tensor):  # state not made yet: the whole tensor, as DCP loads it
-                device = _device_here(d.pieces[0].spec.device) if d.pieces else torch.device("cpu")
+                device = device_here(d.pieces[0].spec.device) if d.pieces else torch.device("cpu")
                 live = torch.empty(d.shape, dtype=d.dtype, device=device)
             elif tuple(live.shape) != d.shape or live.dtype != d.dtype:
                 return self.mismatch(path, f"the checkpoint has {d.describe()}, the target has shape "  # type: ignore[attr-defined,no-any-return]
@@ -117,15 +114,13 @@ class ReshardPlanning:
             if not reshardable(d.placements):
                 return self.unreshardable(path, d, "a whole tensor")
             self.fill_box(live, ((0,) * len(d.shape), d.shape), d, path)
-            return _Value(live)
+            return Value(live)
         from .plain import type_name
 
         return self.mismatch(path, f"the checkpoint has {d.describe()}, app_state has a {type_name(live)}")  # type: ignore[attr-defined,no-any-return]
 
-    def tensor_into_dtensor(self, live: Any, spec: TensorSpec, path: str) -> _Slot:
+    def tensor_into_dtensor(self, live: Any, spec: TensorSpec, path: str) -> Slot:
         """A plain ``tensor`` node (the whole tensor) into DTensor ``live``: its box of it."""
-        from .apply import _Value
-
         self.sharded = True
         if tuple(live.shape) != spec.shape or live.dtype != spec.dtype:
             return self.mismatch(path, f"the checkpoint has {spec.describe()}, the target is a DTensor of shape "  # type: ignore[attr-defined,no-any-return]
@@ -136,7 +131,7 @@ class ReshardPlanning:
                                  "layouts can take a tensor saved whole")
         whole = DTensorNode(spec.shape, spec.dtype, ["R"], (1,), None, (Piece(((0,) * len(spec.shape), spec.shape), spec),))
         self.fill_box(live._local_tensor, box_of(live), whole, path)
-        return _Value(live)
+        return Value(live)
 
     def fill_box(self, target: torch.Tensor, box: Box, d: DTensorNode, path: str) -> None:
         """Fill ``target`` (holding ``box`` of the global tensor) from the pieces that meet it."""
@@ -157,7 +152,7 @@ class ReshardPlanning:
             return
         self.resharded.append(path)
 
-    def unreshardable(self, path: str, d: DTensorNode, into: str) -> _Slot:
+    def unreshardable(self, path: str, d: DTensorNode, into: str) -> Slot:
         return self.mismatch(  # type: ignore[attr-defined,no-any-return]
             path, f"cannot reshard {d.describe()} on a mesh of shape {list(d.mesh)} into {into}: Partial and "
             "_StridedShard placements restore only into the layout and world size they were saved with"

@@ -32,7 +32,7 @@ import torch
 from gpusnap.errors import CheckpointError
 from gpusnap.kernels.chunk_hash import HASH_WORDS, chunk_hashes
 from gpusnap.kernels.chunk_hash_many import chunk_hashes_many
-from gpusnap.restore.schedule import LoadSpan, Piece
+from gpusnap.restore.pipeline.schedule import LoadSpan, Piece
 from gpusnap.storage.manifest import Manifest
 
 __all__ = ["DeviceCheck", "ScratchSlot", "hex_to_hashes"]
@@ -79,8 +79,8 @@ class ScratchSlot:
     pieces: list[tuple[Piece, int]] = field(default_factory=list)  # (piece, offset in data), checked, not yet applied
     event: Any = None  # after the batch's hash and its copy to the host (None on CPU)
     source: Any = None  # where the batch's bytes are: ``data``, or a landing slot (``landed``)
-    landed: bool = False  # the batch arrived on the device in a direct-copy landing slot (restore.direct)
-    landing: Any = None  # landed: that slot's owned Region (restore.sources), given back once applied
+    landed: bool = False  # the batch arrived on the device in a direct-copy landing slot (sources.direct_copies)
+    landing: Any = None  # landed: that slot's owned Region (sources.source), given back once applied
     host_rows: Any = field(default=None, repr=False)  # numpy view of host_hashes
 
 

@@ -32,12 +32,12 @@ class LoadStats:
     copy_idle_s: float = 0.0
     copy_wait_s: float = 0.0
     copy_stream_s: float = 0.0
-    kernels_wait_s: float = 0.0  # the copy thread waiting for the hash kernels' warm-up (restore.warmup)
+    kernels_wait_s: float = 0.0  # the copy thread waiting for the hash kernels' warm-up (pipeline.warmup)
     first_check_s: float = 0.0  # the copy thread's first device check (without a warm-up, a new process loads its kernels then)
     reader_procs: int = 0  # reader processes the readers used (0: the threads read)
     proc_batches: int = 0  # batches read by a reader process
     proc_fallbacks: int = 0  # batches a reader thread read itself after its process failed
-    direct_helpers: int = 0  # direct-copy helpers the load could use (restore.direct; 0: none)
+    direct_helpers: int = 0  # direct-copy helpers the load could use (sources.direct_copies; 0: none)
     direct_batches: int = 0  # batches a helper copied from the page cache straight to the device
     direct_s: float = 0.0  # thread-seconds waiting for helpers' copies
     direct_fallbacks: int = 0  # batches staged on the host after a helper failed

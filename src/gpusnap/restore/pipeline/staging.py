@@ -1,8 +1,8 @@
 """Host regions that pieces are read into on their way to the targets, reused across restores.
 
 A region is busy from ``acquire`` (a reader) until the device copy that reads it has run;
-only the copy thread (``restore.copier``) knows when that is. Regions travel as owned
-``restore.sources.Region`` objects, whose one ``release`` calls :meth:`SlotPool.release`
+only the copy thread (``pipeline.copier``) knows when that is. Regions travel as owned
+``pipeline.sources.source.Region`` objects, whose one ``release`` calls :meth:`SlotPool.release`
 exactly once, whoever holds them when the load ends or fails. Readers never touch CUDA:
 acquiring a region is a plain queue wait. Pinned memory
 is slow to allocate, so the pool is made once per ``Restorer`` and kept (DESIGN.md pitfalls).
@@ -23,7 +23,7 @@ __all__ = ["SlotPool", "SharedMemory"]
 
 class SharedMemory(MappedMemory):
     """``nbytes`` of memory other processes can map (a ``memfd``), page-locked for CUDA
-    copies when ``pinned``: reader processes (``restore/read_procs.py``) fill it, this
+    copies when ``pinned``: reader processes (``sources/reader_procs.py``) fill it, this
     process copies out of it through ``tensor`` (and views of it). Raises ``OSError`` (no
     memfd, no memory) or ``RuntimeError`` (page-locking failed); the caller then uses
     ordinary memory.
@@ -48,7 +48,7 @@ class SlotPool:
     """``slots`` host regions of ``slot_bytes`` each, page-locked when ``pinned``; in memory
     reader processes can map when ``shared`` (``self.shared.fd``; region ``r`` starts at
     ``offset_of(r)``). ``backing``: slots over that memory instead, allocated by the caller
-    (the direct-copy landing slots on a device: ``restore.direct``; no ``bytes_of`` there).
+    (the direct-copy landing slots on a device: ``sources.direct_copies``; no ``bytes_of`` there).
 
     >>> pool = SlotPool(2, 512, pinned=False)
     >>> slot = pool.acquire(); pool.release(slot); pool.available()

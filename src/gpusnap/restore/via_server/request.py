@@ -25,9 +25,9 @@ import torch
 
 from gpusnap.host_map import MappedMemory
 from gpusnap.restore.apply_bytes import apply_span
-from gpusnap.serving.cuda_ipc import CudaError, bus_id, mem_handle, segment
-from gpusnap.serving.held import ALIGN
-from gpusnap.state.apply import RestorePlan
+from gpusnap.restore.via_server.cuda_ipc import CudaError, bus_id, mem_handle, segment
+from gpusnap.restore.via_server.protocol import ALIGN
+from gpusnap.state.plan import RestorePlan
 from gpusnap.storage.manifest import Manifest
 
 __all__ = ["ServerRequest"]

@@ -48,7 +48,7 @@ class LoadSpan:
     chunks: int
     streamed: bool  # applied piece by piece (apply_bytes.apply_range), else as a whole
     devices: frozenset[torch.device]
-    device_check: bool = False  # verified on the device against StorageEntry.hashes (restore.device_check)
+    device_check: bool = False  # verified on the device against StorageEntry.hashes (pipeline.device_check)
     checkable: bool = False  # could be: a small span is, when it shares a batch (Schedule.take_batch)
     state: SpanState = SpanState.PENDING
     next_chunk: int = 0  # the first chunk of the next piece to hand to a reader

@@ -1,23 +1,23 @@
 """The pipelined loader: reader threads fill regions from a source, one copy thread moves them into the targets.
 
-    readers (N):  take a batch (Schedule) -> ``source.fill``: an owned region (restore/sources.py)
+    readers (N):  take a batch (Schedule) -> ``source.fill``: an owned region (sources/source.py)
                   -> ``settle`` each piece: read its chunks, one system call per run stored
                   back to back, verify each chunk's BLAKE2b digest (host path) -> hand the
                   region to the copy thread (``Copier.put``)
     copy thread:  H2D copy into the targets (or into a device scratch slot, checked there
-                  against the manifest's device hashes: ``restore.device_check``) -> span
+                  against the manifest's device hashes: ``pipeline.device_check``) -> span
                   loaded once its last piece is copied -> ``region.release()`` after its events
 
 The source is one of three, picked by configuration when the loader is made: reader threads
-(``source_host.HostReads``), reader processes (``source_procs.ProcReads``) or direct copies
-into landing slots on the device (``source_direct.DirectReads``); each falls back to the
+(``host_reads.HostReads``), reader processes (``proc_reads.ProcReads``) or direct copies
+into landing slots on the device (``direct_reads.DirectReads``); each falls back to the
 host path for what it cannot do. Neither the readers' loop nor the copy thread knows which
 source filled a region: a region says only where its bytes are (host, page-locked or not, or
 already on the device after a helper's event) and goes back to its own pool through its one
 ``release``, exactly once, on every path.
 
 Readers do only file I/O and hashing, which release the GIL; every CUDA call and every wait
-on a CUDA event happens on the copy thread (``restore.copier``). A span is *loaded* once the
+on a CUDA event happens on the copy thread (``pipeline.copier``). A span is *loaded* once the
 copies of the batch holding its last piece are queued: an event recorded then on the copy
 stream covers all of its copies, since a stream runs them in the order they were queued, and
 the lazy gate makes an op's stream wait for that event (one event per batch and device,
@@ -43,23 +43,24 @@ import torch
 from gpusnap.device import host_buffer
 from gpusnap.errors import CheckpointError
 from gpusnap.restore.apply_bytes import apply_range, apply_span
-from gpusnap.restore.copier import Copier
-from gpusnap.restore.device_check import DeviceCheck
-from gpusnap.restore.direct import DirectCopies
-from gpusnap.restore.read_procs import ReaderProcs
-from gpusnap.restore.source_direct import DirectReads
-from gpusnap.restore.source_host import HostReads
-from gpusnap.restore.source_procs import ProcReads
-from gpusnap.restore.sources import Source
-from gpusnap.restore.warmup import WarmUp
-from gpusnap.restore.schedule import LoadSpan, Piece, Schedule, SpanState
-from gpusnap.restore.staging import SlotPool
-from gpusnap.restore.stats import LoadStats
-from gpusnap.state.apply import RestorePlan
+from gpusnap.restore.pipeline.copier import Copier, copies_async
+from gpusnap.restore.pipeline.device_check import DeviceCheck
+from gpusnap.restore.pipeline.schedule import LoadSpan, Piece, Schedule, SpanState
+from gpusnap.restore.pipeline.sources.direct_copies import DirectCopies
+from gpusnap.restore.pipeline.sources.direct_reads import DirectReads
+from gpusnap.restore.pipeline.sources.host_reads import HostReads
+from gpusnap.restore.pipeline.sources.proc_reads import ProcReads
+from gpusnap.restore.pipeline.sources.reader_procs import ReaderProcs
+from gpusnap.restore.pipeline.sources.source import Source
+from gpusnap.restore.pipeline.staging import SlotPool
+from gpusnap.restore.pipeline.stats import LoadStats
+from gpusnap.restore.pipeline.warmup import WarmUp
+from gpusnap.state.plan import RestorePlan
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.repository import Repository
 
-__all__ = ["DEVICE_CHECK_MIN_BYTES", "DEVICE_CHECK_READERS", "SCRATCH_SLOTS", "Loader", "describe_span"]
+__all__ = ["DEVICE_CHECK_MIN_BYTES", "DEVICE_CHECK_READERS", "DEVICE_CHECKED", "SCRATCH_SLOTS", "Loader", "describe_span",
+           "device_checkable"]
 
 SCRATCH_SLOTS = 3  # device scratch slots per device when checking on the device (one region each)
 DEVICE_CHECK_READERS = 6  # readers at most when the device checks nearly every byte (below)
@@ -69,6 +70,8 @@ BATCH_CHUNKS = 512  # chunks per batch of small spans at most (sizes the check's
 DEVICE_CHECK_MIN_BYTES = 1 << 20
 # ...unless it shares a batch with other spans checkable on the device (Schedule.take_batch)
 JOIN_CHECKS = True
+# Device types whose spans are checked on the device in "auto" mode (verify_on_device=None)
+DEVICE_CHECKED = frozenset({"cuda"})
 
 
 def describe_span(plan: RestorePlan, index: int) -> str:
@@ -97,16 +100,16 @@ class Loader:
     for single spans (a lazy restore's gate). An eager restore waits for the whole load and
     passes False: one event and one torch call fewer per batch on the copy thread.
 
-    ``procs``: reader processes (``read_procs``), one per reader thread at most, over
+    ``procs``: reader processes (``sources.reader_procs``), one per reader thread at most, over
     ``slots``'s shared memory: the source is then ``ProcReads`` (reader thread ``k`` has
     process ``k`` read its batches' runs, one request per batch, and only plans, checks and
     hands over). A batch whose request fails (a process gone, a pack removed by a gc, a short
     read) is read again by the thread itself, which raises the error the thread path raises.
 
-    ``warmup``: the hash kernels loading on a side thread (``restore.warmup``); the copy
+    ``warmup``: the hash kernels loading on a side thread (``pipeline.warmup``); the copy
     thread waits for it before its first device check.
 
-    ``direct``: direct-copy helpers (``restore.direct``): the source is then ``DirectReads``
+    ``direct``: direct-copy helpers (``sources.direct_copies``): the source is then ``DirectReads``
     (reader thread ``k`` has helper ``k``, once it is ready, copy each device-checked batch
     for the helpers' device from the page cache straight into a landing slot on the device;
     the copy thread hashes it there), over the host path of the two above. Any failure falls
@@ -147,7 +150,7 @@ class Loader:
         for i, e in enumerate(manifest.storages):
             devices = frozenset(plan.devices(i))
             streamed = plan.streamable(i)
-            checkable = verify and streamed and _checkable(e.hashes, devices, verify_on_device)
+            checkable = verify and streamed and device_checkable(e.hashes, devices, verify_on_device)
             spans.append(
                 LoadSpan(
                     index=i,
@@ -190,7 +193,7 @@ class Loader:
             self.threads = max(self.threads, min(len(self.direct), pieces or 1))
         self.stats = LoadStats(reader_procs=min(self.threads, len(self.procs)) if self.procs is not None else 0,
                                direct_helpers=len(self.direct) if self.direct is not None else 0)
-        # the one source the reader threads fill regions from (restore/sources.py)
+        # the one source the reader threads fill regions from (sources/source.py)
         self.host = HostReads(repo, manifest, slots, self.stats, lambda index: describe_span(plan, index),
                               verify=verify)
         self.source: Source = self.host if self.procs is None else ProcReads(self.procs, self.host)
@@ -294,7 +297,7 @@ class Loader:
                 self.copier.put_whole(ls)
             return
         region = self.source.fill(batch, k, host_verify=self.verify and not ls.device_check)
-        if ls.device_check or any(Copier._evented(d) for d in ls.devices):
+        if ls.device_check or any(copies_async(d) for d in ls.devices):
             try:
                 region.settle_all()
             except BaseException:
@@ -353,9 +356,10 @@ class Loader:
         return explained
 
 
-def _checkable(hashes: tuple[str, ...] | None, devices: frozenset[torch.device], on_device: bool | None) -> bool:
-    """Whether a span can be checked on its device: hashes stored, one target device, allowed."""
+def device_checkable(hashes: tuple[str, ...] | None, devices: frozenset[torch.device], on_device: bool | None) -> bool:
+    """Whether a span can be checked on its device: hashes stored, one target device, allowed
+    (:data:`DEVICE_CHECKED`; with ``on_device`` True, CPU targets too)."""
     if hashes is None or on_device is False or len(devices) != 1:
         return False
     (device,) = devices
-    return device.type == "cuda" or (on_device is True and device.type == "cpu")
+    return device.type in DEVICE_CHECKED or (on_device is True and device.type == "cpu")

@@ -1,5 +1,5 @@
 """Direct copies as a source: helper ``k`` copies reader thread ``k``'s device-checked batches
-from the page cache straight into a landing slot on the device (``restore.direct``).
+from the page cache straight into a landing slot on the device (``sources.direct_copies``).
 
 Only batches checked on the device for the helpers' device go this way (nothing else would
 check them); the rest, and every batch the helper cannot do (still starting, broken, a pack
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import time
 
-from gpusnap.restore.direct import DirectCopies
-from gpusnap.restore.read_procs import ReaderDied
-from gpusnap.restore.source_host import HostReads
-from gpusnap.restore.source_procs import ask_worker
-from gpusnap.restore.sources import Batch, Region, Source
+from gpusnap.restore.pipeline.sources.direct_copies import DirectCopies
+from gpusnap.restore.pipeline.sources.host_reads import HostReads
+from gpusnap.restore.pipeline.sources.proc_reads import ask_worker
+from gpusnap.restore.pipeline.sources.reader_procs import ReaderDied
+from gpusnap.restore.pipeline.sources.source import Batch, Region, Source
 
 __all__ = ["DirectReads"]
 

@@ -3,9 +3,9 @@
 Standard library only, and run with ``python -I -S``: it starts in tens of milliseconds and
 shares no GIL with the restoring process, whose copy thread bounds the restore rate (every
 torch call gives up the GIL and waits to get it back; BENCHMARKS.md).
-Parent side and protocol: ``restore/read_procs.py``.
+Parent side and protocol: ``reader_procs.py``.
 
-Usage: ``python -I -S read_worker.py RING_FD RING_BYTES``. Writes one ready message once the
+Usage: ``python -I -S reader_worker.py RING_FD RING_BYTES``. Writes one ready message once the
 ring is mapped; then, per request, reads each run ``(path, file offset, length, ring
 offset)`` and replies with the bytes each run got, or with the first error.
 """

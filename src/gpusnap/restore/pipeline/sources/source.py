@@ -2,10 +2,10 @@
 
 Three sources, one interface (the loader picks one by configuration; ``Loader``):
 
-    HostReads    (source_host.py)    reader threads read the packs into a host region
-    ProcReads    (source_procs.py)   a reader process per thread reads them into a shared
+    HostReads    (host_reads.py)    reader threads read the packs into a host region
+    ProcReads    (proc_reads.py)    a reader process per thread reads them into a shared
                                      host region; the host path for what it cannot do
-    DirectReads  (source_direct.py)  a helper process per thread copies them from the page
+    DirectReads  (direct_reads.py)  a helper process per thread copies them from the page
                                      cache into a landing slot on the device; the host path
                                      (processes or threads) for what it cannot do
 
@@ -17,7 +17,7 @@ a reader waiting for a free region is woken on every path: success, integrity er
 cancellation, a worker's death.
 
 A worker process that dies or stops answering surfaces in bounded time as
-``read_procs.ReaderDied`` (end of its pipe, or ``REPLY_TIMEOUT_S``); its source then has the
+``reader_procs.ReaderDied`` (end of its pipe, or ``REPLY_TIMEOUT_S``); its source then has the
 host path fill the batch, counted in the stats (``proc_fallbacks``, ``direct_fallbacks``),
 and never asks that worker again in this load.
 """
@@ -30,8 +30,8 @@ from typing import Any, Protocol
 
 import torch
 
-from gpusnap.restore.schedule import Piece
-from gpusnap.restore.staging import SlotPool
+from gpusnap.restore.pipeline.schedule import Piece
+from gpusnap.restore.pipeline.staging import SlotPool
 
 __all__ = ["Batch", "Region", "Source"]
 

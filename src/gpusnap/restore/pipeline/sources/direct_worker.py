@@ -20,7 +20,7 @@ Usage: ``python -I -S direct_worker.py``; the first message on stdin is the job 
 offset)``, replies ``("ok", [bytes each run got], event)`` once the copies are *queued*:
 the landing slot holds the bytes once event number ``event`` has completed (-1: already;
 a run past the end of its file got fewer, and then nothing was copied), ``("error", errno, strerror, path)``, or ``("cuda", what)`` after a CUDA error
-(the parent then stops using this process). Protocol framing: ``restore/read_procs.py``.
+(the parent then stops using this process). Protocol framing: ``reader_procs.py``.
 """
 
 from __future__ import annotations
@@ -253,7 +253,7 @@ class Batch:
 
 
 def main() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the program (read_worker.py)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the program (reader_worker.py)
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     head = inp.read(LEN.size)
     if len(head) != LEN.size:

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from gpusnap.restore.schedule import Piece
-from gpusnap.restore.sources import Batch, Region
-from gpusnap.restore.staging import SlotPool
-from gpusnap.restore.stats import LoadStats
+from gpusnap.restore.pipeline.schedule import Piece
+from gpusnap.restore.pipeline.sources.source import Batch, Region
+from gpusnap.restore.pipeline.staging import SlotPool
+from gpusnap.restore.pipeline.stats import LoadStats
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.repository import Repository
 

@@ -2,7 +2,7 @@
 
 Call order (all on the thread that called ``restore(lazy=True)``, the *owner*)::
 
-    session = LazyRestore(loader, plan, handle, started)
+    session = LazyRestore(loader, plan, handle, done, started)
     session.begin()    # gate pushed, loader started, spans finish() reads loaded, finish() run
     ...                # the program runs; ops wait only for the spans they touch
     session.reap()     # at any later gpusnap call: pops the gate once everything is loaded
@@ -16,7 +16,7 @@ never loaded raises the error (on every thread the gate sees), and so does the h
 next restore on the same Checkpointer retires the failed session.
 
 Every session is registered process-wide (``restore.active``) from ``begin`` until it is over:
-saves of any Checkpointer wait for it, and the doors (``restore.doors``) gate the reads no ATen
+saves of any Checkpointer wait for it, and the doors (``restore.lazy.doors``) gate the reads no ATen
 op shows, on any thread, while its gate is live. A fork waits for it too (:meth:`quiesce`): a
 forked child has none of its threads (``fork_safety``).
 """
@@ -33,12 +33,12 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode, _get_curren
 
 from gpusnap import launch_hooks
 from gpusnap.errors import CheckpointError
-from gpusnap.handles import RestoreHandle
+from gpusnap.handles import RestoreCompletion, RestoreHandle
 from gpusnap.restore import active
-from gpusnap.restore.gate import Gate, GateMode, needs_dynamo, python_key_included, rearm_dispatch_keys
-from gpusnap.restore.loader import Loader
-from gpusnap.restore.schedule import SpanState
-from gpusnap.state.apply import RestorePlan
+from gpusnap.restore.lazy.gate import Gate, GateMode, needs_dynamo, python_key_included, rearm_dispatch_keys
+from gpusnap.restore.pipeline.loader import Loader
+from gpusnap.restore.pipeline.schedule import SpanState
+from gpusnap.state.plan import RestorePlan
 
 __all__ = ["LazyRestore", "pop_gate"]
 
@@ -68,11 +68,13 @@ def pop_gate(mode: GateMode, owner: int) -> bool:
 class LazyRestore:
     """The state of one ``restore(lazy=True)``; see the module docstring for the call order."""
 
-    def __init__(self, loader: Loader, plan: RestorePlan, handle: RestoreHandle, started: float) -> None:
+    def __init__(self, loader: Loader, plan: RestorePlan, handle: RestoreHandle, done: RestoreCompletion,
+                 started: float) -> None:
         self.loader = loader
         self.plan = plan
         plan.versioned_writes = False  # ops record their inputs' versions before the gate waits
         loader.prepare()  # before the gate exists: its aliases would wait for their own spans
+        self._done = done
         self.handle = handle
         self.started = started
         self.gate = Gate(loader.schedule, plan, started)
@@ -125,7 +127,7 @@ class LazyRestore:
 
     def rearm(self) -> None:
         """On a thread whose mode stack holds this gate, still gating: give the stack back the
-        dispatch keys a guard's exit dropped (``restore.doors``, the inference-mode door)."""
+        dispatch keys a guard's exit dropped (``restore.lazy.doors``, the inference-mode door)."""
         if not self.gate.complete and self.mode in _get_current_dispatch_mode_stack():
             rearm_dispatch_keys()
 
@@ -237,9 +239,9 @@ class LazyRestore:
         try:
             self._record(error)
             if error is None:
-                self.handle._finish()
+                self._done.finish()
             else:
-                self.handle._fail(error)
+                self._done.fail(error)
         finally:
             self._over.set()  # saves may go on
 

@@ -5,9 +5,9 @@ Call order (``Restorer.restore``, after the plan, before any path that reads fil
     outcome = client.restore(repo, manifest, plan, original=m)  # served: every byte in place
     handle.stats.update(outcome.stats)                        # else: restore from files
 
-The exchange (``serving.protocol``): connect (``CONNECT_TIMEOUT_S``), check the server is
+The exchange (``via_server.protocol``): connect (``CONNECT_TIMEOUT_S``), check the server is
 this user's (``SO_PEERCRED``), read its hello (does it hold this checkpoint id, with this
-manifest digest, for which GPU), send one request (``server_request.ServerRequest``), read
+manifest digest, for which GPU), send one request (``request.ServerRequest``), read
 the reply (at most ``REPLY_TIMEOUT_S`` plus a second per GB), check it names the same id and
 digest and every byte, apply what landed on the host. The server checked every chunk's
 BLAKE2b digest when it loaded the checkpoint; its reply comes once its copies completed.
@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from gpusnap.restore.server_request import ServerRequest
-from gpusnap.serving import connect, paths, protocol
-from gpusnap.serving.cuda_ipc import CudaError
-from gpusnap.state.apply import RestorePlan
+from gpusnap.restore.via_server import connection, paths, protocol
+from gpusnap.restore.via_server.cuda_ipc import CudaError
+from gpusnap.restore.via_server.request import ServerRequest
+from gpusnap.state.plan import RestorePlan
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.repository import Repository
 
@@ -113,7 +113,7 @@ class ServerClient:
         conn, pid = _connect(path)
         with conn:
             try:
-                hello = connect.read_hello(conn, time.monotonic() + HELLO_TIMEOUT_S)
+                hello = connection.read_hello(conn, time.monotonic() + HELLO_TIMEOUT_S)
             except TimeoutError:
                 raise _NotServed("failed", "the server sent no hello in time") from None
             except OSError as exc:
@@ -177,7 +177,7 @@ class ServerClient:
 
 def _connect(path: str) -> tuple[socket.socket, int]:
     try:
-        return connect.connect(path, timeout=CONNECT_TIMEOUT_S)
+        return connection.connect(path, timeout=CONNECT_TIMEOUT_S)
     except (ConnectionRefusedError, FileNotFoundError):
         raise _NotServed("absent", "no restore server answers (a stale socket)") from None
     except PermissionError as exc:

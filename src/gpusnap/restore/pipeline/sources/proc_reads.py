@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from gpusnap.restore.read_procs import ReaderDied, ReaderProcs
-from gpusnap.restore.source_host import HostReads, Run
-from gpusnap.restore.sources import Batch, Region
-from gpusnap.restore.stats import LoadStats
+from gpusnap.restore.pipeline.sources.host_reads import HostReads, Run
+from gpusnap.restore.pipeline.sources.reader_procs import ReaderDied, ReaderProcs
+from gpusnap.restore.pipeline.sources.source import Batch, Region
+from gpusnap.restore.pipeline.stats import LoadStats
 
 __all__ = ["ProcReads", "ask_worker"]
 

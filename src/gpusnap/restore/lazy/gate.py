@@ -10,7 +10,7 @@ so the wait costs the CPU nothing once the copy is queued.
 Launches the dispatcher never sees (CUDA graph replays, hand-launched Triton, compiled
 graphs; ``launch_hooks``) and higher-order ops (whose inner ops run below the mode) wait for
 every span. Reads of memory that are no ATen op on the gated thread (``tolist``, ``repr``,
-pickling, DLPack...: ``restore.doors``) wait through :meth:`Gate.before_op` too, on any
+pickling, DLPack...: ``restore.lazy.doors``) wait through :meth:`Gate.before_op` too, on any
 thread. Once everything is loaded the mode passes every op through untouched until it is
 popped, on its own thread, at the next gpusnap call there (``LazyRestore.reap``).
 
@@ -35,8 +35,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gpusnap import launch_hooks
 from gpusnap.capture.schema import tensor_args
 from gpusnap.errors import CheckpointError
-from gpusnap.restore.schedule import LoadSpan, Schedule, SpanState
-from gpusnap.state.apply import RestorePlan
+from gpusnap.restore.pipeline.schedule import LoadSpan, Schedule, SpanState
+from gpusnap.state.plan import RestorePlan
 
 __all__ = ["Gate", "GateMode", "lazy_refusal", "looking_past_failures", "needs_dynamo", "python_key_included",
            "rearm_dispatch_keys", "storage_key", "storage_of"]
@@ -149,7 +149,7 @@ class Gate:
                     self.need(ls)
 
     def before_storage(self, storage: torch.UntypedStorage) -> None:
-        """For a read of ``storage``'s bytes (``restore.doors``)."""
+        """For a read of ``storage``'s bytes (``restore.lazy.doors``)."""
         for ls in self._by_storage.get(storage._cdata, ()):
             self.need(ls)
 

@@ -1,7 +1,7 @@
 """The copy thread: the one thread of a restore that issues device copies and waits on CUDA.
 
 Readers only read files and hash (both release the GIL) and hand over settled regions
-(``restore.sources.Region``: host memory, or a landing slot a direct copy filled on the
+(``pipeline.sources.source.Region``: host memory, or a landing slot a direct copy filled on the
 device); this thread, in the order pieces arrive::
 
     batch (one piece, or several small whole spans of one kind; Schedule.take_batch)
@@ -41,14 +41,18 @@ import torch
 from gpusnap.device import outside_graph_captures, waitable_event
 from gpusnap.errors import IntegrityError
 from gpusnap.restore.apply_bytes import apply_range, apply_ranges, apply_span
-from gpusnap.restore.device_check import DeviceCheck, ScratchSlot
-from gpusnap.restore.schedule import LoadSpan, Piece, Schedule
-from gpusnap.restore.sources import Region
-from gpusnap.restore.stats import LoadStats
-from gpusnap.state.apply import RestorePlan
+from gpusnap.restore.pipeline.device_check import DeviceCheck, ScratchSlot
+from gpusnap.restore.pipeline.schedule import LoadSpan, Piece, Schedule
+from gpusnap.restore.pipeline.sources.source import Region
+from gpusnap.restore.pipeline.stats import LoadStats
+from gpusnap.state.plan import RestorePlan
 from gpusnap.storage.manifest import DEVICE_HASH, Manifest
 
-__all__ = ["Copier"]
+__all__ = ["ASYNC_COPY_DEVICES", "Copier", "copies_async"]
+
+# Device types whose copies are queued on a stream and run later: a region is reused, and a span
+# counts as loaded, only after an event recorded behind its copies. Copies to others are done on return.
+ASYNC_COPY_DEVICES = frozenset({"cuda"})
 WARMUP_WAIT_S = 300.0  # the kernel warm-up should take about a second; past this, go on without it
 
 
@@ -98,7 +102,7 @@ class Copier:
         self._holding: Region | None = None  # the region being handled, until it is held
         self._ended = False  # the readers' end was taken from the queue
         self._checked = False  # a batch was staged for a device check (stats.first_check_s)
-        self._warmup = warmup  # restore.warmup.WarmUp: joined before the first device check
+        self._warmup = warmup  # pipeline.warmup.WarmUp: joined before the first device check
         self.thread: threading.Thread | None = None
 
     # -- readers -------------------------------------------------------------------------------
@@ -193,7 +197,7 @@ class Copier:
             if first:
                 self._checked = True
                 self.stats.add(first_check_s=time.perf_counter() - started)
-            slot.event = self._event(device) if self._evented(device) else None
+            slot.event = self._event(device) if copies_async(device) else None
             self._checking.append(slot)
             if region.on_device:  # the slot reads it until its batch is applied: given back in _resolve
                 self._holding = None
@@ -202,7 +206,7 @@ class Copier:
             return
         self._start_timing(ls.devices)
         loaded = self._apply(pieces, region.data, region.pinned)  # its events, when the batch completed spans, also free the region
-        self._hold(region, [loaded.get(d) or self._event(d) for d in ls.devices if self._evented(d)])
+        self._hold(region, [loaded.get(d) or self._event(d) for d in ls.devices if copies_async(d)])
 
     def _resolve(self, slot: ScratchSlot) -> None:
         """Compare ``slot``'s hashes (after its event) and copy its batch into the targets, or raise."""
@@ -239,7 +243,7 @@ class Copier:
 
     def _release_after_copies(self, region: Region, device: torch.device) -> None:
         """Give ``region`` back once the copies queued so far on ``device`` have run."""
-        if not self._evented(device):
+        if not copies_async(device):
             region.release()  # (CPU copies are done on return)
             return
         try:
@@ -278,17 +282,12 @@ class Copier:
     def _loaded(self, spans: list[LoadSpan]) -> dict[torch.device, Any]:
         """The spans' last copies are queued: ops may use them once their stream passed the
         event recorded now (one per device, shared by the spans of a batch; returned)."""
-        devices = {d for ls in spans for d in ls.devices if self._evented(d)} if self.span_events else set()
+        devices = {d for ls in spans for d in ls.devices if copies_async(d)} if self.span_events else set()
         events = {d: self._event(d) for d in devices}
         self.schedule.mark_loaded_many([(ls, [(d, events[d]) for d in ls.devices if d in events]) for ls in spans])
         return events
 
     # -- regions and events --------------------------------------------------------------------
-    @staticmethod
-    def _evented(device: torch.device) -> bool:
-        """Whether copies to ``device`` are asynchronous (need an event); CPU copies are done on return."""
-        return device.type == "cuda"
-
     def _start_timing(self, devices: frozenset[torch.device]) -> None:
         """A timing event before the first copy to each CUDA device (``copy_stream_s``)."""
         for device in devices:
@@ -298,7 +297,7 @@ class Copier:
 
     def _event(self, device: torch.device) -> Any:
         event = waitable_event()
-        event.record(self.streams[device])
+        event.record(self.streams.get(device))  # (every CUDA device of the plan has its copy stream)
         return event
 
     def _hold(self, region: Region, events: list[Any]) -> None:
@@ -389,3 +388,8 @@ class Copier:
             spans.append(start.elapsed_time(end) / 1000.0)
         if spans:
             self.stats.copy_stream_s = max(spans)
+
+
+def copies_async(device: torch.device) -> bool:
+    """Whether copies to ``device`` are asynchronous (:data:`ASYNC_COPY_DEVICES`: they need an event)."""
+    return device.type in ASYNC_COPY_DEVICES

@@ -31,12 +31,13 @@ import struct
 import time
 from typing import Any
 
-__all__ = ["MAX_FDS", "MAX_FRAME", "VERSION", "ProtocolError", "recv_msg", "send_msg"]
+__all__ = ["ALIGN", "MAX_FDS", "MAX_FRAME", "VERSION", "ProtocolError", "recv_msg", "send_msg"]
 
 VERSION = 1
 LEN = struct.Struct("<Q")
 MAX_FRAME = 256 << 20  # a request for a model of 100k tensors is a few MiB; more is garbage
 MAX_FDS = 4  # descriptors a request may carry
+ALIGN = 4096  # spans in shared memory (held or landing) start on a page: the copy engine's reads stay aligned
 
 
 class ProtocolError(OSError):

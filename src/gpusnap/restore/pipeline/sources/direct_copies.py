@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from gpusnap.device import libcuda, loaded_cudart_path
-from gpusnap.restore.read_procs import WorkerProcs, runs_reply
-from gpusnap.restore.staging import SharedMemory, SlotPool
+from gpusnap.restore.pipeline.sources.reader_procs import WorkerProcs, runs_reply
+from gpusnap.restore.pipeline.staging import SharedMemory, SlotPool
 
 __all__ = ["DirectCopies", "DirectUnavailable"]
 

@@ -10,7 +10,7 @@ reads' bookkeeping. This restored 1.13-1.42x faster than reader threads (BENCHMA
 A worker that dies, stops answering (``REPLY_TIMEOUT_S``) or answers nonsense is killed and
 raises :class:`ReaderDied`; the loader's thread then reads for itself.
 
-Protocol (``read_worker.py``): 8-byte little-endian length, then a ``marshal`` body. Request:
+Protocol (``reader_worker.py``): 8-byte little-endian length, then a ``marshal`` body. Request:
 a list of runs ``(path, file offset, length, region offset)``. Reply: ``("ok", [bytes got per
 run])`` or ``("error", errno, strerror, path)``.
 
@@ -32,11 +32,11 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
-from gpusnap.restore.staging import SlotPool
+from gpusnap.restore.pipeline.staging import SlotPool
 
 __all__ = ["ReaderDied", "ReaderProcs", "WorkerProcs"]
 
-WORKER = str(Path(__file__).with_name("read_worker.py"))
+WORKER = str(Path(__file__).with_name("reader_worker.py"))
 LEN = struct.Struct("<Q")
 START_TIMEOUT_S = 5.0  # a worker not ready by then never will be (it starts in tens of ms)
 REPLY_TIMEOUT_S = 120.0  # a request is at most a region (tens of MiB): a worker this slow is wedged
