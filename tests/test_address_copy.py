@@ -161,9 +161,8 @@ class FakeDriver:
 
 
 @pytest.fixture
-def fake(monkeypatch):
-    monkeypatch.setattr(address_copy, "_primary", {})
-    return FakeDriver()
+def fake():
+    return FakeDriver()  # a library of its own: its primary contexts are retained afresh
 
 
 def test_driver_events_are_reused_only_once_complete(fake):

@@ -299,23 +299,29 @@ def test_cuda_a_storage_freed_unseen_under_copies_in_flight_fails_the_save(
     are in flight on the copy stream: they still read memory the caching allocator keeps
     for them (recorded on the copy stream); the next piece finds the storage short and the
     save fails naming it. No illegal memory access, no storage grown back."""
-    from gpusnap.capture.copier import Copier
+    from gpusnap.capture import copier
+    from gpusnap.capture.window import CaptureWindow
 
     dev = torch.device("cuda")
-    in_flight, go = threading.Event(), threading.Event()
-    issued = Copier._issued
+    taken, in_flight, go = threading.Event(), threading.Event(), threading.Event()
+    source, wait_event = CaptureWindow.source, copier.wait_event
 
-    def holding_issued(self: Any, segments: Any, region: Any, n: int, event: Any) -> None:
-        issued(self, segments, region, n, event)
-        ws, start = segments[0][0], segments[0][1]
-        if ws.span.paths == ["b"] and start == 3 * (1 << 20) and not in_flight.is_set():
-            in_flight.set()  # this piece's copy is enqueued, not waited for
+    def noting_source(self: Any, ws: Any, start: int, n: int) -> Any:
+        if ws.span.paths == ["b"] and start == 3 * (1 << 20):
+            taken.set()  # this piece's copy is being enqueued
+        return source(self, ws, start, n)
+
+    def holding_wait(event: Any) -> None:
+        if taken.is_set() and not in_flight.is_set():  # (one copy ahead: the wait for that piece)
+            in_flight.set()  # its copy is enqueued, not waited for
             go.wait(60)
+        wait_event(event)
 
-    monkeypatch.setattr(Copier, "_issued", holding_issued)
+    monkeypatch.setattr(CaptureWindow, "source", noting_source)
+    monkeypatch.setattr(copier, "wait_event", holding_wait)
     state = {"a": torch.randn(1 << 20, device=dev), "b": torch.randn(16 << 20, device=dev)}
     storage = state["b"].untyped_storage()
-    with gpusnap.Checkpointer(tmp_path / "ck", config=_cuda_tracked()) as ck:
+    with gpusnap.Checkpointer(tmp_path / "ck", config=_cuda_tracked(copy_ahead=1)) as ck:
         pending = ck.save(state)
         assert in_flight.wait(60)
         torch._C.StorageBase.resize_(storage, 0)
@@ -328,6 +334,6 @@ def test_cuda_a_storage_freed_unseen_under_copies_in_flight_fails_the_save(
     torch.cuda.synchronize()
 
 
-def _cuda_tracked() -> gpusnap.Config:
+def _cuda_tracked(**kw: Any) -> gpusnap.Config:
     return gpusnap.Config(chunk_size=1 << 20, copy_piece_bytes=1 << 20, device_snapshot=False,
-                          eager_device_bytes=0, retry_validation=False, fsync=False)
+                          eager_device_bytes=0, retry_validation=False, fsync=False, **kw)

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  (imported lazily by the tracker's first op otherwise)
-from faults import HANG_S, wait_until
+from capture_support import StoreGate
+from faults import HANG_S
 
 import gpusnap
 from gpusnap.capture.staging import StagingArena
@@ -84,18 +85,13 @@ def _config(**kw: Any) -> gpusnap.Config:
 
 
 
-def _wait_issued(pending_window: CaptureWindow, name: str, nbytes: int) -> None:
-    ws = next(w for w in pending_window.spans if name in w.span.paths)
-    wait_until(lambda: ws.issued >= nbytes, f"{name}: {nbytes} bytes issued")
-
-
 def test_write_to_a_span_in_flight_shadows_only_the_rest(tmp_path: Any, gate) -> None:
     state = {"a": torch.randn(2048)}  # 8 KiB = 16 chunks; the arena holds 4
     before = state["a"].clone()
     with gpusnap.Checkpointer(tmp_path / "ck", config=_config(cow_budget_bytes=1 << 20)) as ck:
         pending = ck.save(state)
-        window = ck._windows[-1].window
-        _wait_issued(window, "a", 4 * CHUNK)  # 4 chunks copied, then the arena is full
+        # a writer holds the first piece (4 chunks, the whole arena): the copier waits for room
+        assert gate.entered.wait(HANG_S)
         state["a"].mul_(-3)  # must shadow the 12 chunks not yet copied, and only those
         gate.release()
         info = pending.wait()
@@ -110,7 +106,7 @@ def test_in_flight_over_budget_waits_for_the_whole_span(tmp_path: Any, gate) -> 
     before = state["a"].clone()
     with gpusnap.Checkpointer(tmp_path / "ck", config=_config(cow_budget_bytes=CHUNK)) as ck:
         pending = ck.save(state)
-        _wait_issued(ck._windows[-1].window, "a", 4 * CHUNK)
+        assert gate.entered.wait(HANG_S)  # 4 chunks copied, then the arena is full
         state["a"].fill_(1)  # 12 chunks left > budget: the write waits until all are copied
         info = pending.wait()
         ck.restore(state, info.id)
@@ -196,7 +192,7 @@ def test_opaque_launch_in_a_window_protects_every_buffer(
         assert torch.equal(state[k], before[k]), k
 
 
-class _FakeGraph:
+class FakeGraph:
     """Stands in for ``torch.cuda.CUDAGraph`` on CPU: the hooks wrap it like the real class."""
 
     fail = False
@@ -205,15 +201,15 @@ class _FakeGraph:
     def capture_begin(self) -> None:
         from gpusnap import launch_hooks
 
-        _FakeGraph.seen.append(("begin", launch_hooks.capturing()))
-        if _FakeGraph.fail:
+        FakeGraph.seen.append(("begin", launch_hooks.capturing()))
+        if FakeGraph.fail:
             raise RuntimeError("capture refused")
 
     def capture_end(self) -> None:
-        _FakeGraph.seen.append("end")
+        FakeGraph.seen.append("end")
 
     def replay(self) -> None:
-        _FakeGraph.seen.append("replay")
+        FakeGraph.seen.append("replay")
 
 
 def test_graph_capture_silences_launches_on_its_thread(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -221,9 +217,9 @@ def test_graph_capture_silences_launches_on_its_thread(monkeypatch: pytest.Monke
     thread's launches are not reported; other threads' are; ``on_capture`` runs first."""
     from gpusnap import launch_hooks
 
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
-    monkeypatch.setattr(_FakeGraph, "seen", [])
-    seen = _FakeGraph.seen
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(FakeGraph, "seen", [])
+    seen = FakeGraph.seen
     listener = lambda: seen.append("listener")  # noqa: E731
     launch_hooks.add_listener(listener, on_capture=lambda: seen.append(("on_capture", launch_hooks.capturing())))
     try:
@@ -238,7 +234,7 @@ def test_graph_capture_silences_launches_on_its_thread(monkeypatch: pytest.Monke
         assert not launch_hooks.capturing()
         g.replay()
         assert seen == [("on_capture", False), ("begin", True), "listener", "end", "listener", "replay"]
-        monkeypatch.setattr(_FakeGraph, "fail", True)
+        monkeypatch.setattr(FakeGraph, "fail", True)
         with pytest.raises(RuntimeError, match="capture refused"):
             g.capture_begin()
         assert not launch_hooks.capturing(), "a capture that failed to begin leaves the thread unmarked"
@@ -256,8 +252,8 @@ def test_ops_recorded_into_a_graph_capture_are_not_tracked(
     for device tensors."""
     from gpusnap import launch_hooks
 
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
-    monkeypatch.setattr(_FakeGraph, "seen", [])
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(FakeGraph, "seen", [])
     touched: list[str] = []
     touch = CaptureWindow.touch
 
@@ -444,26 +440,17 @@ def test_a_failed_snapshot_save_does_not_keep_the_snapshot_alive(tmp_path: Any, 
     """The error of a failed save is kept (PendingSave, window.error); the copier clears its
     traceback's frames, so their locals (views of the snapshot buffer: on CUDA, device memory
     the size of the state) are not kept with it."""
-    from gpusnap.capture import concurrent as cc
-
     cfg = gpusnap.Config(chunk_size=CHUNK, staging_bytes=8 * CHUNK, copy_piece_bytes=2 * CHUNK,
                          pack_size=1 << 16, io_threads=1, eager_cpu_bytes=1 << 30, fsync=False)
     app = {f"t{i}": torch.randint(0, 255, (3000,), dtype=torch.uint8) for i in range(20)}
-    real = cc.ConcurrentSave._store
-    calls = [0]
-
-    def failing(self: Any, *args: Any) -> None:
-        calls[0] += 1
-        if calls[0] == 2:
-            raise OSError(28, "No space left on device")
-        real(self, *args)
-
-    monkeypatch.setattr(cc.ConcurrentSave, "_store", failing)
+    disk = StoreGate(held=False)
+    disk.fail_stores_after = 2  # a pack's header and first chunk fit, then the disk is full
+    disk.install(monkeypatch)
     with gpusnap.Checkpointer(tmp_path / "ck", config=cfg) as ck:
         pending = ck.save(app)
-        with pytest.raises(gpusnap.CheckpointError):
+        with pytest.raises(gpusnap.CheckpointError) as failed:
             pending.wait()
-        errors, seen = [pending._durable._error], set()
+        errors, seen = [failed.value], set()
         while errors:
             err = errors.pop()
             if err is None or id(err) in seen:

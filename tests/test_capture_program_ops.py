@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import gpusnap
-from gpusnap.capture import window as _window
-from gpusnap.capture.window import CaptureWindow
+from gpusnap.capture.window import CaptureWindow, buffers_from
 
 from capture_support import assert_bits, restored, tracked_config
 
@@ -136,27 +135,24 @@ def test_a_higher_order_op_over_budget_waits_for_every_pending_span(tmp_path: An
     assert info.stats["opaque_launches"] >= 1 and info.stats["waits"] >= 2 and info.stats["bytes_cow"] == 0
 
 
-def test_a_shadow_that_finds_no_memory_waits_instead(tmp_path: Any, gate: Any, monkeypatch: pytest.MonkeyPatch,
-                                                     windows: list[CaptureWindow]) -> None:
+def test_a_shadow_that_finds_no_memory_waits_instead(tmp_path: Any, gate: Any, windows: list[CaptureWindow]) -> None:
     """The shadow's allocation raises OutOfMemoryError once: the op still runs, the span is
     copied first and waited for, the budget it had counted goes back."""
     failed: list[int] = []
-    batched = _window._batched_copies
 
-    def out_of_memory_once(spans: Any, *args: Any, **kwargs: Any) -> Any:
-        if spans and not failed:
-            failed.append(len(spans))
+    def out_of_memory_once(nbytes: int, device: torch.device) -> torch.Tensor:
+        if not failed:
+            failed.append(nbytes)
             raise torch.OutOfMemoryError("simulated: no room for the copy-on-write shadow")
-        yield from batched(spans, *args, **kwargs)
-
-    monkeypatch.setattr(_window, "_batched_copies", out_of_memory_once)
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def program(state: dict[str, torch.Tensor]) -> None:
-        state["b"].add_(1.0)  # would be shadowed (within budget): the shadow fails
+        with buffers_from(out_of_memory_once):
+            state["b"].add_(1.0)  # would be shadowed (within budget): the shadow fails
         assert windows and windows[0].cow_used == 0, "the failed shadow's budget must go back"
 
     info, state = _in_window(tmp_path, gate, program, cow_budget_bytes=HUGE)
-    assert failed == [1]
+    assert failed == [state["b"].nbytes]  # b's shadow, the only buffer asked for
     assert info.stats["waits"] >= 1 and info.stats["bytes_cow"] == 0
     assert windows[0].cow_used == 0
     assert windows[0].stats.cow_failures == 1

@@ -5,29 +5,27 @@ views, ``out=``, ``copy_``, foreach ops, optimizer steps, backward, program erro
 ``pending.wait()``, restore and compare bit for bit with the clones.
 
 To make the races reachable (and some assertions deterministic) a test-only *gate* can hold
-the I/O side of a save: ``ConcurrentSave._store`` waits on it, so the copier fills the staging
-slots and then blocks with the remaining spans pending. Any wait of the program for a span
-(``CaptureWindow._wait_captured``) opens the gate first, so a wait can never deadlock. The
+the I/O side of a save: the storage backend's chunk stores wait on it, so the copier fills the
+staging slots and then blocks with the remaining spans pending. Any wait of the program for a
+span (``window.on_program_wait``) opens the gate first, so a wait can never deadlock. The
 gate is opened before every gpusnap call that would join the copier (save, wait, restore).
 """
 
 from __future__ import annotations
 
 import random
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  (imported lazily by the tracker's first op otherwise)
-from faults import HANG_S
+from capture_support import StoreGate
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import gpusnap
-from gpusnap.capture import concurrent as _concurrent
-from gpusnap.capture.window import CaptureWindow
+from gpusnap.capture.window import on_program_wait
 
 CHUNK = 512
 SLOTS = 4
@@ -49,38 +47,25 @@ def make_config(budget: int) -> gpusnap.Config:
     )
 
 
-class Gate:
+class Gate(StoreGate):
+    """Open unless :attr:`gated`; then :meth:`hold` closes it."""
+
     def __init__(self) -> None:
-        self.open = threading.Event()
-        self.open.set()
+        super().__init__(held=False)
         self.gated = False
 
     def hold(self) -> None:
         if self.gated:
-            self.open.clear()
-
-    def release(self) -> None:
-        self.open.set()
+            super().hold()
 
 
 @pytest.fixture
 def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
     g = Gate()
-    store = _concurrent.ConcurrentSave._store
-    wait_captured = CaptureWindow._wait_captured
-
-    def gated_store(self: Any, *args: Any, **kwargs: Any) -> Any:
-        g.open.wait(HANG_S)
-        return store(self, *args, **kwargs)
-
-    def opening_wait(self: Any, ws: Any) -> Any:
-        g.open.set()  # the program waits for this span: let the copier run
-        return wait_captured(self, ws)
-
-    monkeypatch.setattr(_concurrent.ConcurrentSave, "_store", gated_store)
-    monkeypatch.setattr(CaptureWindow, "_wait_captured", opening_wait)
-    yield g
-    g.open.set()
+    g.install(monkeypatch)
+    with on_program_wait(g.release):  # the program waits for a span: let the copier run
+        yield g
+    g.release()
 
 
 @pytest.fixture

@@ -7,15 +7,19 @@ from __future__ import annotations
 import random
 import threading
 import time
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from capture_support import StoreGate
 from faults import HANG_S, wait_until
 
 import gpusnap
-from gpusnap.capture import concurrent as _concurrent
+from gpusnap.capture.window import buffers_from
 from gpusnap.kernels.chunk_hash import chunk_hashes, hashes_to_hex
+from gpusnap.save import saves
 from gpusnap.storage.repository import Repository
 
 CHUNK = 512
@@ -29,40 +33,34 @@ def _config(**kw: Any) -> gpusnap.Config:
 
 
 @pytest.fixture
-def held(monkeypatch: pytest.MonkeyPatch):
+def held(monkeypatch: pytest.MonkeyPatch) -> Iterator[StoreGate]:
     """Chunk stores wait until released: the copier stalls with later spans still pending."""
-    gate = threading.Event()
-    store = _concurrent.ConcurrentSave._store
-
-    def gated_store(self: Any, *args: Any, **kwargs: Any) -> Any:
-        gate.wait(HANG_S)
-        return store(self, *args, **kwargs)
-
-    monkeypatch.setattr(_concurrent.ConcurrentSave, "_store", gated_store)
+    gate = StoreGate(held=True)
+    gate.install(monkeypatch)
     yield gate
-    gate.set()
+    gate.release()
 
 
 def _state() -> dict[str, torch.Tensor]:
     return {"a": torch.randn(2048), "b": torch.randn(1024), "c": torch.arange(300, dtype=torch.int64)}
 
 
-def test_unseen_write_fails_the_save_then_is_captured_eagerly(tmp_path: Any, held: threading.Event) -> None:
+def test_unseen_write_fails_the_save_then_is_captured_eagerly(tmp_path: Any, held: StoreGate) -> None:
     state = _state()
     before = {k: v.clone() for k, v in state.items()}
     with gpusnap.Checkpointer(tmp_path / "ck", config=_config(retry_validation=False)) as ck:
         pending = ck.save(state)
         state["b"].numpy()[7] = 1234.5  # numpy view: the dispatcher (the tracker) never sees it
-        held.set()
+        held.release()
         with pytest.raises(gpusnap.ValidationError, match="b"):
             pending.wait()
         assert ck.list() == [], "a save that failed validation commits nothing"
         state["b"].copy_(before["b"])
         # the offender is now copied at save(): the same unseen write cannot reach the checkpoint
-        held.clear()
+        held.hold()
         pending = ck.save(state)
         state["b"].numpy()[7] = -1.0
-        held.set()
+        held.release()
         info = pending.wait()
         assert info.stats["bytes_eager"] == state["b"].numel() * 4
         assert info.stats["validation"].startswith("ok")
@@ -71,14 +69,14 @@ def test_unseen_write_fails_the_save_then_is_captured_eagerly(tmp_path: Any, hel
         assert torch.equal(state[k], before[k]), k
 
 
-def test_without_validation_the_unseen_write_is_committed(tmp_path: Any, held: threading.Event) -> None:
+def test_without_validation_the_unseen_write_is_committed(tmp_path: Any, held: StoreGate) -> None:
     """The documented risk of validate=False, shown: the same schedule commits a wrong byte."""
     state = _state()
     expected = state["b"].clone()
     with gpusnap.Checkpointer(tmp_path / "ck", config=_config(validate=False)) as ck:
         pending = ck.save(state)
         state["b"].numpy()[7] = 1234.5
-        held.set()
+        held.release()
         info = pending.wait()
         assert info.stats["validation"].startswith("off")
         fresh = {k: torch.zeros_like(v) for k, v in state.items()}
@@ -147,12 +145,12 @@ def test_manifest_records_the_consistent_point_hashes(tmp_path: Any) -> None:
     assert list(manifest.storages[0].hashes) == expected
 
 
-def test_a_failed_validation_is_retried_once_at_the_next_call(tmp_path: Any, held: threading.Event) -> None:
+def test_a_failed_validation_is_retried_once_at_the_next_call(tmp_path: Any, held: StoreGate) -> None:
     state = _state()
     with gpusnap.Checkpointer(tmp_path / "ck", config=_config(retry_validation=True)) as ck:
         pending = ck.save(state)
         state["b"].numpy()[3] = 99.0  # unseen write: this attempt fails validation
-        held.set()
+        held.release()
         retried_from = {k: v.clone() for k, v in state.items()}  # the retry's consistent point
         info = pending.wait()  # the retry starts here, on the saving thread, and succeeds
         assert info.id == pending.id and "a retry" in info.stats["validation"]
@@ -166,20 +164,16 @@ def test_a_failed_validation_is_retried_once_at_the_next_call(tmp_path: Any, hel
 
 
 def test_a_retried_blocking_save_reports_the_callers_whole_wait(
-    tmp_path: Any, held: threading.Event, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Any, held: StoreGate, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Device state's blocking saves go through a window; one that fails validation is retried
     inside the caller's wait, and its stall_s is the whole wait, first attempt included."""
-    monkeypatch.setattr(gpusnap.Checkpointer, "_blocking_via_window", staticmethod(lambda flat: True))
+    # private: blocking saves of host state take the stop-the-world path, and no Config knob
+    # sends them through a window (only device state does); a non-blocking save's stall_s is
+    # save()'s own, so it cannot show a blocking caller's whole wait
+    monkeypatch.setattr(saves, "_blocking_via_window", lambda flat: True)
     state = _state()
-    storing = threading.Event()  # the first attempt's copier has handed a piece of "a" to a writer
-    gated_store = _concurrent.ConcurrentSave._store
-
-    def noted_store(self: Any, *args: Any, **kwargs: Any) -> Any:
-        storing.set()
-        return gated_store(self, *args, **kwargs)
-
-    monkeypatch.setattr(_concurrent.ConcurrentSave, "_store", noted_store)
+    storing = held.entered  # the first attempt's copier has handed a piece of "a" to a writer
 
     def unseen_write_then_release() -> None:
         # inside the first attempt, which the caller waits through: its copier stalls in "a"
@@ -187,12 +181,12 @@ def test_a_retried_blocking_save_reports_the_callers_whole_wait(
         assert storing.wait(HANG_S)
         state["b"].numpy()[3] = 99.0
         time.sleep(0.5)  # a duration the caller's stall must include (not an ordering device)
-        held.set()
+        held.release()
 
     with gpusnap.Checkpointer(tmp_path / "ck", config=_config(retry_validation=True)) as ck:
-        held.set()
+        held.release()
         ck.save(state).wait()  # the first window of a Checkpointer is tracked anyway
-        held.clear()
+        held.hold()
         storing.clear()
         for v in state.values():
             v.add_(1)  # every chunk changed: none is skipped, the copier stalls on staging
@@ -205,19 +199,11 @@ def test_a_retried_blocking_save_reports_the_callers_whole_wait(
 
 
 @pytest.mark.parametrize("snapshot", [True, False], ids=["snapshot", "tracked"])
-def test_incremental_compares_only_where_it_pays(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, snapshot: bool) -> None:
+def test_incremental_compares_only_where_it_pays(tmp_path: Any, snapshot: bool) -> None:
     """Training (every chunk changes): after one comparison that finds nothing unchanged, saves
     copy at once (no wait for the hashes), and each one still learns the unchanged share from
     its own hashes. Once the state freezes, the first save copies at once but finds it all
     unchanged, so the next one compares and skips. Every checkpoint restores exactly."""
-    compared: list[bool] = []
-    init = _concurrent.ConcurrentSave.__init__
-
-    def spy(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        compared.append(self.compared)
-
-    monkeypatch.setattr(_concurrent.ConcurrentSave, "__init__", spy)
     config = _config(cpu_snapshot_bytes=(1 << 20) if snapshot else 0)  # whole-state snapshot, or tracked
     g = torch.Generator().manual_seed(11)
     state = {"w": torch.randn(4096, generator=g), "m": torch.randn(2048, generator=g)}
@@ -237,6 +223,7 @@ def test_incremental_compares_only_where_it_pays(tmp_path: Any, monkeypatch: pyt
         # save 1: nothing to compare with; 2 compares (0% unchanged); 3, 4 copy at once;
         # 5 copies at once but finds "w" (2/3 of the bytes) unchanged; so 6 compares
         # (0% again), and 7 copies at once
+        compared = [note.startswith("compared") for note in notes]  # what each save did
         assert compared == [False, True, False, False, False, True, False], notes
         assert notes[0] == "nothing to compare with"
         assert notes[1].startswith("compared") and "0.0%" in notes[1]
@@ -278,7 +265,7 @@ def test_uncompared_saves_hash_the_snapshot_not_the_live_state(tmp_path: Any, de
             info = pending.wait()
         assert info.stats["incremental"].startswith("not compared"), info.stats["incremental"]
         assert not info.stats["tracked"] and info.stats["bytes_snapshot"] == sum(v.nbytes for v in state.values())
-        manifest = ck._repository(create=False).load_manifest(info.id)
+        manifest = Repository.open(str(tmp_path / "ck")).load_manifest(info.id)
         for entry, name in zip(manifest.storages, expected):
             assert entry.hashes is not None
             assert list(entry.hashes) == hashes_to_hex(chunk_hashes(expected[name].view(torch.uint8), CHUNK)), name
@@ -288,22 +275,17 @@ def test_uncompared_saves_hash_the_snapshot_not_the_live_state(tmp_path: Any, de
 
 
 @pytest.fixture
-def snapshot_refs(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Weak references to every snapshot shadow the saves take from now on."""
-    import weakref
-
-    from gpusnap.capture import window as window_mod
-
+def snapshot_refs() -> Iterator[list[Any]]:
+    """Weak references to every snapshot (and shadow) buffer the saves take from now on."""
     refs: list[Any] = []
-    batched = window_mod._batched_copies
 
-    def spy(spans: Any, **kwargs: Any) -> Any:
-        for device, group, buffer, offsets, event in batched(spans, **kwargs):
-            refs.append(weakref.ref(buffer))
-            yield device, group, buffer, offsets, event
+    def watched(nbytes: int, device: torch.device) -> torch.Tensor:
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        refs.append(weakref.ref(buffer))
+        return buffer
 
-    monkeypatch.setattr(window_mod, "_batched_copies", spy)
-    return refs
+    with buffers_from(watched):
+        yield refs
 
 
 @pytest.mark.parametrize("incremental", [False, True])
@@ -329,18 +311,10 @@ def test_a_failed_uncompared_save_frees_its_snapshot(tmp_path: Any, monkeypatch:
                                                      snapshot_refs: list[Any]) -> None:
     """An uncompared save keeps its snapshot for the hash at commit; if its writes fail
     (a full disk), the snapshot must go back all the same."""
-    import errno
     import gc
 
-    fail = threading.Event()
-    store = _concurrent.ConcurrentSave._store
-
-    def full_disk(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if fail.is_set():
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return store(self, *args, **kwargs)
-
-    monkeypatch.setattr(_concurrent.ConcurrentSave, "_store", full_disk)
+    disk = StoreGate(held=False)
+    disk.install(monkeypatch)
     state = {f"t{i}": torch.randn(4096) for i in range(4)}
     with gpusnap.Checkpointer(tmp_path / "ck", config=_config(cpu_snapshot_bytes=1 << 24, staging_bytes=1 << 20)) as ck:
         for _ in range(2):  # nothing to compare with; compared (0% unchanged)
@@ -348,7 +322,7 @@ def test_a_failed_uncompared_save_frees_its_snapshot(tmp_path: Any, monkeypatch:
                 t.add_(1.0)
             ck.save(state).wait()
         snapshot_refs.clear()
-        fail.set()
+        disk.fail_stores_after = disk.pack_writes  # the disk is full from now on
         for t in state.values():
             t.add_(1.0)
         pending = ck.save(state)
@@ -390,13 +364,8 @@ def test_uncompared_snapshots_go_back_before_the_commit(tmp_path: Any, snapshot_
     used to stay allocated until the commit, seconds later on a big model."""
     import gc
 
-    release = threading.Event()
-    store_many = _concurrent.ConcurrentSave._store_many
-
-    def held(self: Any, pieces: Any) -> None:
-        release.wait(HANG_S)
-        store_many(self, pieces)
-
+    writers = StoreGate(held=False)
+    writers.install(monkeypatch)
     state = {f"t{i}": torch.randn(4096) for i in range(4)}
     config = _config(cpu_snapshot_bytes=1 << 24, staging_bytes=1 << 20)
     with gpusnap.Checkpointer(tmp_path / "ck", config=config) as ck:
@@ -405,7 +374,7 @@ def test_uncompared_snapshots_go_back_before_the_commit(tmp_path: Any, snapshot_
                 t.add_(1.0)
             ck.save(state).wait()
         snapshot_refs.clear()
-        monkeypatch.setattr(_concurrent.ConcurrentSave, "_store_many", held)
+        writers.hold()  # the next save's chunk stores wait
         for t in state.values():
             t.add_(1.0)
         expected = {k: v.clone() for k, v in state.items()}
@@ -416,7 +385,7 @@ def test_uncompared_snapshots_go_back_before_the_commit(tmp_path: Any, snapshot_
                        "the snapshot was let go before the commit")
             assert not pending.done()  # the writers are still held: nothing is committed yet
         finally:
-            release.set()
+            writers.release()
         info = pending.wait()
         assert info.stats["incremental"].startswith("not compared"), info.stats["incremental"]
         got = {k: torch.zeros_like(v) for k, v in state.items()}

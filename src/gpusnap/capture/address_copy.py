@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -39,7 +40,9 @@ __all__ = ["DriverCopies", "DriverEvent", "HostCopies", "address_copies"]
 _BLOCKING_SYNC, _DISABLE_TIMING = 0x1, 0x2  # CU_EVENT_* flags
 _NOT_READY = 600  # CUDA_ERROR_NOT_READY
 _primary_lock = threading.Lock()
-_primary: dict[int, int] = {}  # device index -> its retained primary context (process lifetime)
+# per driver library (the process has one; a test's fake driver has its own): device index ->
+# its retained primary context, kept for the library's lifetime
+_primary: weakref.WeakKeyDictionary[Any, dict[int, int]] = weakref.WeakKeyDictionary()
 
 ENABLED = True  # False: the copier copies through torch (an A/B switch for the probes)
 
@@ -182,15 +185,16 @@ def _driver() -> ctypes.CDLL | None:
 
 
 def _primary_context(lib: ctypes.CDLL, index: int) -> int:
-    """The device's primary context, retained once per process (torch's own context)."""
+    """The device's primary context (torch's own), retained once per process and driver library."""
     with _primary_lock:
-        if index not in _primary:
+        retained = _primary.setdefault(lib, {})
+        if index not in retained:
             device, context = ctypes.c_int(), ctypes.c_void_p()
             _check(lib, lib.cuDeviceGet(ctypes.byref(device), index), "cuDeviceGet")
             _check(lib, lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuDevicePrimaryCtxRetain")
             assert context.value is not None
-            _primary[index] = context.value
-        return _primary[index]
+            retained[index] = context.value
+        return retained[index]
 
 
 def _check(lib: ctypes.CDLL, rc: int, what: str) -> None:

@@ -26,6 +26,7 @@ only the child's copy of memory, never the parent's checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import threading
 import time
@@ -45,7 +46,17 @@ from gpusnap.kernels.gather_copy import gather_copy, gather_copy_available, gath
 from gpusnap.state.flat import shrunk_storage_error
 from gpusnap.state.flatten import FlatState, StorageSpan
 
-__all__ = ["SNAPSHOT_ALIGN", "CaptureWindow", "SnapshotBuffer", "SpanState", "WindowSpan", "WindowStats"]
+__all__ = [
+    "SNAPSHOT_ALIGN",
+    "Allocate",
+    "CaptureWindow",
+    "SnapshotBuffer",
+    "SpanState",
+    "WindowSpan",
+    "WindowStats",
+    "buffers_from",
+    "on_program_wait",
+]
 
 
 class SpanState(enum.Enum):
@@ -374,6 +385,9 @@ class CaptureWindow:
             ws.urgent = True
             self._urgent.append(ws)
             self.cond.notify_all()
+        if _wait_listeners and ws.state is not SpanState.CAPTURED and self.error is None:
+            for listener in _wait_listeners[:]:  # (a copy: a listener may leave meanwhile)
+                listener()
         self._waiting += 1
         try:
             while ws.state is not SpanState.CAPTURED and self.error is None:  # (a failed save: no wait)
@@ -566,7 +580,46 @@ _HOST_MOVE_MAX = 256 << 10  # CPU spans up to this are snapshotted by memmove (s
 def _new_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     """The buffer of one device's snapshots or shadows (``torch.OutOfMemoryError`` when the
     device has no room: a snapshot then falls back to tracking, a shadow to a wait)."""
+    return _allocate(nbytes, device)
+
+
+# -- seams: what a test (or a diagnostic tool) may observe or replace, process-wide ---------------
+Allocate = Callable[[int, torch.device], torch.Tensor]  # (nbytes, device) -> a uint8 tensor of nbytes
+
+
+def _empty(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+_allocate: Allocate = _empty
+_wait_listeners: list[Callable[[], None]] = []
+
+
+@contextlib.contextmanager
+def buffers_from(allocate: Allocate) -> Iterator[None]:
+    """Within the block, every snapshot and copy-on-write shadow buffer comes from
+    ``allocate(nbytes, device)`` instead of ``torch.empty``: fault injection (raising
+    ``torch.OutOfMemoryError`` takes the path of a device without room: a snapshot falls back
+    to tracking, a shadow to a wait), or a watch on the buffers' lifetime."""
+    global _allocate
+    previous, _allocate = _allocate, allocate
+    try:
+        yield
+    finally:
+        _allocate = previous
+
+
+@contextlib.contextmanager
+def on_program_wait(listener: Callable[[], None]) -> Iterator[None]:
+    """Within the block, ``listener()`` runs whenever a program thread is about to block until
+    the copier has issued a span (over the copy-on-write budget, or a shadow without memory).
+    It runs on that thread, under the window's lock: it must not block or call gpusnap. A test
+    that holds a save's writers lets them go there (the copier waits for their staging)."""
+    _wait_listeners.append(listener)
+    try:
+        yield
+    finally:
+        _wait_listeners.remove(listener)
 
 
 def _storage_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
