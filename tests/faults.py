@@ -49,6 +49,8 @@ class _FaultyHandle:
         self._path = path
 
     def write(self, data: bytes | memoryview) -> None:
+        if self._owner.before_write is not None:
+            self._owner.before_write(self._path)
         view = memoryview(data)
         budget = self._owner.write_budget
         if budget is not None and self._owner.bytes_written + len(view) > budget:
@@ -70,6 +72,9 @@ class FaultyBackend:
     * ``fail_open_write``: paths for which ``open_write`` raises ``write_errno``.
     * ``read_errno``: raised by every ``read_range`` / ``readinto_range`` / ``size`` when set.
     * ``fail_rename``: destination paths for which ``rename`` raises ``rename_errno`` (EIO).
+    * ``before_write`` / ``before_rename``: called with the path (the destination) before
+      each write or rename: a test blocks there (a slow disk) or raises (Ctrl-C mid-save).
+    * ``reads``: the paths read, in order (``read_range`` and ``readinto_range``).
     """
 
     def __init__(self, inner: Backend) -> None:
@@ -82,6 +87,9 @@ class FaultyBackend:
         self.read_errno: int | None = None
         self.fail_rename: Callable[[str], bool] | None = None
         self.rename_errno = errno.EIO
+        self.before_write: Callable[[str], None] | None = None
+        self.before_rename: Callable[[str], None] | None = None
+        self.reads: list[str] = []
 
     def describe(self, path: str) -> str:
         return self.inner.describe(path)
@@ -108,16 +116,20 @@ class FaultyBackend:
         return _FaultyHandle(self, self.inner.open_write(path), self.describe(path))
 
     def rename(self, src: str, dst: str) -> None:
+        if self.before_rename is not None:
+            self.before_rename(dst)
         if self.fail_rename is not None and self.fail_rename(dst):
             raise _oserror(self.rename_errno, self.describe(dst))
         self.inner.rename(src, dst)
 
     def read_range(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         self._maybe_fail_read(path)
+        self.reads.append(path)
         return self.inner.read_range(path, offset, length)
 
     def readinto_range(self, path: str, offset: int, out: memoryview) -> int:
         self._maybe_fail_read(path)
+        self.reads.append(path)
         return self.inner.readinto_range(path, offset, out)
 
     def remove(self, path: str) -> None:

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from faults import HANG_S
+from faults import HANG_S, FaultyBackend
 from torch import nn
 
 import gpusnap
@@ -164,22 +164,29 @@ def test_retention_does_not_reread_the_manifests_it_keeps(tmp_path, monkeypatch)
     and re-parsing every retained manifest cost each save the parse on the writer thread and
     left parsed copies (thousands of objects each on a large model) for the collector. An
     explicit gc still reads every manifest afresh."""
+    from fast_support import durable_backend
+
+    from gpusnap.storage.backend import open_backend
     from gpusnap.storage.repository import Repository
 
-    reads = []
-    real = Repository._read_manifest
-    monkeypatch.setattr(Repository, "_read_manifest", lambda self, name: reads.append(name) or real(self, name))
+    root = tmp_path / "ck"
+    backend = durable_backend(monkeypatch, root, FaultyBackend(open_backend(root)))
+
+    def manifest_reads():
+        return [p for p in backend.reads if "manifests" in p]
+
     t = torch.zeros(2048)
-    with gpusnap.Checkpointer(tmp_path / "ck", keep_last=2, config=_small_config()) as ck:
+    with gpusnap.Checkpointer(root, keep_last=2, config=_small_config()) as ck:
         for i in range(5):
             t.fill_(i)
             ck.save({"t": t}, tag=f"s{i}").wait()
-        assert reads == []
+        assert manifest_reads() == []
         assert [i.tag for i in ck.list()] == ["s3", "s4"]
         ck.restore({"t": t}, "s3")
         assert torch.equal(t, torch.full((2048,), 3.0))
-        report = ck._repo.gc(2)
-        assert not report.deleted_checkpoints and len(reads) == 2  # explicit: afresh
+    backend.reads.clear()
+    report = Repository.open(root, config=_small_config()).gc(2)
+    assert not report.deleted_checkpoints and len(manifest_reads()) == 2  # explicit: afresh
 
 
 @pytest.mark.parametrize("blocking", [False, True])
@@ -207,7 +214,9 @@ def test_memory_is_freed_at_wait_even_while_the_writer_still_holds_the_job(tmp_p
     """wait() returns as soon as the writer reports the save done; the writer thread may still
     hold the finished job for a moment (in .ci/run this made the test above fail now and
     then). The job's records must not keep the state's memory alive by then."""
-    real = gpusnap.Checkpointer._run_job
+    from gpusnap.save.commit import Committer
+
+    real = Committer.run
     looked = [threading.Event()]  # the test has checked this save's memory
     test_thread = threading.current_thread()
 
@@ -217,7 +226,8 @@ def test_memory_is_freed_at_wait_even_while_the_writer_still_holds_the_job(tmp_p
         if threading.current_thread() is not test_thread:  # (a blocking save may run it right here)
             mine.wait(HANG_S)  # the job is still referenced here and by the writer loop
 
-    monkeypatch.setattr(gpusnap.Checkpointer, "_run_job", slow_to_let_go)
+    # private: nothing public happens after a save reports done for a fault to hold the writer at
+    monkeypatch.setattr(Committer, "run", slow_to_let_go)
     freed = torch.UntypedStorage._expired
     with gpusnap.Checkpointer(tmp_path / "ck", config=_small_config()) as ck:
         for blocking in (False, True):

@@ -9,6 +9,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import gpusnap
+from gpusnap.save import saves as saves_mod
 from gpusnap import Config
 
 
@@ -95,8 +96,8 @@ def test_copy_order_learns_from_previous_window(tmp_path, gate):
         app["written"].add_(1)  # inside the window: the copier is held in "first"
         gate.release()
         pending.wait()
-        assert ck._history.write_order[:1] == ["written"]
-        flat_order = ck._history.copy_order(gpusnap.state.flatten(app))
+        assert ck._saves.planner.history.write_order[:1] == ["written"]
+        flat_order = ck._saves.planner.history.copy_order(gpusnap.state.flatten(app))
         assert flat_order[0] == 1, "the span written soonest is copied first next time"
 
 
@@ -172,6 +173,7 @@ def test_whole_state_snapshot_out_of_memory_falls_back_to_tracking(tmp_path, mon
     cfg = Config(chunk_size=1 << 16, pack_size=1 << 24, io_threads=2, fsync=False, eager_device_bytes=0)
     with gpusnap.Checkpointer(tmp_path / "ck", config=cfg) as ck:
         ck.save(state).wait()
+        # private: a CUDA out-of-memory in the window's one batched copy has no public seam
         monkeypatch.setattr(window_mod, "_batched_copies", oom_once)
         expected = {k: v.clone() for k, v in state.items()}
         pending = ck.save(state)
@@ -209,8 +211,8 @@ def test_blocking_save_of_device_state_goes_through_a_window_and_returns_durable
     """Device state: a blocking save is a concurrent save the caller waits for (pinned
     staging, writers free of the caller's GIL use); host state keeps the stop-the-world path.
     On CPU the choice is forced, to exercise the wiring."""
-    if device == "cpu":
-        monkeypatch.setattr(gpusnap.Checkpointer, "_blocking_via_window", staticmethod(lambda flat: True))
+    if device == "cpu":  # private: only device state takes this path, and CI has no device
+        monkeypatch.setattr(saves_mod, "_blocking_via_window", lambda flat: True)
     state = {"w": torch.randn(4096, device=device), "b": torch.randn(100, device=device)}
     before = {k: v.clone() for k, v in state.items()}
     with gpusnap.Checkpointer(tmp_path / "ck", config=_cfg(device_snapshot=True)) as ck:
@@ -262,7 +264,7 @@ def test_a_shut_down_copier_runner_falls_back_to_a_thread(tmp_path):
     before = state["w"].clone()
     with gpusnap.Checkpointer(tmp_path / "ck", config=_cfg()) as ck:
         ck.save(state).wait()
-        ck._copier_runner.shutdown()  # what interpreter exit does to a save from a late thread
+        ck._saves.copier_runner.shutdown()  # what interpreter exit does to a save from a late thread
         pending = ck.save(state)
         state["w"].add_(1)
         info = pending.wait()

@@ -1,10 +1,10 @@
 """A Checkpointer with a fast root prepares the slabs of later saves in the background
-(``FastTier.prepare_ahead`` from ``Checkpointer._fast_room``): after the first save the
+(``FastTier.prepare_for`` when a save reserves room, ``save/fast_room.py``): after the first save the
 tier holds slab bytes for ``fast_keep_last + 1`` saves, the saves that follow create no
 slab file, and a slab the preparer could not make is left to the save that takes it.
 
 CPU tensors (as every fast-tier test): the slabs are files under ``tmp_path``. Nothing
-waits on time: the tests join the tier's preparer (``ckpt._fast._preparer.join()``).
+waits on time: the tests join the tier's preparer (``FastTier.wait_prepared``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def test_after_the_first_save_later_saves_find_their_slabs_ready(tmp_path: Path,
     with gpusnap.Checkpointer(durable, fast_root=fast, config=CFG, fast_keep_last=keep) as ck:
         first = ck.save(state).wait()
         assert first.tier == "fast"
-        tier = ck._fast
+        tier = ck._tiers.fast()
         assert tier is not None
         tier._preparer.join()
         assert not tier._preparer.busy()
@@ -79,7 +79,7 @@ def test_closing_the_checkpointer_stops_the_preparer(tmp_path: Path) -> None:
     ck = gpusnap.Checkpointer(durable, fast_root=fast, config=CFG)
     try:
         ck.save(state).wait()
-        tier = ck._fast
+        tier = ck._tiers.fast()
         assert tier is not None
         tier._preparer.join()
         before = _slabs(fast)
@@ -98,7 +98,7 @@ REFUSED = 1  # the first slab the first save's prepare_ahead adds beside its own
 def test_a_slab_the_preparer_could_not_make_is_made_by_the_save_that_takes_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = FastTier._make_slab
+    real = FastTier.make_slab
     refused: list[int] = []
 
     def refuse_one_in_the_background(self: FastTier, slab: int) -> Any:
@@ -111,12 +111,12 @@ def test_a_slab_the_preparer_could_not_make_is_made_by_the_save_that_takes_it(
             raise OSError(28, "No space left on device")
         return real(self, slab)
 
-    monkeypatch.setattr(FastTier, "_make_slab", refuse_one_in_the_background)
+    monkeypatch.setattr(FastTier, "make_slab", refuse_one_in_the_background)
     durable, fast = roots(tmp_path)
     state = make_state(0, width=128, extra=200_000)
     with gpusnap.Checkpointer(durable, fast_root=fast, config=CFG) as ck:
         ck.save(state).wait()  # the save never sees the preparer's error
-        tier = ck._fast
+        tier = ck._tiers.fast()
         assert tier is not None
         tier._preparer.join()
         assert len(refused) == 1
@@ -153,7 +153,7 @@ def test_prepare_makes_the_first_saves_slabs_before_it(tmp_path: Path) -> None:
         made = ck.prepare(state, wait=True)
         ready = _slabs(fast)
         assert made == sum(n for _, n in ready) > 0
-        assert ck._fast is not None and ck._fast.prepared_bytes() == made
+        assert ck._tiers.fast().prepared_bytes() == made
         first = ck.save(state).wait()
         assert made >= 3 * first.nbytes  # the two kept and the next
         assert _slabs(fast) == ready, "the first save made slab files"

@@ -80,7 +80,7 @@ def test_a_fast_root_removed_between_saves_is_made_again_and_the_durable_root_is
         promoted = ck.save(state, promote=True).wait()
         ck.wait()
         durable_files = sorted(p.relative_to(durable) for p in durable.rglob("*") if p.is_file())
-        old_tier = ck._fast
+        old_tier = ck._tiers.fast()
         assert old_tier is not None
         old_tier._preparer.join()
         shutil.rmtree(fast)  # a cleaned /dev/shm
@@ -89,7 +89,7 @@ def test_a_fast_root_removed_between_saves_is_made_again_and_the_durable_root_is
         expected = snapshot(state)
         assert after.tier == "fast"
         # the old tier let its maps go (their deleted files' memory with them) and is forgotten
-        assert ck._fast is not old_tier and old_tier._maps == {} and old_tier not in ck._opened
+        assert ck._tiers.fast() is not old_tier and old_tier._maps == {} and old_tier not in ck._tiers.opened
         assert [(i.id, i.tier) for i in ck.list()] == [(promoted.id, "durable"), (after.id, "fast")]
         train(state, 3)
         again = ck.save(state).wait()  # and the one after (its previous checkpoint is in the new tier)

@@ -201,7 +201,7 @@ def test_the_ranges_a_save_placed_are_those_its_manifest_names(tmp_path: Path) -
             if step > 2:
                 train(state, step)
             info = ck.save(state).wait()
-            tier = ck._fast_tier()
+            tier = ck._tiers.fast()
             manifest = tier.resolve(info.id)
             parsed: dict[int, list[tuple[int, int]]] = {}
             _add_ranges(parsed, manifest)

@@ -15,7 +15,7 @@ def test_rebuild_racing_a_commit_drops_its_ranges(tmp_path: Path) -> None:
     state = make_state(0, width=128, extra=200_000)
     with gpusnap.Checkpointer(durable, fast_root=fast, config=cfg(), fast_keep_last=5) as ck:
         ck.save(state).wait()
-        tier = ck._fast
+        tier = ck._tiers.fast()
         tier._forget_used()  # what delete()/retention leave
         orig = tier._scan
         box = {}

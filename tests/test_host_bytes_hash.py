@@ -33,7 +33,7 @@ def test_a_promotion_checked_on_a_scratch_device_refuses_a_corrupt_slab(tmp_path
     state = {"w": torch.arange(100_000, dtype=torch.float32)}
     with gpusnap.Checkpointer(durable, fast_root=fast, config=CFG, promote_every=1000) as ck:
         info = ck.save(state).wait()
-        tier = ck._fast
+        tier = ck._tiers.fast()
         assert tier is not None
         tier.check_device = torch.device("cpu")
         good = Repository.open(fast)
@@ -50,7 +50,7 @@ def test_a_promotion_checked_on_a_scratch_device_refuses_a_corrupt_slab(tmp_path
         assert not bad.verify().ok
         manifest = next(m for m in tier._scan()[0] if m.id == info.id)
         with pytest.raises(IntegrityError, match="does not match its hash"):
-            promote(tier, manifest, ck._repository(create=True))
+            promote(tier, manifest, ck._tiers.durable(create=True))
     assert Repository.open(durable).list() == []  # nothing corrupt became durable
 
 

@@ -8,21 +8,22 @@ aborted) and propagates; close() twice, from another thread, or a save() after i
 
 from __future__ import annotations
 
+import signal
+import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from faults import tmp_files
+from fast_support import durable_backend
+from faults import FaultyBackend, tmp_files, wait_until
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import gpusnap
-from gpusnap import checkpointer as checkpointer_module
-from gpusnap.capture import concurrent as _concurrent
+from gpusnap.capture import concurrent as concurrent_mod
 from gpusnap.errors import CheckpointError, ValidationError
-from gpusnap.handles import PendingSave
+from gpusnap.storage.backend import open_backend
 from gpusnap.storage.repository import Repository
 
 CHUNK = 512
@@ -51,35 +52,40 @@ def _state() -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture
-def held(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Chunk stores wait until released: the copier stalls with later spans still pending, so
-    an unseen write to "b" after save() is copied, and fails validation."""
+def backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FaultyBackend:
+    """The storage backend of every test's root (``tmp_path / "ck"``), for faults."""
+    root = tmp_path / "ck"
+    return durable_backend(monkeypatch, root, FaultyBackend(open_backend(root)))
+
+
+@pytest.fixture
+def held(backend: FaultyBackend) -> Any:
+    """Chunk stores (writes of packs) wait until released: the copier stalls with later spans
+    still pending, so an unseen write to "b" after save() is copied, and fails validation."""
     gate = threading.Event()
-    store = _concurrent.ConcurrentSave._store
-
-    def gated_store(self: Any, *args: Any, **kwargs: Any) -> Any:
-        gate.wait(WAIT_S)
-        return store(self, *args, **kwargs)
-
-    monkeypatch.setattr(_concurrent.ConcurrentSave, "_store", gated_store)
+    backend.before_write = lambda path: gate.wait(WAIT_S) if path.endswith(".pack") else None
     yield gate
     gate.set()
 
 
 @pytest.fixture
-def writer_gate(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """The writer thread waits before each job until released (saves queue up behind it)."""
+def writer_gate(backend: FaultyBackend) -> Any:
+    """The writer thread waits at each commit until released (saves queue up behind it)."""
     gate = threading.Event()
-    run_job = gpusnap.Checkpointer._run_job
-
-    def gated(self: gpusnap.Checkpointer, *args: Any) -> None:
-        if threading.current_thread().name == "gpusnap-writer":
-            gate.wait(WAIT_S)
-        run_job(self, *args)
-
-    monkeypatch.setattr(gpusnap.Checkpointer, "_run_job", gated)
+    backend.before_rename = lambda path: gate.wait(WAIT_S) if path.startswith("manifests/") else None
     yield gate
     gate.set()
+
+
+def _inside(thread: threading.Thread, function: str, where: str = "gpusnap") -> bool:
+    """Whether ``thread`` is running ``function`` (of a file whose path has ``where``) now:
+    its stack, read from outside."""
+    frame = sys._current_frames().get(thread.ident)  # type: ignore[arg-type]
+    while frame is not None:
+        if frame.f_code.co_name == function and where in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _root_is_clean(root: Path) -> None:
@@ -135,18 +141,8 @@ def test_a_retry_due_on_a_thread_busy_elsewhere_fails_at_once(tmp_path: Path, he
         assert ck.list() == []
 
 
-def test_a_retry_runs_while_its_thread_waits_and_another_waits_too(
-    tmp_path: Path, held: threading.Event, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    saved, inside = threading.Event(), threading.Event()
-    reap = gpusnap.Checkpointer._reap
-
-    def watched_reap(self: gpusnap.Checkpointer, **kw: Any) -> None:
-        if threading.current_thread().name == "helper" and saved.is_set():
-            inside.set()  # the helper is inside its wait (which runs its retries)
-        reap(self, **kw)
-
-    monkeypatch.setattr(gpusnap.Checkpointer, "_reap", watched_reap)
+def test_a_retry_runs_while_its_thread_waits_and_another_waits_too(tmp_path: Path, held: threading.Event) -> None:
+    saved = threading.Event()
     box: dict[str, Any] = {}
 
     def wait_here() -> None:
@@ -156,7 +152,9 @@ def test_a_retry_runs_while_its_thread_waits_and_another_waits_too(
     with gpusnap.Checkpointer(tmp_path / "ck", config=_config(retry_validation=True)) as ck:
         helper = _saving_thread(ck, _state(), held, box, then=wait_here)
         helper.start()
-        assert inside.wait(WAIT_S)
+        assert saved.wait(WAIT_S)
+        # the helper is inside its wait (which runs its retries), or already through it
+        wait_until(lambda: _inside(helper, "wait_for") or "info" in box, "the helper's wait")
         infos = ck.wait(timeout=WAIT_S)
         helper.join()
         assert [i.id for i in infos] == [box["info"].id] == [box["pending"].id]
@@ -169,12 +167,12 @@ def test_two_threads_waiting_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyP
         state = _state()
         ck.save(state).wait()  # the first window logs reads (tracked); the next is not
         ck.save(state)
-        capture = ck._windows[-1]
+        capture = ck._saves.windows.newest()
         assert not capture.tracked
         capture.wait_captured()  # closed, still listed: both waiters find it
         both = threading.Barrier(2)
         arrived: set[str] = set()
-        reap = _concurrent.ConcurrentSave.reap
+        reap = concurrent_mod.ConcurrentSave.reap
 
         def reap_together(self: Any) -> bool:
             name = threading.current_thread().name
@@ -183,7 +181,8 @@ def test_two_threads_waiting_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyP
                 both.wait(WAIT_S)  # both have listed the window before either forgets it
             return reap(self)
 
-        monkeypatch.setattr(_concurrent.ConcurrentSave, "reap", reap_together)
+        # the capture layer's own reap, on both waiting threads at once (no storage call to hold)
+        monkeypatch.setattr(concurrent_mod.ConcurrentSave, "reap", reap_together)
         errors: list[BaseException] = []
 
         def waiter() -> None:
@@ -198,7 +197,7 @@ def test_two_threads_waiting_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyP
         for w in waiters:
             w.join()
         assert errors == []
-        assert ck._windows == []
+        assert ck._saves.windows.listed() == 0
 
 
 def test_a_wait_on_another_thread_leaves_the_savers_tracker_to_it(tmp_path: Path) -> None:
@@ -223,40 +222,28 @@ def test_a_wait_on_another_thread_leaves_the_savers_tracker_to_it(tmp_path: Path
 
 
 # -- (c) Ctrl-C and close() -----------------------------------------------------------------------
-def test_ctrl_c_while_save_waits_for_a_queue_slot(
-    tmp_path: Path, writer_gate: threading.Event, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    made: list[PendingSave] = []
-
-    class Recorded(PendingSave):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
-    monkeypatch.setattr(checkpointer_module, "PendingSave", Recorded)
+def test_ctrl_c_while_save_waits_for_a_queue_slot(tmp_path: Path, writer_gate: threading.Event) -> None:
     root = tmp_path / "ck"
     ck = gpusnap.Checkpointer(root, config=_config(max_pending_saves=1))
     try:
         state = _state()
         first = ck.save(state)  # the writer holds it
         second = ck.save(state)  # queued: the queue is full
-        acquire = ck._slots.acquire
+        main = threading.main_thread()
 
-        def interrupted_acquire(blocking: bool = True, timeout: float | None = None) -> bool:
-            if not acquire(blocking=False):  # it would block: Ctrl-C arrives now
-                raise KeyboardInterrupt
-            return True
+        def ctrl_c_while_waiting_for_a_slot() -> None:  # Ctrl-C arrives while save() blocks
+            wait_until(lambda: _inside(main, "enqueue") and _inside(main, "acquire", "threading"), "the third save's wait")
+            signal.pthread_kill(main.ident, signal.SIGINT)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(ck._slots, "acquire", interrupted_acquire)
+        interrupter = threading.Thread(target=ctrl_c_while_waiting_for_a_slot)
+        interrupter.start()
         with pytest.raises(KeyboardInterrupt):
             ck.save(state)
-        monkeypatch.setattr(ck._slots, "acquire", acquire)
-        third = made[-1]
-        assert third not in (first, second)
-        assert third.done() and third not in ck._pending, "the interrupted save failed and is forgotten"
-        assert "KeyboardInterrupt" in str(third.exception())
+        interrupter.join()
+        assert [c.id for c in ck._saves.pending()] == [first.id, second.id], "the interrupted save is forgotten"
         assert _get_current_dispatch_mode_stack() == [], "its tracker was popped"
         writer_gate.set()
+        # (nothing raised: save() raised the third one's error, which counts as observed)
         assert [i.id for i in ck.wait(timeout=WAIT_S)] == [first.id, second.id]
         assert [i.id for i in ck.list()] == [first.id, second.id]
     finally:
@@ -265,16 +252,12 @@ def test_ctrl_c_while_save_waits_for_a_queue_slot(
     _root_is_clean(root)
 
 
-def test_ctrl_c_in_a_blocking_save_on_the_callers_thread_propagates(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    write_host_spans = checkpointer_module.write_host_spans
+def test_ctrl_c_in_a_blocking_save_on_the_callers_thread_propagates(tmp_path: Path, backend: FaultyBackend) -> None:
+    def interrupted(path: str) -> None:
+        if path.startswith("manifests/"):  # its chunks are written; Ctrl-C at the commit
+            raise KeyboardInterrupt
 
-    def interrupted(*args: Any, **kwargs: Any) -> Any:
-        write_host_spans(*args, **kwargs)  # some chunks written, then Ctrl-C
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(checkpointer_module, "write_host_spans", interrupted)
+    backend.before_rename = interrupted
     root = tmp_path / "ck"
     with gpusnap.Checkpointer(root, config=_config()) as ck:
         with pytest.raises(KeyboardInterrupt):
@@ -298,10 +281,7 @@ def test_a_second_close_waits_for_the_first(
     pending = ck.save(_state())
     closer = threading.Thread(target=ck.close, name="closer")
     closer.start()
-    deadline = time.monotonic() + WAIT_S
-    while not ck._closed:  # the closer is inside close(), waiting for the held writer
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
+    wait_until(lambda: _inside(closer, "shut_down"), "the first close()")  # waiting for the held writer
     ck.close()
     assert pending.done(), "close() returned while a save was still pending"
     closer.join()

@@ -50,7 +50,7 @@ def test_promotion_hashes_and_slab_preparation_run_at_the_lowest_priority(
         train(state, 1)
         ck.save(state, promote=True).wait()
         ck.wait()  # the promotion done
-        tier = ck._fast
+        tier = ck._tiers.fast()
         assert tier is not None
         tier._preparer.join()
         prepared_at: list[int] = []

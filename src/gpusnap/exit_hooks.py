@@ -1,6 +1,7 @@
 """Saves pending at interpreter exit are finished, or reported on stderr.
 
-Each live Checkpointer gets two calls of ``_at_exit(final)``:
+Each live Checkpointer's save path (``save/saves.py``, kept alive by pending work; its
+``at_exit(final)`` is ``save/lifecycle.py``'s) gets two calls:
 
 * ``final=False``, *before* ``concurrent.futures`` stops its thread pools: the pending saves
   are finished while the pools that store them (gpusnap's own, and a storage backend's) still
@@ -17,7 +18,7 @@ Each live Checkpointer gets two calls of ``_at_exit(final)``:
 SIGTERM (what SLURM, Kubernetes and spot instances send before they kill) ends a Python
 process without ``atexit``. So the first Checkpointer made on the main thread installs a
 handler, unless SIGTERM is ignored or ``Config.sigterm_grace_s`` is 0: it waits up to that
-many seconds for each live Checkpointer's pending saves and promotions (``_at_signal``, which
+many seconds for each live Checkpointer's pending saves and promotions (``at_signal``, which
 names on stderr what could not finish), then calls the handler it replaced, or, where that
 was the default, ends the process with SIGTERM's own status. A handler the program installs
 later replaces it (the program then owns SIGTERM; ``sys.exit`` from it runs the hooks above);
@@ -43,9 +44,9 @@ __all__ = ["track"]
 
 
 class _AtExit(Protocol):
-    def _at_exit(self, final: bool) -> None: ...
+    def at_exit(self, final: bool) -> None: ...
 
-    def _at_signal(self, deadline: float) -> None: ...
+    def at_signal(self, deadline: float) -> None: ...
 
 
 _live: weakref.WeakSet[_AtExit] = weakref.WeakSet()
@@ -66,7 +67,7 @@ if hasattr(os, "register_at_fork"):
 
 
 def track(owner: _AtExit, *, sigterm_grace_s: float = 0.0) -> None:
-    """Call ``owner._at_exit`` at interpreter exit, and ``owner._at_signal`` on SIGTERM
+    """Call ``owner.at_exit`` at interpreter exit, and ``owner.at_signal`` on SIGTERM
     (given a grace), while ``owner`` is alive."""
     global _registered, _grace_s
     with _lock:
@@ -102,7 +103,7 @@ def _install_sigterm() -> None:
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     deadline = time.monotonic() + _grace_s
-    _each_owner(lambda owner: owner._at_signal(deadline))
+    _each_owner(lambda owner: owner.at_signal(deadline))
     if signal.getsignal(signum) is not _on_sigterm:
         return  # a handler the program installed later called this one: it decides what follows
     replaced = _replaced
@@ -114,7 +115,7 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 def _run(final: bool) -> None:
-    _each_owner(lambda owner: owner._at_exit(final))
+    _each_owner(lambda owner: owner.at_exit(final))
 
 
 def _each_owner(call: Callable[[_AtExit], None]) -> None:

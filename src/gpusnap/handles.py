@@ -7,11 +7,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from gpusnap.errors import CheckpointError
 
-__all__ = ["CheckpointInfo", "PendingSave", "RestoreHandle"]
+__all__ = ["CheckpointInfo", "PendingSave", "RestoreCompletion", "RestoreHandle", "SaveCompletion", "SaveWaits"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,119 @@ class _Completion:
         return self._value
 
 
+class SaveWaits(Protocol):
+    """What a save's waits run besides waiting (the save path implements it)."""
+
+    def reap(self) -> None:
+        """Pop closed windows' trackers on the calling thread."""
+
+    def wait_for(self, completion: SaveCompletion, deadline: float | None) -> None:
+        """Block until ``completion`` is done or ``deadline`` (time.monotonic), running the
+        calling thread's due retries meanwhile."""
+
+    def failed(self, completion: SaveCompletion) -> None:
+        """Record a failure nothing has observed yet."""
+
+
+class SaveCompletion:
+    """The producer side of a :class:`PendingSave`: the save path settles it (staged, then
+    finished or failed) from any thread; the program reads it through ``handle``.
+
+    It holds no reference to its handle (a handle holds it): a finished save leaves no
+    reference cycle for the collector.
+
+    >>> done = SaveCompletion("ckpt-1", None)
+    >>> handle = PendingSave(done)
+    >>> done.finish(CheckpointInfo("ckpt-1", None, 0.0, 0)); handle.wait().id
+    'ckpt-1'
+    """
+
+    def __init__(self, checkpoint_id: str, tag: str | None, waits: SaveWaits | None = None) -> None:
+        self.id = checkpoint_id
+        self.tag = tag
+        self.stats: dict[str, Any] = {}  # the committed save's (its handle's ``stats``)
+        self._staged = _Completion()
+        self._durable = _Completion()
+        self._observed = False
+        self._observed_lock = threading.Lock()
+        self._waits = waits
+        self.pid = os.getpid()  # the process whose threads finish it (not a forked child)
+
+    # -- producer ------------------------------------------------------------------------
+    def set_staged(self) -> None:
+        """Every byte of the state is captured: the program may mutate it freely."""
+        self._staged.set(None)
+
+    def finish(self, info: CheckpointInfo) -> None:
+        """Committed (staged too, if it was not yet)."""
+        self.stats = dict(info.stats)
+        self._staged.set(None)
+        self._durable.set(info)
+
+    def fail(self, error: BaseException) -> None:
+        """Fail the save (once: a save already committed or failed stays as it is)."""
+        if not isinstance(error, CheckpointError):
+            wrapped = CheckpointError(f"checkpoint {self.id} failed: {str(error) or type(error).__name__}")
+            wrapped.__cause__ = error
+            error = wrapped
+        self._staged.fail(error)
+        if self._durable.fail(error) and self._waits is not None:
+            self._waits.failed(self)
+
+    def observe(self) -> None:
+        """The program has seen the error (raised to it, or returned)."""
+        with self._observed_lock:
+            self._observed = True
+
+    def observed(self) -> bool:
+        return self._observed
+
+    def claim(self) -> bool:
+        """True for the first caller once the save has failed unobserved: it reports the error."""
+        with self._observed_lock:
+            if self._observed or self._durable.error() is None:
+                return False
+            self._observed = True
+            return True
+
+    # -- reader --------------------------------------------------------------------------
+    def done(self) -> bool:
+        return self._durable.done()
+
+    def staged(self) -> bool:
+        return self._staged.done()
+
+    def error(self) -> BaseException | None:
+        return self._durable.error()
+
+    def info(self) -> CheckpointInfo | None:
+        return self._durable.value()  # type: ignore[no-any-return]
+
+    def wait_done(self, seconds: float | None) -> bool:
+        """A plain wait (no retries run): True once done."""
+        return self._durable.wait_for(seconds)
+
+    def wait_staged(self, timeout: float | None) -> None:
+        self._staged.result(timeout, f"capture of checkpoint {self.id}")
+
+    def block(self, timeout: float | None) -> None:
+        """Wait until done or ``timeout``; a save that failed validation is retried on the
+        thread that saved, so the waits run that thread's due retries."""
+        if os.getpid() != self.pid and not self.done():  # (no thread here would finish it)
+            raise CheckpointError(
+                f"checkpoint {self.id} is being saved by process {self.pid}, which this process was forked from: "
+                "only that process finishes it (wait for it there)"
+            )
+        if self._waits is None:
+            self._durable.wait_for(timeout)
+            return
+        self._waits.wait_for(self, None if timeout is None else time.monotonic() + timeout)
+
+    def reap(self) -> None:
+        if self._waits is not None:
+            self._waits.reap()
+
+
 class PendingSave:
     """A save in progress. Two moments: *staged* (state captured; the program may mutate
     freely) and *durable* (committed; :meth:`wait` returns its :class:`CheckpointInfo`).
@@ -93,111 +206,55 @@ class PendingSave:
     >>> info = pending.wait()               # doctest: +SKIP
     """
 
-    def __init__(self, checkpoint_id: str, tag: str | None) -> None:
-        self.id = checkpoint_id
-        self.tag = tag
-        self.stats: dict[str, Any] = {}
-        self._staged = _Completion()
-        self._durable = _Completion()
-        self._observed = False
-        self._observed_lock = threading.Lock()
-        self._on_wait: Callable[[], None] | None = None  # pops a closed window's tracker
-        # blocks until done or the deadline (time.monotonic), running this thread's due
-        # retries meanwhile (Checkpointer._wait_for); None: a plain wait
-        self._waits: Callable[[PendingSave, float | None], None] | None = None
-        self._on_fail: Callable[[PendingSave], None] | None = None  # records an unobserved failure
-        self._pid = os.getpid()  # the process whose threads finish it (not a forked child)
+    def __init__(self, completion: SaveCompletion) -> None:
+        self.id = completion.id
+        self.tag = completion.tag
+        self._completion = completion
 
-    def _reap(self) -> None:
-        if self._on_wait is not None:
-            self._on_wait()
+    @property
+    def stats(self) -> dict[str, Any]:
+        """The committed save's stats (empty until then): see :class:`CheckpointInfo`."""
+        return self._completion.stats
+
+    @stats.setter
+    def stats(self, value: dict[str, Any]) -> None:
+        self._completion.stats = value
 
     def staged(self) -> bool:
         """True once every byte of the state is captured (or the save failed)."""
-        return self._staged.done()
+        return self._completion.staged()
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until the state is captured; raises if capturing failed."""
         try:
-            self._staged.result(timeout, f"capture of checkpoint {self.id}")
+            self._completion.wait_staged(timeout)
         except CheckpointError:
-            self._mark_observed()
+            self._completion.observe()
             raise
         finally:
-            self._reap()
+            self._completion.reap()
 
     def done(self) -> bool:
         """True once the save is committed or has failed."""
-        return self._durable.done()
+        return self._completion.done()
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo:
         """Block until durable; returns the info, or raises the save's error."""
         error = self.exception(timeout)
         if error is not None:
             raise error
-        return self._durable.value()  # type: ignore[no-any-return]
+        return self._completion.info()  # type: ignore[return-value]
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Block until durable like :meth:`wait`; returns the save's error (None once
         committed) instead of raising it. Either way the error counts as observed."""
-        self._block(timeout)
-        if not self._durable.done():
+        self._completion.block(timeout)
+        if not self._completion.done():
             raise TimeoutError(f"checkpoint {self.id} did not finish within {timeout} s")
-        error = self._durable.error()
+        error = self._completion.error()
         if error is not None:
-            self._mark_observed()
+            self._completion.observe()
         return error
-
-    def _block(self, timeout: float | None) -> None:
-        if os.getpid() != self._pid and not self._durable.done():  # (no thread here would finish it)
-            raise CheckpointError(
-                f"checkpoint {self.id} is being saved by process {self._pid}, which this process was forked from: "
-                "only that process finishes it (wait for it there)"
-            )
-        if self._waits is None:
-            self._durable.wait_for(timeout)
-            return
-        # a save that failed validation is retried on the thread that saved: its waits run it
-        self._waits(self, None if timeout is None else time.monotonic() + timeout)
-
-    def _wait_done(self, seconds: float | None) -> bool:
-        return self._durable.wait_for(seconds)
-
-    def _error(self) -> BaseException | None:
-        return self._durable.error()
-
-    def _info(self) -> CheckpointInfo | None:
-        return self._durable.value()  # type: ignore[no-any-return]
-
-    def _mark_observed(self) -> None:
-        with self._observed_lock:
-            self._observed = True
-
-    def _claim(self) -> bool:
-        """True for the first caller once the save has failed unobserved: it reports the error."""
-        with self._observed_lock:
-            if self._observed or self._durable.error() is None:
-                return False
-            self._observed = True
-            return True
-
-    def _set_staged(self) -> None:
-        self._staged.set(None)
-
-    def _finish(self, info: CheckpointInfo) -> None:
-        self.stats = dict(info.stats)
-        self._staged.set(None)
-        self._durable.set(info)
-
-    def _fail(self, error: BaseException) -> None:
-        """Fail the save (once: a save already committed or failed stays as it is)."""
-        if not isinstance(error, CheckpointError):
-            wrapped = CheckpointError(f"checkpoint {self.id} failed: {str(error) or type(error).__name__}")
-            wrapped.__cause__ = error
-            error = wrapped
-        self._staged.fail(error)
-        if self._durable.fail(error) and self._on_fail is not None:
-            self._on_fail(self)
 
     def __repr__(self) -> str:
         state = "done" if self.done() else ("staged" if self.staged() else "capturing")
@@ -229,19 +286,17 @@ class RestoreHandle:
     >>> h.wait(); h.stats["first_needed"]        # doctest: +SKIP
     """
 
-    def __init__(self, checkpoint_id: str) -> None:
-        self.checkpoint_id = checkpoint_id
-        self.stats: dict[str, Any] = {"checkpoint": checkpoint_id}
-        self._done = _Completion()
-        self._on_wait: Callable[[], None] | None = None  # pops a finished lazy restore's gate
+    def __init__(self, completion: RestoreCompletion) -> None:
+        self.checkpoint_id = completion.checkpoint_id
+        self.stats: dict[str, Any] = {"checkpoint": completion.checkpoint_id}
+        self._completion = completion
 
     def _reap(self) -> None:
-        if self._on_wait is not None:
-            self._on_wait()
+        self._completion.reap()
 
     def done(self) -> bool:
         """True once every byte is restored (or the restore failed)."""
-        finished = self._done.done()
+        finished = self._completion.done()
         if finished:
             self._reap()
         return finished
@@ -249,16 +304,46 @@ class RestoreHandle:
     def wait(self, timeout: float | None = None) -> None:
         """Block until every byte is restored; raises the restore's error."""
         try:
-            self._done.result(timeout, f"restore of {self.checkpoint_id}")
+            self._completion.result(timeout)
         finally:
             self._reap()
 
-    def _finish(self) -> None:
+    def __repr__(self) -> str:
+        state = "done" if self._completion.done() else "loading"
+        return f"RestoreHandle({self.checkpoint_id!r}, {state})"
+
+
+class RestoreCompletion:
+    """The producer side of a :class:`RestoreHandle`: the restore path finishes or fails it;
+    ``on_wait`` runs at each of the program's waits (it pops a finished lazy restore's gate).
+    It holds no reference to its handle (a handle holds it).
+
+    >>> done = RestoreCompletion("ckpt-1")
+    >>> handle = RestoreHandle(done)
+    >>> done.finish(); handle.done()
+    True
+    """
+
+    def __init__(self, checkpoint_id: str, on_wait: Callable[[], None] | None = None) -> None:
+        self.checkpoint_id = checkpoint_id
+        self._done = _Completion()
+        self._on_wait = on_wait
+
+    def set_on_wait(self, on_wait: Callable[[], None]) -> None:
+        self._on_wait = on_wait
+
+    def finish(self) -> None:
         self._done.set(None)
 
-    def _fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException) -> None:
         self._done.fail(error)
 
-    def __repr__(self) -> str:
-        state = "done" if self._done.done() else "loading"
-        return f"RestoreHandle({self.checkpoint_id!r}, {state})"
+    def done(self) -> bool:
+        return self._done.done()
+
+    def result(self, timeout: float | None) -> None:
+        self._done.result(timeout, f"restore of {self.checkpoint_id}")
+
+    def reap(self) -> None:
+        if self._on_wait is not None:
+            self._on_wait()

@@ -1,1 +1,1 @@
-"""The ``gpusnap`` command line: ls, show, verify, gc, demo, bench."""
+"""The ``gpusnap`` command line: ls, show, verify, diff, du, gc, export, import, demo, bench, serve."""

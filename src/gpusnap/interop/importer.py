@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from gpusnap.checkpointer import Checkpointer
@@ -25,6 +26,7 @@ from gpusnap.handles import CheckpointInfo
 from gpusnap.interop import dcp_format, hf_dir, st_format, torch_format
 from gpusnap.interop.detect import identify
 from gpusnap.interop.errors import FormatError
+from gpusnap.save.progress import reporting_progress
 from gpusnap.state.flatten import flatten
 from gpusnap.state.plain import type_name
 
@@ -99,20 +101,21 @@ def import_(
     except CheckpointError as exc:
         raise FormatError(f"{where}: cannot be stored: {exc}") from exc
     raised: list[BaseException] = []  # the progress callback's own error, raised as it is
-    with Checkpointer(root, config=config, storage_options=storage_options) as ckpt:
-        if progress is not None:  # (the save flattens the same state: the same spans)
-            advance = progress(sum(span.nbytes for span in flat.spans))
+    reporting: AbstractContextManager[None] = nullcontext()
+    if progress is not None:  # (the save flattens the same state: the same spans)
+        advance = progress(sum(span.nbytes for span in flat.spans))
 
-            def told(n: int) -> None:
-                if raised:  # (the save is failing: the other store tasks tell it no more)
-                    return
-                try:
-                    advance(n)
-                except BaseException as exc:
-                    raised.append(exc)
-                    raise
+        def told(n: int) -> None:
+            if raised:  # (the save is failing: the other store tasks tell it no more)
+                return
+            try:
+                advance(n)
+            except BaseException as exc:
+                raised.append(exc)
+                raise
 
-            ckpt._save_progress = told
+        reporting = reporting_progress(told)
+    with Checkpointer(root, config=config, storage_options=storage_options) as ckpt, reporting:
         try:
             return ckpt.save(app_state, tag=tag, blocking=True).wait()
         except CheckpointError:

@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpusnap.errors import CheckpointError
 from gpusnap.storage.fast_tier import FastTier
@@ -50,6 +50,7 @@ class _Job:
     manifest: Manifest
     explicit: bool  # save(promote=True): never replaced
     retry: bool = False  # failed before: never replaced either (its failure is not raised yet)
+    keep: object = field(default=None, compare=False)  # alive while this job is (the exit hooks' owner)
 
 
 @dataclass(frozen=True)
@@ -89,9 +90,10 @@ class Promoter:
         self.cpu_s = 0.0  # CPU time of the promotion threads, all promotions
 
     # -- asking ---------------------------------------------------------------------------
-    def submit(self, tier: FastTier, manifest: Manifest, *, explicit: bool) -> None:
+    def submit(self, tier: FastTier, manifest: Manifest, *, explicit: bool, keep: object = None) -> None:
         """Promote ``manifest`` (of ``tier``) after those queued; a waiting cadence promotion
-        is replaced by it."""
+        is replaced by it. ``keep`` stays alive while the promotion is queued, running or
+        failed unraised."""
         with self._cond:
             if self._stopped:
                 raise CheckpointError("the Checkpointer is closed: no promotion starts")
@@ -101,7 +103,7 @@ class Promoter:
                 self._superseded.append(job.manifest.id)
                 job.tier.unpin_checkpoint(job.manifest.id)
                 log.info("gpusnap: promotion of %s replaced by the newer %s", job.manifest.id, manifest.id)
-            self._queue.append(_Job(tier, manifest, explicit))
+            self._queue.append(_Job(tier, manifest, explicit, keep=keep))
             self._start()
             self._cond.notify_all()
 

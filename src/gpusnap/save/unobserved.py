@@ -1,9 +1,9 @@
 """Failed saves whose error the program has not seen yet: raised once, or reported at exit.
 
-A save fails on a background thread. Its :class:`~gpusnap.PendingSave` holds the error, but
+A save fails on a background thread. Its :class:`~gpusnap.handles.SaveCompletion` holds the error, but
 a program that never asks that handle would lose the checkpoint without a word. So every
 failure is also recorded here; the Checkpointer's next ``wait()``, ``close()`` or
-``with``-block exit takes what nothing has observed yet (``PendingSave._claim``: once, from
+``with``-block exit takes what nothing has observed yet (``gpusnap.handles.SaveCompletion.claim``: once, from
 whichever thread comes first) and raises it, and the exit hooks print it on stderr.
 """
 
@@ -13,7 +13,7 @@ import sys
 import threading
 from typing import TextIO
 
-from gpusnap.handles import PendingSave
+from gpusnap.handles import SaveCompletion
 
 __all__ = ["Unobserved", "add_note"]
 
@@ -21,20 +21,20 @@ __all__ = ["Unobserved", "add_note"]
 class Unobserved:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._failed: list[PendingSave] = []
+        self._failed: list[SaveCompletion] = []
 
-    def add(self, pending: PendingSave) -> None:
+    def add(self, pending: SaveCompletion) -> None:
         with self._lock:
             # the ones observed meanwhile are done with (a loop that waits on each save keeps
             # this list short)
-            self._failed = [p for p in self._failed if not p._observed]
+            self._failed = [p for p in self._failed if not p.observed()]
             self._failed.append(pending)
 
-    def take(self) -> list[PendingSave]:
+    def take(self) -> list[SaveCompletion]:
         """The failed saves nothing has observed yet, oldest first; they count as observed now."""
         with self._lock:
             failed, self._failed = self._failed, []
-        return [p for p in failed if p._claim()]
+        return [p for p in failed if p.claim()]
 
     def raise_if_any(self, where: str) -> None:
         """Raise the oldest unobserved failure itself (its type is the caller's to catch),
@@ -42,7 +42,7 @@ class Unobserved:
         failed = self.take()
         if not failed:
             return
-        first = failed[0]._error()
+        first = failed[0].error()
         assert first is not None
         add_note(first, f"gpusnap: raised by {where}: checkpoint {failed[0].id} had failed "
                         "and nothing had observed its error yet")
@@ -64,8 +64,8 @@ class Unobserved:
                   f"(no wait(), close() or with block after it): {describe(p)}", file=out, flush=True)
 
 
-def describe(pending: PendingSave) -> str:
-    error = pending._error()
+def describe(pending: SaveCompletion) -> str:
+    error = pending.error()
     return f"{type(error).__name__}: {error}"
 
 

@@ -1,0 +1,266 @@
+"""Where a Checkpointer's checkpoints live: the durable root and the optional fast tier.
+
+Opens each root on first use (a save makes this Checkpointer its one writer), finds a
+checkpoint by id or tag across both (the fast tier first), lists them, applies retention
+after a commit, and owns the promoter that copies fast checkpoints to the durable root.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from gpusnap.config import Config
+from gpusnap.distributed.collective import Collective
+from gpusnap.errors import CheckpointError, CheckpointNotFoundError, StorageError
+from gpusnap.handles import CheckpointInfo
+from gpusnap.save.promotion import Promoter
+from gpusnap.storage.fast_tier import FastTier
+from gpusnap.storage.manifest import Manifest
+from gpusnap.storage.repository import Repository
+
+__all__ = ["Tiers", "info_from_manifest"]
+
+log = logging.getLogger("gpusnap")
+
+
+def info_from_manifest(manifest: Manifest, tier: str = "durable") -> CheckpointInfo:
+    return CheckpointInfo(
+        id=manifest.id,
+        tag=manifest.tag,
+        created=manifest.created,
+        nbytes=manifest.nbytes,
+        stats=dict(manifest.stats),
+        tier=tier,
+        world_size=manifest.world_size,
+    )
+
+
+def tier_name(repo: Repository) -> str:
+    return "fast" if isinstance(repo, FastTier) else "durable"
+
+
+class Tiers:
+    def __init__(self, root: str, fast_root: str | None, *, keep_last: int | None, fast_keep_last: int,
+                 promote_every: int | None, config: Config, storage_options: dict[str, Any] | None,
+                 collective: Collective | None, on_new_fast: Callable[[], None]) -> None:
+        """``on_new_fast()`` is called whenever a fast tier is made (its chunk names are new)."""
+        self.root, self.fast_root = root, fast_root
+        self.keep_last, self.fast_keep_last, self.promote_every = keep_last, fast_keep_last, promote_every
+        self.config = config
+        self.collective = collective
+        self._storage_options = storage_options
+        self._on_new_fast = on_new_fast
+        self._repo: Repository | None = None
+        self._fast: FastTier | None = None
+        self._lock = threading.Lock()
+        self.promoter: Promoter | None = None  # made at the first promotion
+        self._fast_commits = 0  # committed to the fast tier (promote_every counts these)
+        self.opened: list[Repository] = []  # every root opened (let go when the Checkpointer is collected)
+
+    # -- opening -------------------------------------------------------------------------
+    def durable(self, *, create: bool) -> Repository:
+        """The root; ``create`` (saving) also makes this Checkpointer its one writer until
+        ``close()``: a StorageError names the writer that already holds it."""
+        with self._lock:
+            if self._repo is None and self.collective is not None:  # (this rank's own root)
+                self._repo = repo = self.collective.rank_repository()
+                self.opened.append(repo)
+            if self._repo is None:
+                self._repo = repo = Repository.open(
+                    self.root, create=create, storage_options=self._storage_options, config=self.config)
+                self.opened.append(repo)
+            if create and isinstance(self._repo, FastTier):  # (reading one is fine)
+                raise CheckpointError(
+                    f"{self.root} is a fast tier's root; a Checkpointer's root is durable: give it its own directory "
+                    "(and pass the fast tier as fast_root)"
+                )
+            if create:
+                self._repo.claim_writer()  # idempotent
+                if self.collective is not None:
+                    self.collective.announce()
+            return self._repo
+
+    def fast(self) -> FastTier:
+        """The fast tier (created on first use), with this Checkpointer its one writer."""
+        with self._lock:
+            if self._fast is not None and not self._fast.intact():
+                # removed under us (a cleaned /dev/shm): start a new one there; the old one's
+                # lease and maps go (saves still holding its transactions fail on their own)
+                log.warning("gpusnap: the fast tier %s was removed; a new one is made there", self.fast_root)
+                self.opened.remove(self._fast)
+                if self.promoter is not None:  # its promotions still read the old tier's maps
+                    self.promoter.retire(self._fast)
+                else:
+                    self._fast.close()
+                self._fast = None
+            if self._fast is None:
+                assert self.fast_root is not None
+                self._fast = FastTier.open(self.fast_root, create=True, config=self.config,
+                                           durable_root=self.durable_identity())
+                self.opened.append(self._fast)
+                self._on_new_fast()
+            self._fast.claim_writer()
+            return self._fast
+
+    def fast_saves_held(self) -> int:
+        """Checkpoints the fast tier has room for: those kept, the one being written, and one
+        more (a promotion in flight holds one past retention; room lost between regions)."""
+        return self.fast_keep_last + 2
+
+    def durable_identity(self) -> str:
+        """How a fast root records the durable root it belongs to (a local one by its real path)."""
+        local = self.root.removeprefix("file://")
+        return self.root if "://" in local else os.path.realpath(local)
+
+    def promotions(self) -> Promoter:
+        if self.promoter is None:
+            self.promoter = Promoter(lambda: self.durable(create=True), threads=self.config.io_threads,
+                                     on_promoted=lambda repo, _m: self.retain(repo, self.keep_last),
+                                     on_released=lambda tier: self.retain(tier, self.fast_keep_last))
+        return self.promoter
+
+    # -- finding -------------------------------------------------------------------------
+    def existing(self) -> list[Repository]:
+        """The roots that exist: the fast tier first (it is read first), then the durable one."""
+        tiers: list[Repository] = []
+        if self.collective is not None:  # its checkpoints: the global manifests
+            try:
+                return [self.collective.root_repository(create=False)]
+            except CheckpointNotFoundError:
+                return []
+        if self.fast_root is not None:
+            try:
+                tiers.append(self._fast if self._fast is not None else FastTier.open(
+                    self.fast_root, config=self.config, durable_root=self.durable_identity()))
+            except CheckpointNotFoundError:
+                pass
+        try:
+            tiers.append(self.durable(create=False))
+        except CheckpointNotFoundError:
+            pass
+        return tiers
+
+    def resolve(self, ref: str | None) -> tuple[Repository, Manifest, list[Any]]:
+        """Where ``ref`` (id, tag, None: the newest across tiers) is read from: the fast tier
+        when it holds it, else the durable root; and the unreadable newer manifests skipped."""
+        tiers = self.existing()
+        if not tiers:
+            where = self.root if self.fast_root is None else f"{self.root} or {self.fast_root}"
+            raise CheckpointNotFoundError(f"no checkpoint root at {where} (nothing has been saved there yet)")
+        best: tuple[Repository, Manifest, list[Any]] | None = None
+        errors: list[CheckpointNotFoundError] = []
+        for repo in tiers:
+            try:
+                manifest, skipped = repo.resolve_reporting(ref)
+            except CheckpointNotFoundError as exc:
+                errors.append(exc)
+                continue
+            if ref is not None:
+                return repo, manifest, skipped
+            if best is None or (manifest.created, manifest.id) > (best[1].created, best[1].id):
+                best = (repo, manifest, skipped)
+        if best is None:  # each tier's words: each names the tags it holds
+            raise errors[0] if len(errors) == 1 else CheckpointNotFoundError("; ".join(map(str, errors)))
+        return best
+
+    def infos(self) -> list[CheckpointInfo]:
+        """Committed checkpoints of both tiers, oldest first; one in both lists as durable."""
+        found: dict[str, CheckpointInfo] = {}
+        for repo in self.existing():
+            manifests, unreadable = repo.scan()
+            repo.warn_unreadable(unreadable, "list() and latest() leave it out")  # once per file
+            tier = tier_name(repo)
+            for m in manifests:
+                if m.id not in found or tier == "durable":
+                    found[m.id] = info_from_manifest(m, tier)
+        return sorted(found.values(), key=lambda i: (i.created, i.id))
+
+    def tag_owner(self, tag: str) -> str | None:
+        """The committed checkpoint ``tag`` names in either tier, if any."""
+        if self.collective is not None:
+            owner = self.collective.tag_owner(tag)
+        else:
+            owner = self.durable(create=True).tag_owner(tag)
+        if owner is None and self.fast_root is not None:
+            owner = self.fast().tag_owner(tag)
+        return owner
+
+    # -- after a commit, deleting -----------------------------------------------------------
+    def after_fast_commit(self, tier: FastTier, manifest: Manifest, *, promote: bool, keep: object = None) -> bool:
+        """Queue the promotion due (every ``promote_every``-th commit, or ``promote``), then
+        apply the fast tier's retention; True when a promotion was queued. ``keep`` stays
+        alive until the promotion is over (what the exit hooks track)."""
+        self._fast_commits += 1
+        due = promote or (self.promote_every is not None and self._fast_commits % self.promote_every == 0)
+        if due:  # pinned before retention can drop it
+            self.promotions().submit(tier, manifest, explicit=promote, keep=keep)
+        self.retain(tier, self.fast_keep_last)
+        return due
+
+    def retain(self, repo: Repository, keep_last: int | None, *, sweep: bool = False) -> None:
+        """``keep_last`` after a commit, even while the next save writes (Repository.gc pins
+        what its transaction relies on). It never fails the save that just committed: an
+        error is a WARNING, and the next commit tries again. ``sweep``: free the packs nothing
+        references even without ``keep_last`` (after a delete). It never compacts: that
+        rewrites packs, which would compete with the next save's writes (``gpusnap gc`` does)."""
+        if keep_last is None and not sweep:
+            return
+        try:
+            report = repo.gc(keep_last, blocking=False, fresh=False, compact=False)
+        except Exception as exc:
+            log.warning("gpusnap: retention (keep_last=%s) failed; the next commit tries again: %s",
+                        keep_last, exc)
+            return
+        if report.skipped:  # only a reader (verify) or an older gpusnap holds the root lock
+            log.info("gpusnap: retention skipped; the next commit tries again: %s", report.notes)
+        repo.warn_unreadable(report.unreadable, "retention deletes no packs while it is unreadable, so the root grows")
+
+    def delete(self, checkpoint: str) -> None:
+        """Delete ``checkpoint`` (id or tag) from each tier that holds it, then sweep."""
+        if self.promoter is not None:  # called off first: it must not commit it to the durable root after this
+            self.promoter.cancel(checkpoint)
+        tiers = [(self.durable(create=True), self.keep_last)]
+        if self.fast_root is not None:
+            tiers.append((self.fast(), self.fast_keep_last))
+        found = False
+        for repo, keep_last in tiers:
+            try:
+                manifest = repo.resolve(checkpoint)
+            except CheckpointNotFoundError:
+                continue
+            repo.delete(manifest.id)
+            self.retain(repo, keep_last, sweep=True)
+            found = True
+        if not found:
+            raise CheckpointNotFoundError(f"no committed checkpoint {checkpoint!r} under {self.root}")
+
+    def raise_promotion_failures(self) -> None:
+        """The promotions that failed and have not succeeded since, once: their checkpoints
+        were kept in the fast tier until now (fast retention applies to them again)."""
+        failures = self.promoter.take_failures() if self.promoter is not None else []
+        if failures:
+            names = ", ".join(f"{f.checkpoint_id}" + (f" (tag {f.tag!r})" if f.tag else "") for f in failures)
+            raise StorageError(
+                f"promoting to the durable root {self.root} failed for {names}: they are not in {self.root}, "
+                f"only in the fast tier {self.fast_root} (until its retention drops them): {failures[-1].error}"
+            ) from failures[-1].error
+
+    def report_promotion_failures(self, when: str) -> None:
+        """Name on stderr each promotion that failed and nothing raised (the process ends)."""
+        for f in self.promoter.take_failures() if self.promoter is not None else []:
+            where = "in neither tier" if f.dropped else f"only in the fast tier {self.fast_root}"
+            print(f"gpusnap: {when}, promoting checkpoint {f.checkpoint_id}"
+                  + (f" (tag {f.tag!r})" if f.tag else "")
+                  + f" to {self.root} failed; it is {where}: {type(f.error).__name__}: {f.error}",
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """Release both roots' writer leases: another Checkpointer may write now."""
+        for repo in (self._repo, self._fast):
+            if repo is not None:
+                repo.close()
