@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import threading
 from collections.abc import Iterable
 
@@ -16,11 +17,12 @@ import torch
 __all__ = [
     "clear_cuda_error",
     "device_exists",
-    "loaded_cudart_path",
     "host_buffer",
     "is_accelerator",
     "libcuda",
+    "loaded_cudart_path",
     "outside_graph_captures",
+    "own_stream",
     "synchronize",
     "to_host",
     "waitable_event",
@@ -99,6 +101,63 @@ def outside_graph_captures() -> bool:
     mode = ctypes.c_int(_CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
     _thread.relaxed = exchange(ctypes.byref(mode)) == 0  # CUDA_SUCCESS
     return _thread.relaxed
+
+
+_CU_STREAM_NON_BLOCKING = 1
+_own_streams: dict[tuple[int, int], torch.cuda.ExternalStream] = {}
+_own_streams_lock = threading.Lock()
+
+
+def own_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream:
+    """A CUDA stream of gpusnap's own on ``device`` (one per device and priority, for the
+    process), never one of torch's pooled streams.
+
+    ``torch.cuda.Stream()`` hands out a fixed pool of streams round-robin, and
+    ``torch.cuda.graph`` takes its default capture stream from the same pool: once a process
+    has made enough streams, a gpusnap copy stream could be the very stream the program
+    captures a CUDA graph on, and its copies and events would land in (and break) the
+    program's capture. ``priority`` as torch's (lower numbers run first)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _own_streams_lock:
+        stream = _own_streams.get((index, priority))
+        if stream is None:
+            handle = _new_stream(index, priority)
+            stream = _own_streams[(index, priority)] = torch.cuda.ExternalStream(
+                handle, device=torch.device("cuda", index))
+    return stream
+
+
+def _new_stream(index: int, priority: int) -> int:
+    """A new non-blocking stream in the device's primary context (torch's), by the driver."""
+    lib = libcuda()
+    device, context = ctypes.c_int(), ctypes.c_void_p()
+    stream = ctypes.c_void_p()
+    _cu(lib, "cuDeviceGet", ctypes.byref(device), ctypes.c_int(index))
+    _cu(lib, "cuDevicePrimaryCtxRetain", ctypes.byref(context), device)  # (held for the process)
+    _cu(lib, "cuCtxPushCurrent_v2", context)
+    try:
+        _cu(lib, "cuStreamCreateWithPriority", ctypes.byref(stream), ctypes.c_uint(_CU_STREAM_NON_BLOCKING),
+            ctypes.c_int(priority))
+    finally:
+        _cu(lib, "cuCtxPopCurrent_v2", ctypes.byref(ctypes.c_void_p()))
+    assert stream.value is not None
+    return stream.value
+
+
+def _cu(lib: ctypes.CDLL, name: str, *args: object) -> None:
+    rc = getattr(lib, name)(*args)
+    if rc != 0:
+        raise RuntimeError(f"{name} failed with CUDA driver error {rc}")
+
+
+def _forget_streams_in_child() -> None:
+    global _own_streams_lock
+    _own_streams.clear()  # (a forked child cannot use its parent's CUDA context)
+    _own_streams_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_streams_in_child)
 
 
 @functools.cache

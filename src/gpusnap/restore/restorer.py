@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 import torch
 
-from gpusnap.device import synchronize
+from gpusnap.device import own_stream, synchronize
 from gpusnap.handles import RestoreCompletion, RestoreHandle
 from gpusnap.restore import active
 from gpusnap.restore.eager import load_spans
@@ -477,7 +477,7 @@ class Restorer:
     def _stream(self, device: torch.device) -> Any:
         stream = self._streams.get(device)
         if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device)
+            stream = self._streams[device] = own_stream(device)  # (never a pooled stream: device.py)
         return stream
 
     def _pool(self) -> ThreadPoolExecutor:

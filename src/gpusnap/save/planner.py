@@ -22,6 +22,7 @@ from gpusnap.capture.options import CaptureOptions
 from gpusnap.capture.staging import StagingArena
 from gpusnap.capture.warmup import WARMUP_JOIN_S, start_capture_warmup
 from gpusnap.config import Config
+from gpusnap.device import own_stream
 from gpusnap.state.flatten import FlatState
 from gpusnap.storage.repository import Repository
 
@@ -149,10 +150,11 @@ class CapturePlanner:
         return arena.nbytes
 
     def copy_stream(self, device: torch.device) -> Any:
+        """The device's low-priority copy stream: gpusnap's own (``device.own_stream``)."""
         stream = self._streams.get(device)
         if stream is None:
             low, _high = torch.cuda.Stream.priority_range()
-            stream = self._streams[device] = torch.cuda.Stream(device, priority=low)
+            stream = self._streams[device] = own_stream(device, low)
         return stream
 
     def join_warmup(self, timeout: float = WARMUP_JOIN_S) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 import torch
 
 from gpusnap import launch_hooks
-from gpusnap.device import outside_graph_captures, waitable_event
+from gpusnap.device import outside_graph_captures, own_stream, waitable_event
 from gpusnap.kernels.chunk_hash import chunk_hashes, hex_rows
 
 __all__ = ["hash_host_bytes", "hash_device"]
@@ -71,7 +71,7 @@ def _scratch(device: torch.device, nbytes: int) -> tuple[torch.cuda.Stream | Non
     stream = have[1] if have is not None and have[0] == device else None
     if stream is None and device.type == "cuda":
         low, _high = torch.cuda.Stream.priority_range()
-        stream = torch.cuda.Stream(device, priority=low)
+        stream = own_stream(device, low)  # (never a pooled stream: device.py)
     have = _local.scratch = None  # (a smaller scratch goes back to the pool before a larger one is made)
     # Allocated on the stream that uses it. A block the caching allocator hands out on the
     # program's stream may be memory that kernels the program queued before freeing it still
