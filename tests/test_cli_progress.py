@@ -21,6 +21,7 @@ from test_storage_compact import _mostly_dead
 import gpusnap
 from gpusnap.cli import progress as cli_progress
 from gpusnap.cli.main import main
+from gpusnap.restore import eager
 from gpusnap.storage import Repository
 
 
@@ -47,8 +48,8 @@ def _nbytes(*tensors: torch.Tensor) -> int:
 
 @pytest.fixture()
 def saved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, dict[str, Any]]:
-    # two 512-byte chunks per read task: many advances (export reads with Config.from_env())
-    monkeypatch.setenv("GPUSNAP_RESTORE_PIECE_BYTES", "1024")
+    # two 512-byte chunks per read task: many advances (the read size is no Config knob)
+    monkeypatch.setattr(eager, "PIECE_BYTES", 1024)
     root = tmp_path / "ck"
     state = _state()
     with gpusnap.Checkpointer(root, config=tiny_config()) as ck:

@@ -3,11 +3,13 @@ the held layout, the fault hook (no server process)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -48,12 +50,19 @@ def test_frames_round_trip_and_garbage_is_a_protocol_error() -> None:
             protocol.recv_msg(b, time.monotonic() + 60)
 
 
-def test_an_ipc_handle_keeps_all_its_bytes() -> None:
+def test_an_ipc_handle_keeps_all_its_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     """A handle has NUL bytes inside: a ``c_char`` field would cut it at the first."""
     raw = bytes(range(1, 20)) + b"\0" + bytes(range(30, 74))
     handle = cuda_ipc.IpcHandle.from_bytes(raw)
     assert handle.reserved == raw[:19], "the field alone stops at the NUL"
     assert handle.to_bytes() == raw
+
+    def get(out: Any, base: Any) -> int:
+        ctypes.memmove(out, raw, 64)
+        return 0
+
+    monkeypatch.setattr(cuda_ipc, "cudart", lambda: SimpleNamespace(cudaIpcGetMemHandle=get))  # the runtime, faked
+    assert cuda_ipc.mem_handle(0x1000) == raw
 
 
 def test_held_spans_start_on_pages() -> None:

@@ -26,7 +26,7 @@ from gpusnap.storage.repository import Repository
 
 __all__ = ["PIECE_BYTES", "RestoreCounters", "load_spans"]
 
-PIECE_BYTES = 16 << 20  # per read task when Config.restore_piece_bytes is 0
+PIECE_BYTES = 16 << 20  # per read task (unless a caller passes piece_bytes)
 
 
 @dataclass
@@ -49,7 +49,7 @@ def load_spans(
     ``apply_bytes.apply_span``, or ``apply(index, data)`` when given (``gpusnap.load`` keeps
     the buffers instead). ``progress``: called on this thread with the bytes of each read
     task as it completes (all of them: they sum to the spans' bytes). ``piece_bytes``: bytes
-    per read task (``Config.restore_piece_bytes``; 0: :data:`PIECE_BYTES`)."""
+    per read task (0: :data:`PIECE_BYTES`)."""
     counters = RestoreCounters()
     cs = manifest.chunk_size
     per = max(1, (piece_bytes or PIECE_BYTES) // cs)  # chunks per read task: one system call per run stored back to back

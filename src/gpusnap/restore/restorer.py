@@ -301,7 +301,7 @@ class Restorer:
         self, repo: Repository, manifest: Manifest, plan: RestorePlan, handle: RestoreHandle,
         done: RestoreCompletion, started: float,
     ) -> None:
-        counters = load_spans(repo, manifest, plan, pool=self._pool(), piece_bytes=self.piece_bytes or 0)
+        counters = load_spans(repo, manifest, plan, pool=self._pool())
         plan.finish()
         for dev in {torch.device(e.device) for e in manifest.storages}:
             if dev.type == "cuda" and torch.cuda.is_available():

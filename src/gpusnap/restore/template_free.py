@@ -134,8 +134,7 @@ def load_reporting(
         landing = _Landing(slot, planner, [e.nbytes for e in cut.storages], target)
         advance = None if progress is None else progress(sum(e.nbytes for e in cut.storages))
         with ThreadPoolExecutor(reader_threads(repo.config.io_threads), thread_name_prefix="gpusnap-load-io") as pool:
-            load_spans(repo, cut, landing, pool=pool, apply=landing.keep_span, progress=advance,
-                       piece_bytes=repo.config.restore_piece_bytes)
+            load_spans(repo, cut, landing, pool=pool, apply=landing.keep_span, progress=advance)
         result = slot.build()
     finally:
         repo.close()

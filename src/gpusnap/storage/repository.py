@@ -523,14 +523,18 @@ class Repository(PackReads, Retention):
         step with gc's choice of packs to delete."""
         with self._mutex:
             if digest in self._chunks:
-                self._pins[txn].add(digest)
+                pins = self._pins.get(txn)  # (none once txn has ended: nothing left to keep)
+                if pins is not None:
+                    pins.add(digest)
                 return True
             return False
 
     def pin(self, txn: Any, digest: str) -> None:
         """Keep ``digest`` through gc until ``txn`` ends (a chunk in its temporary pack)."""
         with self._mutex:
-            self._pins[txn].add(digest)
+            pins = self._pins.get(txn)  # (none once txn has ended: nothing left to keep)
+            if pins is not None:
+                pins.add(digest)
 
     def remember_committed(self, manifest: Manifest) -> None:
         """A manifest ``txn`` just committed: listed and resolved from now on without a read."""

@@ -296,8 +296,11 @@ class Copier:
                 start.record(self.streams[device])
 
     def _event(self, device: torch.device) -> Any:
+        stream = self.streams.get(device)  # (none: a test's host device treated as asynchronous)
+        if stream is None and device.type == "cuda":
+            raise KeyError(f"no copy stream for {device}")  # (every CUDA device of the plan has one)
         event = waitable_event()
-        event.record(self.streams.get(device))  # (every CUDA device of the plan has its copy stream)
+        event.record(stream)
         return event
 
     def _hold(self, region: Region, events: list[Any]) -> None:
