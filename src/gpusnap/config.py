@@ -94,7 +94,7 @@ class Config:
     warm_up_kernels: bool = field(
         default=True,
         metadata={"doc": "a Checkpointer made once CUDA is up loads the save kernels on a side thread "
-                  "(else the first save() loads them: 0.5-1.6 s)"},
+                  "(else the first save() loads them, which costs it up to seconds)"},
     )
     device_snapshot: bool = field(
         default=True,
@@ -114,7 +114,7 @@ class Config:
     )
     restore_piece_bytes: int = field(
         default=0, metadata={"doc": "restore: bytes per read run / host region / device copy (0: automatic, "
-                             "64 MiB with direct copies, else 32 MiB; 64 MiB restored 1.06-1.23x faster but "
+                             "64 MiB with direct copies, else 32 MiB; 64 MiB restored somewhat faster but "
                              "page-locks twice the host memory at a Checkpointer's first restore)"}
     )
     restore_verify_on_device: str = field(
@@ -139,7 +139,7 @@ class Config:
         default="off",
         metadata={"doc": "restore: helper processes copy device-checked pieces from the page cache straight "
                   "to the device, page-locking it in place, so the host's CPU copies nothing; they keep "
-                  "~2.3 GB of device memory and gained 0-19%, hence off by default (auto: CUDA "
+                  "~2.3 GB of device memory and gained little, hence off by default (auto: CUDA "
                   "targets of at least 1 GiB, a local checkpoint directory on Linux, chunks checked on the "
                   "device; on: also CPU targets whose device check is forced, through shared memory, for "
                   "tests; off)"},
@@ -165,8 +165,8 @@ class Config:
     )
     fast_tier_bytes: int = field(
         default=0,
-        metadata={"doc": "fast tier: slab bytes at most (0: 90% of what its file system has free when first opened, "
-                  "plus the slabs it holds)"},
+        metadata={"doc": "fast tier: slab bytes at most (0: what a Checkpointer's checkpoints need, "
+                  "fast_keep_last + 2 saves of its state; a StorageError when its file system cannot hold that)"},
     )
     sigterm_grace_s: int = field(
         default=25,
