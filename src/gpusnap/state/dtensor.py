@@ -18,6 +18,7 @@ were saved in (:func:`reshardable`).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -42,18 +43,23 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offset, shape) in the global t
 
 
 def dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except Exception:  # a torch without distributed support
-        return None
-    return DTensor
+    """``DTensor`` once ``torch.distributed.tensor`` is imported, else None: no DTensor can
+    exist before its module is (importing it costs a process that never meets one over
+    half a second, so gpusnap never imports it to ask)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None
 
 
-_DTENSOR = dtensor_type()
+_dtensor: type | None = None  # (found once: the class never changes)
 
 
 def is_dtensor(value: object) -> bool:
-    return _DTENSOR is not None and isinstance(value, _DTENSOR)
+    global _dtensor
+    if _dtensor is None:
+        _dtensor = dtensor_type()
+        if _dtensor is None:
+            return False
+    return isinstance(value, _dtensor)
 
 
 def encode_placements(placements: Any) -> list[str]:
