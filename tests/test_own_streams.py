@@ -11,17 +11,19 @@ import pytest
 import torch
 
 import gpusnap
-from gpusnap.device import own_stream
+from gpusnap.device import OWN_STREAMS, own_stream
 
 
 @pytest.mark.cuda
 def test_own_streams_are_none_of_the_pooled_ones() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     low, _high = torch.cuda.Stream.priority_range()
-    mine = {own_stream(device).cuda_stream, own_stream(device, low).cuda_stream}
+    mine = [own_stream(device, p).cuda_stream for p in (0, low) for _ in range(OWN_STREAMS)]
     pooled = {torch.cuda.Stream(device, priority=p).cuda_stream for p in (0, low) for _ in range(80)}
-    assert not mine & pooled
-    assert own_stream(device, low) is own_stream(device, low), "one per device and priority"
+    assert not set(mine) & pooled
+    handed = [own_stream(device, low) for _ in range(OWN_STREAMS + 1)]
+    assert len({s.cuda_stream for s in handed[:OWN_STREAMS]}) == OWN_STREAMS, "handed out in turn"
+    assert handed[-1] is handed[0], "then again, round-robin: a bounded number"
 
 
 @pytest.mark.cuda

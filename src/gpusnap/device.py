@@ -15,6 +15,7 @@ from collections.abc import Iterable
 import torch
 
 __all__ = [
+    "OWN_STREAMS",
     "clear_cuda_error",
     "device_exists",
     "host_buffer",
@@ -104,27 +105,33 @@ def outside_graph_captures() -> bool:
 
 
 _CU_STREAM_NON_BLOCKING = 1
-_own_streams: dict[tuple[int, int], torch.cuda.ExternalStream] = {}
+OWN_STREAMS = 8  # per device and priority; then handed out again, round-robin
+_own_streams: dict[tuple[int, int], list[torch.cuda.ExternalStream]] = {}
+_own_handed: dict[tuple[int, int], int] = {}  # streams handed out so far, per device and priority
 _own_streams_lock = threading.Lock()
 
 
 def own_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream:
-    """A CUDA stream of gpusnap's own on ``device`` (one per device and priority, for the
-    process), never one of torch's pooled streams.
+    """A CUDA stream of gpusnap's own on ``device``, never one of torch's pooled streams.
 
     ``torch.cuda.Stream()`` hands out a fixed pool of streams round-robin, and
     ``torch.cuda.graph`` takes its default capture stream from the same pool: once a process
     has made enough streams, a gpusnap copy stream could be the very stream the program
     captures a CUDA graph on, and its copies and events would land in (and break) the
-    program's capture. ``priority`` as torch's (lower numbers run first)."""
+    program's capture. gpusnap keeps a pool of its own instead, handed out the same way (so
+    a save's copies, a restore's and a promotion's hashing run on different streams), made
+    by the driver and never destroyed. ``priority`` as torch's (lower numbers run first).
+    Callers keep the stream they get."""
     index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, priority)
     with _own_streams_lock:
-        stream = _own_streams.get((index, priority))
-        if stream is None:
-            handle = _new_stream(index, priority)
-            stream = _own_streams[(index, priority)] = torch.cuda.ExternalStream(
-                handle, device=torch.device("cuda", index))
-    return stream
+        pool = _own_streams.setdefault(key, [])
+        handed = _own_handed.get(key, 0)
+        _own_handed[key] = handed + 1
+        if len(pool) < OWN_STREAMS:
+            pool.append(torch.cuda.ExternalStream(_new_stream(index, priority), device=torch.device("cuda", index)))
+            return pool[-1]
+        return pool[handed % OWN_STREAMS]
 
 
 def _new_stream(index: int, priority: int) -> int:
@@ -153,6 +160,7 @@ def _cu(lib: ctypes.CDLL, name: str, *args: object) -> None:
 def _forget_streams_in_child() -> None:
     global _own_streams_lock
     _own_streams.clear()  # (a forked child cannot use its parent's CUDA context)
+    _own_handed.clear()
     _own_streams_lock = threading.Lock()
 
 
