@@ -441,18 +441,27 @@ class Fuzz(RuleBasedStateMachine):
         assert target not in {i.id for i in self._list()} or error is not None, (
             f"delete({ref!r}) returned, but {target} is still listed")
 
+    def _listed_target(self, i: int) -> tuple[Any, Any] | None:
+        """After every pending save: the ``i``-th newest listed checkpoint (wrapping) and the
+        state expected in it, or None when nothing is listed."""
+        assert self.ck is not None
+        self._drain(self.ck.wait, "Checkpointer.wait()")
+        listed = self._list()
+        if not listed:
+            return None
+        target = listed[-1 - i % len(listed)]
+        return target, self.by_id[target.id].expected
+
     @rule(i=st.integers(0, 7), lazy=st.booleans())
     @bounded
     def restore_blank(self, i: int, lazy: bool) -> None:
         """Restore a listed checkpoint into a fresh state: it equals the state at its save()."""
         assert self.ck is not None
         ck = self.ck
-        self._drain(ck.wait, "Checkpointer.wait()")
-        listed = self._list()
-        if not listed:
+        picked = self._listed_target(i)
+        if picked is None:
             return
-        target = listed[-1 - i % len(listed)]
-        expected = self.by_id[target.id].expected
+        target, expected = picked
         blank = blank_for(expected)
         handle = self._drain(lambda: ck.restore(blank, target.id, lazy=lazy), "restore()")
         if lazy:
@@ -468,12 +477,10 @@ class Fuzz(RuleBasedStateMachine):
         takes the checkpoint's values."""
         assert self.ck is not None
         ck = self.ck
-        self._drain(ck.wait, "Checkpointer.wait()")
-        listed = self._list()
-        if not listed:
+        picked = self._listed_target(i)
+        if picked is None:
             return
-        target = listed[-1 - i % len(listed)]
-        expected = self.by_id[target.id].expected
+        target, expected = picked
         if self.live["x"].shape != expected["x"].shape:
             self.live["x"] = torch.empty(expected["x"].shape)
         self.lazy = self._drain(lambda: ck.restore(self.live, target.id, lazy=lazy), "restore()")
