@@ -59,7 +59,6 @@ class Saves:
         self._allow_pickle = allow_pickle
         self.lock = threading.RLock()  # pending saves, windows, retries (re-entered by a SIGTERM handler)
         self._pending: list[SaveCompletion] = []
-        self.skipped = 0  # saves skipped (when_busy="skip")
         self.io_pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="gpusnap-io")
         # one long-lived thread runs each window's copier in turn (one window at a time)
         self.copier_runner = ThreadPoolExecutor(1, thread_name_prefix="gpusnap-copier")
@@ -164,7 +163,6 @@ class Saves:
 
     def _skip(self, tag: str | None, why: str, completion: SaveCompletion | None = None) -> SaveCompletion:
         """A save ``when_busy="skip"`` drops: its handle raises SaveSkipped from wait() only."""
-        self.skipped += 1
         if completion is None:
             completion = SaveCompletion(self.tiers.fast().new_id(time.time()), tag)  # (nothing to wait for)
         log.warning("gpusnap: save %s skipped (Config.when_busy='skip'): %s", completion.id, why)
