@@ -323,13 +323,7 @@ class FastTier(SlabFiles, SlabSpace, Repository, root_kind="fast"):
             raise CheckpointError(f"checkpoint id {manifest.id!r} is not a safe file name")
         with self.commit_lock:
             self.confirm_lease("confirming the writer lease")
-            if manifest.tag is not None:
-                owner = self.tag_owner(manifest.tag, other_than=manifest.id)
-                if owner is not None:
-                    raise CheckpointError(
-                        f"tag {manifest.tag!r} already names checkpoint {owner} in {self.root}; a tag names "
-                        f"one checkpoint: {manifest.id} was not committed"
-                    )
+            self.refuse_taken_tag(manifest)
             final = f"{MANIFESTS}/{manifest.id}.json"
             tmp = f"{TMP}/{token}-{manifest.id}.json"
             with self.io_errors("writing manifest", tmp, writing=True):

@@ -380,6 +380,18 @@ class Repository(PackReads, Retention):
                 "repair or delete that file", u.id, u.path, u.reason, consequence, self.root,
             )
 
+    def refuse_taken_tag(self, manifest: Manifest) -> None:
+        """At a commit, under ``commit_lock``: a CheckpointError when ``manifest``'s tag already
+        names another committed checkpoint (a tag names one checkpoint)."""
+        if manifest.tag is None:
+            return
+        owner = self.tag_owner(manifest.tag, other_than=manifest.id)
+        if owner is not None:
+            raise CheckpointError(
+                f"tag {manifest.tag!r} already names checkpoint {owner} in {self.root}; a tag names "
+                f"one checkpoint: {manifest.id} was not committed"
+            )
+
     def tag_owner(self, tag: str, *, other_than: str | None = None) -> str | None:
         """The id of the committed checkpoint tagged ``tag`` (other than ``other_than``), or None.
 

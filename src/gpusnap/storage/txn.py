@@ -209,13 +209,7 @@ class WriteTxn:
                 "nothing was committed"
             )
         repo.confirm_lease("confirming the writer lease")  # an object store's can be lost
-        if manifest.tag is not None:
-            owner = repo.tag_owner(manifest.tag, other_than=manifest.id)
-            if owner is not None:
-                raise CheckpointError(
-                    f"tag {manifest.tag!r} already names checkpoint {owner} in {repo.root}; a tag names "
-                    f"one checkpoint: {manifest.id} was not committed"
-                )
+        repo.refuse_taken_tag(manifest)
         final = f"{MANIFESTS}/{manifest.id}.json"
         with repo.io_errors("checking", final, writing=True):
             if backend.exists(final):
