@@ -26,6 +26,38 @@ def device(request: pytest.FixtureRequest) -> torch.device:
     return torch.device(request.param)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _memory_tiers(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """The default path's memory tiers go to a directory of the test session (a
+    Config.memory_tier_dir left empty reads $GPUSNAP_MEMORY_TIER_DIR), not /dev/shm: a test
+    that leaves a Checkpointer open leaves no host memory behind."""
+    where = tmp_path_factory.mktemp("memory-tiers")
+    os.chmod(where, 0o700)
+    before = os.environ.get("GPUSNAP_MEMORY_TIER_DIR")
+    os.environ["GPUSNAP_MEMORY_TIER_DIR"] = str(where)
+    os.environ["GPUSNAP_MEMORY_TIER"] = "off"  # (module fixtures run before _memory_tier: see there)
+    yield where
+    if before is None:
+        os.environ.pop("GPUSNAP_MEMORY_TIER_DIR", None)
+    else:
+        os.environ["GPUSNAP_MEMORY_TIER_DIR"] = before
+
+
+@pytest.fixture(autouse=True)
+def _memory_tier(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """Tests of the default path (marked ``memory_tier``: the README's and docs' code, the
+    demo, the memory tier's own tests) run it as a user gets it; the others test the save
+    path that writes to the root directly (the memory tier's fallback), as they were written
+    for, through ``GPUSNAP_MEMORY_TIER=off``, which a Config that leaves memory_tier empty reads."""
+    before = os.environ.pop("GPUSNAP_MEMORY_TIER", None)
+    if request.node.get_closest_marker("memory_tier") is None:
+        os.environ["GPUSNAP_MEMORY_TIER"] = "off"  # (not the test's monkeypatch: tests undo theirs)
+    yield
+    os.environ.pop("GPUSNAP_MEMORY_TIER", None)
+    if before is not None:
+        os.environ["GPUSNAP_MEMORY_TIER"] = before
+
+
 @pytest.fixture(autouse=True)
 def _reader_processes(monkeypatch: pytest.MonkeyPatch) -> None:
     """``GPUSNAP_TEST_READER_PROCESSES=on`` (or ``off``) runs every restore of the suite with

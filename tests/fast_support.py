@@ -30,6 +30,8 @@ from gpusnap.storage.txn import WriteTxn
 
 __all__ = [
     "CFG",
+    "memory_tier_of",
+    "run_killed",
     "HANG_S",
     "DurableGate",
     "blank_state",
@@ -214,3 +216,21 @@ def run_on_small_tmpfs(tmp_path: Path, script: str, *args: str) -> subprocess.Co
 def roots(tmp_path: Path) -> tuple[Path, Path]:
     """A durable root and a fast root under ``tmp_path`` (neither exists yet)."""
     return tmp_path / "durable", tmp_path / "fast"
+
+
+def run_killed(tmp_path: Path, script: str, root: Path) -> str:
+    """Run ``script`` (arguments: ``root``, this directory) in a child process that kills
+    itself with SIGKILL; returns the first word it printed (a checkpoint id)."""
+    path = tmp_path / "killed.py"
+    path.write_text(script)
+    run = subprocess.run([sys.executable, str(path), str(root), str(Path(__file__).parent)],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == -9, run.stderr
+    return run.stdout.split()[0]
+
+
+def memory_tier_of(root: Path) -> Path:
+    """Where the default path's memory tier of ``root`` lives in this test session."""
+    from gpusnap.save.memory_tier import memory_tier_path
+
+    return Path(memory_tier_path(os.environ["GPUSNAP_MEMORY_TIER_DIR"], os.path.realpath(root)))

@@ -339,6 +339,7 @@ def test_a_spent_budget_skips_instead_of_measuring(tmp_path: Path) -> None:
     assert results["workloads"] == [{"name": "llama", "status": "skipped: time budget (--budget-s) spent"}]
 
 
+@pytest.mark.memory_tier  # (the default rows as a user gets them)
 def test_cost_suite_end_to_end_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "out"
     code = main(["bench", "--cost", "--device", "cpu", "--workload", "llama", "--out", str(out),
@@ -350,7 +351,7 @@ def test_cost_suite_end_to_end_on_cpu(tmp_path: Path) -> None:
     (wl,) = results["workloads"]
     assert wl["name"] == "llama" and wl["status"] == "ok" and wl["config"]["num_key_value_heads"] == 2
     keys = [r["key"] for r in wl["systems"]]
-    assert keys == ["pinned_writer", "gpusnap_default", "gpusnap_fast", "torch_save_thread"]
+    assert keys == ["pinned_writer", "gpusnap_default", "gpusnap_default_p10", "gpusnap_fast", "torch_save_thread"]
     n = results["options"]["window_steps"]
     for row in wl["systems"]:
         if row["key"] == "gpusnap_fast" and not gpusnap_tiers.has_fast_tier():

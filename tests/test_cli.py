@@ -78,6 +78,7 @@ def test_python_dash_m_matches_console_script(root):
     assert proc.returncode == 0 and "second" in proc.stdout
 
 
+@pytest.mark.memory_tier
 def test_demo_runs_and_proves_equality(tmp_path, capsys):
     assert main(["demo", "--root", str(tmp_path / "demo"), "--steps", "30", "--every", "5"]) == 0
     out = capsys.readouterr().out
@@ -86,6 +87,7 @@ def test_demo_runs_and_proves_equality(tmp_path, capsys):
     assert "demo: OK" in out
 
 
+@pytest.mark.memory_tier
 def test_demo_keeps_its_root_and_says_how_to_look_at_it(tmp_path, capsys, monkeypatch):
     import tempfile
 

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from docs_support import REPO, Block, blocks, pages, run_page
 
+pytestmark = pytest.mark.memory_tier  # the code a user reads runs the default path
+
 INTEGRATIONS = REPO / "docs" / "integrations"
 MAX_NOT_RUN = 8  # each one is a page that may have gone stale: make blocks run instead
 

@@ -21,7 +21,7 @@ from gpusnap.errors import CheckpointError
 from gpusnap.storage.canonical import TreeCodes, canonical_json
 from gpusnap.storage.fast_chunks import FastChunks, merged_ranges, span_runs
 from gpusnap.storage.fast_tier import FastTier, _merge, chunk_location
-from gpusnap.storage.manifest import FAST_VERSION, VERSION, Manifest, StorageEntry
+from gpusnap.storage.manifest import DEVICE_NAMED_VERSION, FAST_VERSION, VERSION, Manifest, StorageEntry
 
 DATA = Path(__file__).parent / "data"
 sys.path.insert(0, str(DATA))
@@ -184,7 +184,8 @@ def test_a_new_save_on_a_version_1_tier_reuses_its_chunks_keeps_its_bytes_and_pr
     target = {"w": torch.zeros(3000), "b": torch.zeros(700, dtype=torch.float64), "step": 0}
     promoted.restore(target, "three")
     assert _equal(target, v1_state(3)) and promoted.list()[-1].tier == "durable"
-    assert _versions(durable) == [VERSION]  # (a durable root stays readable by an older gpusnap)
+    # chunks named by their device hash: a gpusnap that predates that refuses it, never misreads it
+    assert _versions(durable) == [DEVICE_NAMED_VERSION]
     promoted.close()
     assert main(["gc", str(v1_root), "--keep-last", "1"]) == 0
     assert _versions(v1_root) == [FAST_VERSION] and FastTier.open(v1_root).verify().ok

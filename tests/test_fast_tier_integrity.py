@@ -173,7 +173,7 @@ def test_promotion_checks_back_to_back_chunks_in_one_pass_and_names_a_corrupt_on
 
 
 @pytest.mark.parametrize("corrupt", [None, 0, 3, -1])
-def test_a_promotion_on_a_pool_digests_a_run_only_once_checked_and_raises_only_once_nothing_runs(
+def test_a_promotion_on_a_pool_checks_each_run_it_wrote_and_raises_only_once_nothing_runs(
         tmp_path: Path, corrupt: int | None) -> None:
     import threading
     from concurrent.futures import ThreadPoolExecutor
@@ -191,20 +191,20 @@ def test_a_promotion_on_a_pool_digests_a_run_only_once_checked_and_raises_only_o
     if corrupt is not None:
         _flip(fast, runs[corrupt][0])
     checked: set[str] = set()  # the first chunk of each run checked
-    read: list[str] = []  # the first chunk of each run copied out of the slab
-    check_bytes, copy_run = tier.check_bytes, tier.copy_run
+    read: list[str] = []  # the first chunk of each run read from the slab
+    check_bytes, run_view = tier.check_bytes, tier.run_view
     later_runs_may_go = threading.Event()
 
     def checking(names: list[str], data: Any, chunk_size: int, device: object = None) -> None:
         if corrupt is not None and names[0] != runs[corrupt][0]:
             later_runs_may_go.wait()  # every other run is still in flight when the corrupt one fails
-        assert names[0] in read, "a run is checked in the copy it was read into"
+        assert names[0] in read, "a run is checked in the bytes it was written from"
         check_bytes(names, data, chunk_size, device)  # type: ignore[arg-type]
         checked.add(names[0])
 
-    def reading(names: list[str], chunk_size: int, out: Any) -> memoryview:
+    def reading(names: list[str], chunk_size: int) -> memoryview:
         read.append(names[0])
-        return copy_run(names, chunk_size, out)
+        return run_view(names, chunk_size)
 
     def failed_check(names: list[str], data: Any, chunk_size: int, device: object = None) -> None:
         try:
@@ -214,7 +214,7 @@ def test_a_promotion_on_a_pool_digests_a_run_only_once_checked_and_raises_only_o
             raise
 
     tier.check_bytes = failed_check  # type: ignore[method-assign]
-    tier.copy_run = reading  # type: ignore[method-assign]
+    tier.run_view = reading  # type: ignore[method-assign]
     repo = Repository.open(durable, create=True, config=CFG)
     pool = ThreadPoolExecutor(len(runs))  # (every run starts at once)
     try:

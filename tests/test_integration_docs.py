@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 from docs_support import REPO, run_page
 
+pytestmark = pytest.mark.memory_tier  # the code a user reads runs the default path
+
 DOCS = REPO / "docs" / "integrations"
 NEEDS = {"lightning": ["lightning"], "transformers": ["transformers", "accelerate"], "accelerate": ["accelerate"]}
 

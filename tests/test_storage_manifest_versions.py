@@ -11,6 +11,7 @@ import pytest
 from gpusnap.errors import CheckpointError, IntegrityError
 from gpusnap.kernels.hashing import chunk_digest
 from gpusnap.storage.manifest import (
+    DEVICE_NAMED_VERSION,
     DISTRIBUTED_VERSION,
     READABLE_VERSIONS,
     VERSION,
@@ -70,7 +71,7 @@ def test_an_unknown_newer_version_is_refused_with_what_to_do() -> None:
         doc = json.loads(m.to_json())
         doc["version"] = newer
         with pytest.raises(CheckpointError, match=rf"version {newer}; this gpusnap reads 'gpusnap' versions "
-                                                  rf"{VERSION}, .*{DISTRIBUTED_VERSION} \(upgrade gpusnap") as info:
+                                                  rf"{VERSION}, .*{DEVICE_NAMED_VERSION} \(upgrade gpusnap") as info:
             Manifest.from_json(_rewritten(doc), "manifests/new.json")
         assert not isinstance(info.value, IntegrityError)  # (not corruption: a newer writer)
 
@@ -80,3 +81,18 @@ def test_the_version_is_covered_by_the_checksum() -> None:
     doc["version"] = VERSION  # changed without a new checksum: tampering, not an older writer
     with pytest.raises(IntegrityError, match="fails its checksum"):
         Manifest.from_json(json.dumps(doc).encode(), "manifests/g.json")
+
+
+def test_device_named_chunks_need_version_4_and_a_well_formed_name() -> None:
+    from gpusnap.storage.manifest import StorageEntry
+
+    named = StorageEntry(4, "cpu", ("nh:" + "0" * 32,), ("0" * 32,))
+    m = Manifest(id="20261206-000000-000-000000", tag=None, created=1.0, chunk_size=512, storages=(named,),
+                 tree={}, stats={})
+    assert m.version == DEVICE_NAMED_VERSION
+    assert Manifest.from_json(m.to_json(), "m").storages[0].chunks == named.chunks
+    for version, chunk in ((VERSION, "nh:" + "0" * 32), (DEVICE_NAMED_VERSION, "nh:xyz")):
+        doc = json.loads(m.to_json())
+        doc["version"], doc["storages"][0]["chunks"] = version, [chunk]
+        with pytest.raises(CheckpointError, match="malformed"):
+            Manifest.from_json(_rewritten(doc), "manifests/m.json")

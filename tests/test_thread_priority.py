@@ -32,17 +32,17 @@ def test_only_the_calling_thread_is_lowered() -> None:
     assert _priority() == before  # (the caller's own priority is untouched)
 
 
-def test_promotion_hashes_and_slab_preparation_run_at_the_lowest_priority(
+def test_promotion_writes_and_slab_preparation_run_at_the_lowest_priority(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     hashed_at: set[int] = set()
-    real_digest = promote_module.chunk_digest
+    real_name = promote_module.device_name
 
-    def digest(view: memoryview) -> str:  # runs on the promotion's pool threads
+    def name(device_hash: str) -> str:  # runs on the promotion's pool threads, before each write
         hashed_at.add(_priority())
-        return real_digest(view)
+        return real_name(device_hash)
 
-    monkeypatch.setattr(promote_module, "chunk_digest", digest)
+    monkeypatch.setattr(promote_module, "device_name", name)
     before = _priority()
     durable, fast = roots(tmp_path)
     state = make_state(0)

@@ -23,9 +23,11 @@ from gpusnap.handles import CheckpointInfo, PendingSave, RestoreHandle
 from gpusnap.restore.rank_view import rank_view
 from gpusnap.restore.restorer import Restorer, Verify
 from gpusnap.save.lifecycle import Lifecycle
+from gpusnap.save.memory_tier import KEEP as MEMORY_KEEP
+from gpusnap.save.memory_tier import MemoryTierChoice, choose_memory_tier
 from gpusnap.save.planner import CapturePlanner
 from gpusnap.save.saves import Saves
-from gpusnap.save.tiers import Tiers, info_from_manifest
+from gpusnap.save.tiers import Tiers, durable_identity, info_from_manifest
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.repository import Repository
 
@@ -77,30 +79,40 @@ class Checkpointer:
         for name, value in (("keep_last", keep_last), ("fast_keep_last", fast_keep_last), ("promote_every", promote_every)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        if fast_root is None and (fast_keep_last is not None or promote_every is not None):
-            raise ValueError("fast_keep_last and promote_every need a fast_root")
         self.root = os.fspath(root)
         self.fast_root = None if fast_root is None else os.fspath(fast_root)
         self.keep_last = keep_last
-        self.fast_keep_last = fast_keep_last if fast_keep_last is not None else 2
-        self.promote_every = promote_every
         self.config = config = config if config is not None else Config.from_env()
-        if self.fast_root is not None:
+        group = collective_group(process_group)
+        self._collective = None if group is None else Collective(self.root, group, config, storage_options)
+        if self.fast_root is None:  # the default path: a memory tier of its own, unless refused
+            self._memory = choose_memory_tier(self.root, durable_identity(self.root), config,
+                                              collective=self._collective is not None)
+        else:
+            self._memory = MemoryTierChoice(None, "an explicit fast_root")
+        tier_root = self.fast_root if self.fast_root is not None else self._memory.path
+        if (self.fast_root is None and not self._memory.saves_here and not self._memory.refused
+                and (fast_keep_last is not None or promote_every is not None)):
+            raise ValueError(f"fast_keep_last and promote_every need a fast_root or the memory tier ({self._memory.why_not})")
+        default_keep = 2 if self.fast_root is not None else MEMORY_KEEP
+        self.fast_keep_last = fast_keep_last if fast_keep_last is not None else default_keep
+        # the memory tier promotes every save unless told otherwise; an explicit fast_root only when told
+        self.promote_every = promote_every if promote_every is not None or tier_root is None or self.fast_root else 1
+        if tier_root is not None:
             if config.fast_slab_bytes <= config.piece_bytes():
                 raise ValueError(f"Config.fast_slab_bytes ({config.fast_slab_bytes}) must be larger than one "
                                  f"copy piece ({config.piece_bytes()} bytes)")
-            if os.path.abspath(self.fast_root) == os.path.abspath(self.root):
+            if os.path.abspath(tier_root) == os.path.abspath(self.root):
                 raise ValueError("fast_root must be a directory of its own, not the Checkpointer's root")
         self.allow_pickle = allow_pickle
-        group = collective_group(process_group)
-        self._collective = None if group is None else Collective(self.root, group, config, storage_options)
         if self._collective is not None and self.fast_root is not None:
             raise ValueError("a collective Checkpointer has no fast tier yet: leave out fast_root, or pass "
                              "process_group=False for per-process checkpoints")
         planner = CapturePlanner(config)
-        self._tiers = Tiers(self.root, self.fast_root, keep_last=keep_last, fast_keep_last=self.fast_keep_last,
-                            promote_every=promote_every, config=config, storage_options=storage_options,
-                            collective=self._collective, on_new_fast=planner.history.forget_previous)
+        self._tiers = Tiers(self.root, tier_root, keep_last=keep_last, fast_keep_last=self.fast_keep_last,
+                            promote_every=self.promote_every, config=config, storage_options=storage_options,
+                            collective=self._collective, on_new_fast=planner.history.forget_previous,
+                            memory=self._memory)
         self._saves = Saves(config, planner, self._tiers, allow_pickle=allow_pickle)
         self._restorer = Restorer(
             io_threads=config.io_threads,
@@ -178,8 +190,8 @@ class Checkpointer:
         writer lease)."""
         if tag is not None and (not isinstance(tag, str) or not tag or "/" in tag):
             raise ValueError(f"tag must be a non-empty string without '/', got {tag!r}")
-        if promote and self.fast_root is None:
-            raise ValueError("promote=True needs a fast_root (without one every save is durable)")
+        if promote and self._tiers.fast_root is None:
+            raise ValueError("promote=True needs a fast_root or the memory tier (without either every save is durable)")
         if tag is None:
             return
         pending = self._saves.pending_with_tag(tag)
@@ -232,6 +244,7 @@ class Checkpointer:
         busy = self._saves.pending_named(checkpoint)
         if busy is not None:
             raise CheckpointError(f"checkpoint {busy} is still being saved: wait for it before deleting it")
+        self._restorer.settle()  # a lazy restore still loading reads the packs the delete frees
         self._tiers.delete(checkpoint)
 
     # -- restore --------------------------------------------------------------------------

@@ -168,6 +168,23 @@ class Config:
         metadata={"doc": "fast tier: slab bytes at most (0: what a Checkpointer's checkpoints need, "
                   "fast_keep_last + 2 saves of its state; a StorageError when its file system cannot hold that)"},
     )
+    memory_tier: str = field(
+        default="",
+        metadata={"doc": "a Checkpointer given only a root captures into reused host memory under /dev/shm and "
+                  "makes each checkpoint durable in the root in the background ('auto'); 'off' writes each save "
+                  "to the root directly (what 'auto' falls back to, with a WARNING, where that memory is refused); "
+                  "'': $GPUSNAP_MEMORY_TIER, else 'auto'"},
+    )
+    memory_tier_dir: str = field(
+        default="",
+        metadata={"doc": "where the default path's host memory lives ('': $GPUSNAP_MEMORY_TIER_DIR, else /dev/shm; "
+                  "a tmpfs, where a directory of this user's is made)"},
+    )
+    direct_writes: str = field(
+        default="auto",
+        metadata={"doc": "pack files of a local root are written with O_DIRECT, straight from host memory, where "
+                  "the file system takes it ('auto'; else buffered), or always buffered ('off')"},
+    )
     sigterm_grace_s: int = field(
         default=25,
         metadata={"doc": "on SIGTERM (preemption), seconds to finish pending saves and promotions before the process "
@@ -211,6 +228,10 @@ class Config:
             )
         if self.restore_from_server not in ("auto", "on", "off"):
             raise ValueError(f"Config.restore_from_server must be 'auto', 'on' or 'off', got {self.restore_from_server!r}")
+        if self.memory_tier not in ("", "auto", "off"):
+            raise ValueError(f"Config.memory_tier must be 'auto' or 'off', got {self.memory_tier!r}")
+        if self.direct_writes not in ("auto", "off"):
+            raise ValueError(f"Config.direct_writes must be 'auto' or 'off', got {self.direct_writes!r}")
         if self.when_busy not in ("wait", "skip"):
             raise ValueError(f"Config.when_busy must be 'wait' or 'skip', got {self.when_busy!r}")
         if self.gc_compact_percent > 100:
@@ -235,6 +256,13 @@ class Config:
                 values[f.name] = _env_int(f.name, default)  # type: ignore[arg-type]
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
+
+    def memory_tier_mode(self) -> str:
+        """``memory_tier``, or where it is '' the environment's (``GPUSNAP_MEMORY_TIER``), else 'auto'."""
+        mode = self.memory_tier or os.environ.get("GPUSNAP_MEMORY_TIER") or "auto"
+        if mode not in ("auto", "off"):
+            raise ValueError(f"GPUSNAP_MEMORY_TIER must be 'auto' or 'off', got {mode!r}")
+        return mode
 
     def staging_capacity(self) -> int:
         """``staging_bytes``, or a quarter of physical RAM when it is 0 (at least one piece)."""

@@ -58,7 +58,7 @@ from gpusnap.bench.cost import (
 from gpusnap.bench.cost_summary import add_ratios, summarise
 from gpusnap.bench.cost_throughput import every_n
 from gpusnap.bench.env import CPU_DISCLAIMER, environment, fs_type
-from gpusnap.bench.gpusnap_tiers import GpusnapDefault, GpusnapFast
+from gpusnap.bench.gpusnap_tiers import GpusnapDefault, GpusnapDefaultSparse, GpusnapFast
 from gpusnap.bench.gpusnap_variants import warm_up_process
 from gpusnap.bench.system import System, Unavailable
 from gpusnap.bench.verify import clone_state
@@ -139,6 +139,7 @@ def cost_systems(opts: CostOptions, workload: str) -> list[System]:
     out: list[System] = [
         PinnedWriter(root, target=target),
         GpusnapDefault(root, target=target),
+        GpusnapDefaultSparse(root, target=target),
         GpusnapFast(root, os.path.join(opts.fast_root, workload), target=target),
         TorchSaveThread(root, target=target),
     ]

@@ -1,6 +1,7 @@
 """gpusnap's rows in the cost suite: the default Checkpointer, and the fast tier (milestone 2).
 
-- *default*: ``Checkpointer(root, keep_last=2)``, ``save(state)``; durable = committed.
+- *default*: ``Checkpointer(root, keep_last=2)``, ``save(state)``; durable = in ``root`` (with
+  the memory tier: once promoted); *default, promote_every=10*: durable every 10th save.
 - *fast tier*: ``Checkpointer(root, keep_last=2, fast_root=FAST, fast_keep_last=2,
   promote_every=P)``; ``save(state)`` commits to the fast tier (host memory that outlives
   the process), every P-th save is promoted to ``root`` in the background. Its cost window
@@ -19,6 +20,7 @@ from __future__ import annotations
 import inspect
 import os
 import shutil
+import time
 from typing import Any
 
 import gpusnap
@@ -26,7 +28,7 @@ from gpusnap.bench.gpusnap_variants import GpusnapConcurrent
 from gpusnap.bench.system import SaveHandle, dir_bytes
 from gpusnap.bench.workloads import Workload
 
-__all__ = ["NO_FAST_TIER", "GpusnapDefault", "GpusnapFast", "has_fast_tier"]
+__all__ = ["NO_FAST_TIER", "GpusnapDefault", "GpusnapDefaultSparse", "GpusnapFast", "has_fast_tier"]
 
 NO_FAST_TIER = "unavailable: this gpusnap has no fast tier"
 
@@ -39,9 +41,64 @@ def has_fast_tier() -> bool:
 
 
 class GpusnapDefault(GpusnapConcurrent):
+    """``Checkpointer(root, keep_last=2)`` as the README makes it. A save is durable when its
+    manifest is in ``root``: with the memory tier that is after its promotion, so the cost
+    window runs on, a step at a time, until the background write to the disk is over."""
+
     key = "gpusnap_default"
     label = "gpusnap default"
     mid_step_check = True  # a save between backward() and optimizer.step(): copy-on-write heavy
+
+    def save(self, wl: Workload, index: int) -> SaveHandle:
+        handle = super().save(wl, index)
+        pending, settle = self._last_pending, handle.wait
+
+        def in_root() -> bool:
+            return pending.done() and os.path.exists(os.path.join(self.dir, "manifests", f"{pending.id}.json"))
+
+        def wait() -> dict[str, Any]:
+            marked = handle.durable_at  # (the step that saw it in the root, if one did)
+            stats = settle()
+            handle.durable_at = marked  # (settle() put the fast-tier commit's moment there)
+            assert self.ckpt is not None
+            if not in_root():  # every promotion over: this one's, or the newer one that replaced it
+                self.ckpt.wait()
+            if not in_root():
+                handle.durable_note = "its promotion was replaced by a newer save's (the disk was busy)"
+                stats["tier"] = "fast"
+                return stats
+            handle.durable_at = handle.durable_at or time.perf_counter()
+            durable = next((i for i in self.ckpt.list() if i.id == pending.id and i.tier == "durable"), None)
+            if durable is not None:
+                stats["tier"] = "durable"
+                stats["promotion_s"] = durable.stats.get("promotion_s")
+                stats["promotion_cpu_s"] = durable.stats.get("promotion_cpu_s")
+            return stats
+
+        handle.is_durable = in_root
+        handle.wait = wait
+        return handle
+
+    def _call_save(self, wl: Workload) -> gpusnap.PendingSave:
+        self._last_pending = super()._call_save(wl)
+        return self._last_pending
+
+
+class GpusnapDefaultSparse(GpusnapConcurrent):
+    """``Checkpointer(root, keep_last=2, promote_every=10)``: the default memory tier, every
+    10th save made durable; a save's window ends at its commit in memory."""
+
+    key = "gpusnap_default_p10"
+    label = "gpusnap default, promote_every=10"
+    mid_step_check = True
+
+    def unavailable(self, wl: Workload) -> str | None:
+        config = self.config if self.config is not None else gpusnap.Config.from_env()
+        return "unavailable: the memory tier is off (Config.memory_tier)" if config.memory_tier_mode() == "off" else None
+
+    def setup(self, wl: Workload) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.ckpt = gpusnap.Checkpointer(self.dir, keep_last=2, config=self.config, promote_every=10)
 
 
 class GpusnapFast(GpusnapConcurrent):

@@ -149,16 +149,23 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 def cmd_du(args: argparse.Namespace) -> int:
     from gpusnap.cli.du import usage
+    from gpusnap.config import Config
+    from gpusnap.save.memory_tier import memory_tier_usage
 
     repo = open_root(args.root)
     manifests = [_whole(repo, m) for m in repo.list()]
     problems = repo.problems()
     u = usage(repo, manifests)
+    memory = None if u.tier == "fast" else memory_tier_usage(args.root, Config.from_env())
     if args.json:
-        print(dumps(du_doc(repo.root, u, problems)))
+        doc = du_doc(repo.root, u, problems)
+        doc["memory_tier"] = None if memory is None else {"path": memory[0], "host_bytes": memory[1]}
+        print(dumps(doc))
     else:
         for line in du_lines(u):
             print(line)
+        if memory is not None:  # (the default path's host memory for this root, held until close())
+            print(f"memory tier {memory[0]}: {human_bytes(memory[1])} of host memory")
         for line in unreadable_lines(problems):
             print(line)
     for error in u.unreadable:

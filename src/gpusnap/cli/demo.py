@@ -81,7 +81,8 @@ def run_demo(root: str | None, *, steps: int = 60, every: int = 10, device: str 
                 tag = f"step-{run['step']}"
                 pendings.append((run["step"], ckpt.save(run, tag=tag)))
                 at_save[tag] = _tensors(run)
-        infos = [(step, p.wait()) for step, p in pendings]
+        infos = [(step, p.wait()) for step, p in pendings]  # committed (in host memory, by default)
+        ckpt.wait()  # and durable in the root
         _mid_step, mid = infos[len(infos) // 2] if len(infos) > 2 else infos[-1]
         kept = {i.id for i in ckpt.list()}
 
@@ -98,7 +99,7 @@ def run_demo(root: str | None, *, steps: int = 60, every: int = 10, device: str 
         resumed_equal = _same(_tensors(fresh), reference_final)
 
     print()
-    print(f"{'checkpoint':<28} {'step':>5} {'size':>10} {'stall':>10} {'durable':>10}")
+    print(f"{'checkpoint':<28} {'step':>5} {'size':>10} {'stall':>10} {'committed':>10}")
     for step, info in infos:
         mark = " (kept)" if info.id in kept else ""
         print(

@@ -14,6 +14,7 @@ imported leaves the root as it was; the commit itself is the save's atomic one.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -115,7 +116,10 @@ def import_(
                 raise
 
         reporting = reporting_progress(told)
-    with Checkpointer(root, config=config, storage_options=storage_options) as ckpt, reporting:
+    # bytes from someone else's file keep BLAKE2b names (never the memory tier's device-hash
+    # names, which are not collision-resistant: docs/tiers.md, "Threat model")
+    direct = dataclasses.replace(config if config is not None else Config.from_env(), memory_tier="off")
+    with Checkpointer(root, config=direct, storage_options=storage_options) as ckpt, reporting:
         try:
             return ckpt.save(app_state, tag=tag, blocking=True).wait()
         except CheckpointError:

@@ -115,6 +115,7 @@ class Committer:
             "validation": "not needed: stop-the-world capture",
             "save_phases_s": dict(job.phases),
             "flatten_planned": job.flat.planned,  # the previous save's plan was reused
+            "memory_tier": self._tiers.memory_note(),
         }
         if capture is None:
             return stats

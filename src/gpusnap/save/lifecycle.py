@@ -78,6 +78,7 @@ class Lifecycle:
                 return
             saves.reap()  # a retry due on this thread starts before the writer stops
             saves.stop()
+            self._newest_durable()
             promoter = saves.tiers.promoter
             if promoter is not None:
                 promoter.retry_failed()  # (a promotion that failed gets one more try first)
@@ -92,6 +93,14 @@ class Lifecycle:
                 self._collective.close()
             self.stopped = True
 
+    def _newest_durable(self) -> None:
+        """The memory tier's newest checkpoint reaches the root before the process ends."""
+        try:
+            self.saves.tiers.newest_not_durable()
+        except Exception as exc:  # (its checkpoints stay in the memory tier: say so)
+            print(f"gpusnap: the newest checkpoint in the memory tier of {self.root} could not be made durable: "
+                  f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
     def at_exit(self, final: bool) -> None:
         """Interpreter exit: finish the pending saves (``final``: close), then report on
         stderr each failure nothing observed, and any save that could not finish."""
@@ -102,6 +111,7 @@ class Lifecycle:
             elif not self.closed:
                 for p in saves.pending():
                     saves.wait_for(p, None)
+                self._newest_durable()
                 if saves.tiers.promoter is not None:  # (while the interpreter still starts threads)
                     saves.tiers.promoter.wait()
         except BaseException as exc:  # an exit hook must not raise; say what is lost
@@ -127,6 +137,11 @@ class Lifecycle:
             promoter.wait(max(0.0, deadline - time.monotonic()))
         lost = [p.id for p in pending if not p.done()]
         lost += promoter.pending_ids() if promoter is not None else []
+        tiers = saves.tiers
+        if tiers.implicit and tiers.promote_every not in (None, 1):  # (nothing is started here: see above)
+            print(f"gpusnap: SIGTERM: checkpoints saved since the last promotion stay in the memory tier "
+                  f"{tiers.fast_root} (promote_every={tiers.promote_every}), not in {self.root}; the next "
+                  "Checkpointer of that root makes the newest durable", file=sys.stderr, flush=True)
         if lost:
             print(f"gpusnap: SIGTERM: saves or promotions under {self.root} did not finish within "
                   f"Config.sigterm_grace_s ({saves.config.sigterm_grace_s} s); lost: {', '.join(lost)}",

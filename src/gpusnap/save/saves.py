@@ -103,7 +103,9 @@ class Saves:
         started = begun - (coordinated[1] if coordinated is not None else 0.0)  # (the stall counts it)
         lazy_restores.before_save(app_state)  # any lazy restore in the process still loading: its bytes first
         self.reap()
-        fast = self.tiers.fast() if self.tiers.fast_root is not None else None
+        fast = self.tiers.fast() if self.tiers.saves_to_fast else None
+        if fast is None:
+            self.tiers.adopt_left()  # (a memory tier an earlier process left: its newest made durable)
         if fast is not None and self.config.when_busy == "skip" and retry_of is None and self.windows.any_open():
             return self._skip(tag, "the previous save is still copying"), None
         self.windows.wait_captured()  # one window at a time: counted in this save's stall
@@ -114,6 +116,12 @@ class Saves:
         flat = flatten(app_state, allow_pickle=self._allow_pickle, plan=history.flat_plan)
         history.learn_plan(flat)
         flattened = time.perf_counter()
+        if fast is not None and self.tiers.implicit and retry_of is None:
+            piece = self.config.piece_bytes()
+            need = room_needed([sp.nbytes for sp in flat.spans], piece)
+            if not self.tiers.fits_in_memory(fast, need, max(1, min(piece, need))):
+                fast = None  # (too little host memory: this and later saves go to the root)
+                self.planner.history.forget_previous()
         repo = self.tiers.durable(create=True) if fast is None else fast
         created = time.time()
         if retry_of is not None:
@@ -193,11 +201,13 @@ class Saves:
         assert nbytes is not None
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        if self.tiers.fast_root is not None:
-            piece = max(1, min(piece, nbytes))  # (no piece of a save is larger than the save)
-            fast = self.tiers.fast()
-            fast.set_budget(self.tiers.fast_saves_held(), nbytes, piece)  # (too little room: said here)
-            made = fast.prepare_for(self.tiers.fast_keep_last + 1, nbytes, piece)
+        fast = self.tiers.fast() if self.tiers.saves_to_fast else None
+        piece_now = max(1, min(piece, nbytes))  # (no piece of a save is larger than the save)
+        if fast is not None and not self.tiers.fits_in_memory(fast, nbytes, piece_now):
+            fast = None  # (the memory tier is off now: the staging a save copies through, instead)
+        if fast is not None:
+            fast.set_budget(self.tiers.fast_saves_held(), nbytes, piece_now)  # (too little room: said here)
+            made = fast.prepare_for(self.tiers.fast_keep_last + 1, nbytes, piece_now)
             if wait:
                 fast.wait_prepared()
         else:

@@ -39,6 +39,8 @@ def window_stats(capture: ConcurrentSave) -> dict[str, Any]:
         "cow_peak_bytes": w.stats.cow_peak,
         "stream_waits": w.stats.stream_waits,
         "staging_bytes": capture.staging.nbytes,
+        # the host memory this Checkpointer holds for saves: the fast tier's slabs, else the staging
+        "host_memory_bytes": capture.staging.txn.tier.slab_bytes() if capture.fast else capture.staging.nbytes,
         "staging_grow_s": capture.staging.grow_s,
         **_fast_stats(capture),
         "ops_seen": w.stats.ops_seen,

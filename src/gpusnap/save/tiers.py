@@ -18,12 +18,13 @@ from gpusnap.config import Config
 from gpusnap.distributed.collective import Collective
 from gpusnap.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from gpusnap.handles import CheckpointInfo
+from gpusnap.save.memory_tier import MemoryTierChoice, durable_identity, refused
 from gpusnap.save.promotion import Promoter
 from gpusnap.storage.fast_tier import FastTier
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.repository import Repository
 
-__all__ = ["Tiers", "info_from_manifest"]
+__all__ = ["Tiers", "durable_identity", "info_from_manifest"]
 
 log = logging.getLogger("gpusnap")
 
@@ -47,9 +48,14 @@ def tier_name(repo: Repository) -> str:
 class Tiers:
     def __init__(self, root: str, fast_root: str | None, *, keep_last: int | None, fast_keep_last: int,
                  promote_every: int | None, config: Config, storage_options: dict[str, Any] | None,
-                 collective: Collective | None, on_new_fast: Callable[[], None]) -> None:
-        """``on_new_fast()`` is called whenever a fast tier is made (its chunk names are new)."""
+                 collective: Collective | None, on_new_fast: Callable[[], None],
+                 memory: MemoryTierChoice | None = None) -> None:
+        """``on_new_fast()`` is called whenever a fast tier is made (its chunk names are new).
+        ``memory``: the default path's choice of memory tier; when it has a path, ``fast_root``
+        is that path, a tier this Checkpointer owns (adopted, emptied and removed by it)."""
         self.root, self.fast_root = root, fast_root
+        self.memory = memory if memory is not None else MemoryTierChoice(None)
+        self.implicit = self.memory.path is not None and fast_root == self.memory.path
         self.keep_last, self.fast_keep_last, self.promote_every = keep_last, fast_keep_last, promote_every
         self.config = config
         self.collective = collective
@@ -104,8 +110,68 @@ class Tiers:
                                            durable_root=self.durable_identity())
                 self.opened.append(self._fast)
                 self._on_new_fast()
+                made = self._fast
+            else:
+                made = None
             self._fast.claim_writer()
-            return self._fast
+            fast = self._fast
+        if made is not None and self.implicit:  # (outside the lock: it opens the durable root)
+            self._adopt(made)
+        return fast
+
+    @property
+    def saves_to_fast(self) -> bool:
+        """Whether saves commit to the fast tier: an explicit one, or the memory tier unless
+        it is off or was refused (then a tier an earlier process left is only read)."""
+        return self.fast_root is not None and (not self.implicit or self.memory.saves_here)
+
+    def adopt_left(self) -> None:
+        """A memory tier left by an earlier process, not opened yet: opened as its writer
+        (which makes its newest checkpoint durable), unless another process writes it."""
+        if not self.implicit or self._fast is not None or not os.path.isdir(str(self.fast_root)):
+            return
+        try:
+            self.fast()
+        except CheckpointError as exc:  # (a live process of the same root holds it: its own to promote)
+            log.info("gpusnap: the memory tier %s is not adopted: %s", self.fast_root, exc)
+
+    def _adopt(self, tier: FastTier) -> None:
+        """A memory tier a process left (it crashed, or was killed) may hold a checkpoint newer
+        than the root's newest: that one is made durable now."""
+        try:
+            held = tier.list()
+            if not held:
+                return
+            newest = tier.load_manifest(held[-1].id)
+            durable = self.durable(create=True).list()
+            if durable and (newest.created, newest.id) <= (durable[-1].created, durable[-1].id):
+                return  # (the root has it, or something newer)
+        except (CheckpointError, OSError) as exc:
+            log.warning("gpusnap: could not look into the memory tier %s left by an earlier process: %s",
+                        self.fast_root, exc)
+            return
+        log.warning("gpusnap: the memory tier %s holds checkpoint %s, which never reached %s (its process ended "
+                    "first): it is made durable now", self.fast_root, newest.id, self.root)
+        self.promotions().submit(tier, newest, explicit=True)
+
+    def memory_note(self) -> str:
+        """``stats["memory_tier"]``: on (where), or off and why."""
+        if self.implicit:
+            return self.memory.note
+        return "explicit fast_root" if self.fast_root is not None else self.memory.note
+
+    def fits_in_memory(self, tier: FastTier, need: int, piece: int) -> bool:
+        """For the memory tier: bound it to this state's saves; where its file system cannot
+        hold them, turn it off for good (WARNING once): this and later saves go to the root."""
+        if not self.implicit:
+            return True
+        try:
+            tier.set_budget(self.fast_saves_held(), need, piece)
+            return True
+        except StorageError as exc:  # (what it holds stays listed, and its newest is made durable at close)
+            self.memory = refused(f"the memory tier {self.fast_root} has no room for this state: {exc}",
+                                  self.memory.path)
+            return False
 
     def fast_saves_held(self) -> int:
         """Checkpoints the fast tier has room for: those kept, the one being written, and one
@@ -114,8 +180,7 @@ class Tiers:
 
     def durable_identity(self) -> str:
         """How a fast root records the durable root it belongs to (a local one by its real path)."""
-        local = self.root.removeprefix("file://")
-        return self.root if "://" in local else os.path.realpath(local)
+        return durable_identity(self.root)
 
     def promotions(self) -> Promoter:
         if self.promoter is None:
@@ -196,9 +261,13 @@ class Tiers:
         apply the fast tier's retention; True when a promotion was queued. ``keep`` stays
         alive until the promotion is over (what the exit hooks track)."""
         self._fast_commits += 1
-        due = promote or (self.promote_every is not None and self._fast_commits % self.promote_every == 0)
+        # the memory tier keeps one checkpoint: a tagged one is always promoted, and never
+        # replaced by a newer save's promotion, or its tag would name nothing once retention
+        # dropped it
+        explicit = promote or (self.implicit and manifest.tag is not None)
+        due = explicit or (self.promote_every is not None and self._fast_commits % self.promote_every == 0)
         if due:  # pinned before retention can drop it
-            self.promotions().submit(tier, manifest, explicit=promote, keep=keep)
+            self.promotions().submit(tier, manifest, explicit=explicit, keep=keep)
         self.retain(tier, self.fast_keep_last)
         return due
 
@@ -259,8 +328,41 @@ class Tiers:
                   + f" to {self.root} failed; it is {where}: {type(f.error).__name__}: {f.error}",
                   file=sys.stderr, flush=True)
 
+    def newest_not_durable(self) -> None:
+        """The memory tier's newest checkpoint, unless the root has it or a promotion of it is
+        under way, is promoted (close() and exit: the memory tier goes with the process)."""
+        self.adopt_left()
+        if not self.implicit or self._fast is None:
+            return
+        held = self._fast.list()
+        if not held:
+            return
+        newest = held[-1].id
+        promoter = self.promoter
+        if promoter is not None and newest in promoter.pending_ids() + promoter.failed_ids():
+            return
+        if newest in {i.id for i in self.durable(create=True).list()}:
+            return
+        self.promotions().submit(self._fast, self._fast.load_manifest(newest), explicit=True)
+
     def close(self) -> None:
-        """Release both roots' writer leases: another Checkpointer may write now."""
+        """Release both roots' writer leases: another Checkpointer may write now. The memory
+        tier is removed first when everything it holds that the root lacks is older than the
+        root's newest checkpoint (nothing would be lost)."""
+        if self.implicit and self._fast is not None:
+            self._remove_memory_tier(self._fast)
         for repo in (self._repo, self._fast):
             if repo is not None:
                 repo.close()
+
+    def _remove_memory_tier(self, tier: FastTier) -> None:
+        try:
+            if self.promoter is not None and (self.promoter.pending_ids() or self.promoter.failed_ids()):
+                return  # (its failures are raised: the checkpoints stay where they are)
+            held = tier.list()
+            durable = self.durable(create=True).list()
+            if held and (not durable or (held[-1].created, held[-1].id) > (durable[-1].created, durable[-1].id)):
+                return
+            tier.remove_all()
+        except (CheckpointError, OSError) as exc:
+            log.warning("gpusnap: the memory tier %s could not be removed: %s", self.fast_root, exc)

@@ -37,6 +37,7 @@ from gpusnap.storage.backend_protocol import (
     WriteHandle,
     poll_until,
 )
+from gpusnap.storage.direct_file import DirectFile
 from gpusnap.storage.lease import (
     LEASE_NAME,
     LeaseBusy,
@@ -234,6 +235,12 @@ class LocalBackend:
     def open_write(self, path: str) -> WriteHandle:
         self._writable_root()
         return _LocalWriteHandle(open_private(self._abs(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC))
+
+    def open_direct_write(self, path: str) -> DirectFile:
+        """Like :meth:`open_write`, for aligned O_DIRECT writes straight from the caller's
+        memory (``storage/direct_file.py``; buffered where the file system refuses O_DIRECT)."""
+        self._writable_root()
+        return DirectFile.open(self._abs(path))
 
     def rename(self, src: str, dst: str) -> None:
         os.replace(self._abs(src), self._abs(dst))

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import builtins
 import os
+import shutil
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -216,6 +217,13 @@ class FastTier(SlabFiles, SlabSpace, Repository, root_kind="fast"):
         slab, lo, hi = self._run_range(names, chunk_size)
         self.check_bytes(names, self._slab_bytes(slab, lo, hi), chunk_size, device)
 
+    def run_view(self, names: builtins.list[str], chunk_size: int) -> memoryview:
+        """The bytes of a run (as :meth:`check_run` takes it) in this process's map of its
+        slab, not copied (a promotion writes from them, then checks them); the caller keeps
+        its checkpoint pinned while it reads."""
+        slab, lo, hi = self._run_range(names, chunk_size)
+        return self._slab_bytes(slab, lo, hi)
+
     def copy_run(self, names: builtins.list[str], chunk_size: int, out: torch.Tensor) -> memoryview:
         """The bytes of a run (as :meth:`check_run` takes it) copied once into ``out`` (a host
         uint8 tensor at least that long; the copy lets the interpreter lock go): what a
@@ -385,6 +393,13 @@ class FastTier(SlabFiles, SlabSpace, Repository, root_kind="fast"):
         """Re-read every chunk of one checkpoint (id or tag) or of all from its slab and check
         its device hash (``storage.verify_fast``)."""
         return verify_fast(self, checkpoint_id, progress, on_total)
+
+    def remove_all(self) -> None:
+        """Delete this tier, its root directory included (the memory tier of a Checkpointer
+        that closed cleanly). Only its writer may: a process still reading keeps its maps."""
+        if not self.is_writer:
+            raise CheckpointError(f"only the fast tier's writer may remove {self.backend.describe('')}")
+        shutil.rmtree(self.backend.local_path(""))  # type: ignore[attr-defined]
 
     def delete(self, checkpoint_id: str, *, timeout: float = 30.0) -> None:
         super().delete(checkpoint_id, timeout=timeout)

@@ -17,9 +17,10 @@ from typing import Any
 from gpusnap.errors import CheckpointError, IntegrityError
 from gpusnap.kernels.hashing import chunk_digest
 from gpusnap.storage.canonical import TreeCodes, canonical_json, join_object
+from gpusnap.storage.chunk_names import device_hash_of, is_device_name
 from gpusnap.storage.fast_chunks import FastChunks
 
-__all__ = ["DEVICE_HASH", "DISTRIBUTED_VERSION", "FAST_VERSION", "FORMAT", "READABLE_VERSIONS", "VERSION", "Manifest", "RankPart",
+__all__ = ["DEVICE_HASH", "DEVICE_NAMED_VERSION", "DISTRIBUTED_VERSION", "FAST_VERSION", "FORMAT", "READABLE_VERSIONS", "VERSION", "Manifest", "RankPart",
            "StorageEntry", "canonical_json"]
 
 FORMAT = "gpusnap"
@@ -31,7 +32,10 @@ FAST_VERSION = 2
 # one as an empty checkpoint (listed, verified "ok", 0 bytes), so it must refuse it; a rank's
 # part is an ordinary manifest
 DISTRIBUTED_VERSION = 3
-READABLE_VERSIONS = (VERSION, FAST_VERSION, DISTRIBUTED_VERSION)
+# a manifest naming chunks by their device hash (``nh:...``, storage/chunk_names.py): a gpusnap
+# that predates it would check those chunks with BLAKE2b and call every one corrupt
+DEVICE_NAMED_VERSION = 4
+READABLE_VERSIONS = (VERSION, FAST_VERSION, DISTRIBUTED_VERSION, DEVICE_NAMED_VERSION)
 
 
 DEVICE_HASH = "nh128-v1"  # kernels.chunk_hash: the algorithm of StorageEntry.hashes
@@ -109,10 +113,16 @@ class Manifest:
     @property
     def version(self) -> int:
         """The format version its file has: :data:`FAST_VERSION` when a span is stored as
-        runs (a fast tier's), else :data:`VERSION`."""
+        runs (a fast tier's), :data:`DEVICE_NAMED_VERSION` when a chunk is named by its
+        device hash (a promotion's), else :data:`VERSION`."""
         if self.ranks:
             return DISTRIBUTED_VERSION
-        return FAST_VERSION if any(isinstance(s.chunks, FastChunks) for s in self.storages) else VERSION
+        if any(isinstance(s.chunks, FastChunks) for s in self.storages):
+            return FAST_VERSION
+        return DEVICE_NAMED_VERSION if self._device_named() else VERSION
+
+    def _device_named(self) -> bool:
+        return any(is_device_name(c) for s in self.storages if not isinstance(s.chunks, FastChunks) for c in s.chunks)
 
     def without_data(self, spans: Collection[int]) -> Manifest:
         """This manifest with storages ``spans`` holding no bytes and no chunks: a reader of the
@@ -195,6 +205,11 @@ class Manifest:
                     raise ValueError("a storage has a different number of hashes and chunks")
             if any(isinstance(s.chunks, FastChunks) for s in storages) != (doc["version"] == FAST_VERSION):
                 raise ValueError(f"version {doc['version']} names spans stored as runs only in version {FAST_VERSION}")
+            named = [c for s in storages if not isinstance(s.chunks, FastChunks) for c in s.chunks if is_device_name(c)]
+            if bool(named) != (doc["version"] == DEVICE_NAMED_VERSION):
+                raise ValueError(f"chunks named by their device hash appear in version {DEVICE_NAMED_VERSION} only")
+            for c in named:
+                device_hash_of(c)  # (a malformed name: ValueError)
             tree, stats = doc["tree"], doc["stats"]
             if not isinstance(tree, dict) or not isinstance(stats, dict):
                 raise TypeError("tree and stats must be objects")

@@ -1,13 +1,14 @@
-"""Promotion: one committed fast-tier checkpoint copied into a durable root.
+"""Promotion: one committed fast-tier checkpoint written into a durable root.
 
-The durable copy is an ordinary checkpoint of that root (packs named by BLAKE2b, the same
-atomic commit, the same id, tag, tree and stats), so everything that reads a durable root
-reads it. The fast checkpoint stays pinned while it is read; each run of its chunks is
-copied once out of the slab, and that copy is what is checked against the device hashes,
-digested and written: bytes that change in the slab meanwhile (another process's retention,
-a tier removed and made again) fail the check instead of reaching the durable root. A
-failure (or ``cancelled()`` turning true) aborts the durable transaction, leaving both roots
-as they were.
+The durable copy is an ordinary checkpoint of that root (the same atomic commit, the same id,
+tag, tree and stats), its chunks named by the device hashes the fast tier already holds
+(``nh:...``, storage/chunk_names.py): the host neither copies nor hashes a byte. Each run of
+chunks is written straight from the slab (O_DIRECT where the root's file system takes it),
+then checked against its device hashes on the device (one host-to-device copy and one launch
+a run): bytes that changed in the slab before or while they were written (another process's
+retention, a tier removed and made again, a flipped bit) fail the check instead of reaching
+the durable root. A failure (or ``cancelled()`` turning true) aborts the durable transaction,
+leaving both roots as they were.
 """
 
 from __future__ import annotations
@@ -19,12 +20,10 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 
-import torch
-
 from gpusnap.errors import CheckpointError
-from gpusnap.kernels.hashing import chunk_digest
-from gpusnap.storage.host_bytes_hash import hash_device
+from gpusnap.storage.chunk_names import device_name
 from gpusnap.storage.fast_tier import FastTier, chunk_location
+from gpusnap.storage.host_bytes_hash import hash_device
 from gpusnap.storage.manifest import Manifest, StorageEntry
 from gpusnap.storage.repository import Repository
 
@@ -66,38 +65,34 @@ def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: Threa
             extra_stats: dict[str, object] | None = None, cancel: CancelToken | None = None) -> Manifest:
     """Commit ``manifest``'s checkpoint (from ``fast``) to ``durable``; returns the durable manifest.
 
-    ``pool`` copies, checks, digests and writes runs of chunks (each run read once, its device
-    hashes checked first); a failure raises once no run is still being read or written.
+    ``pool`` writes and checks runs of chunks (each straight from the slab, checked after it
+    is written); a failure raises once no run is still being read or written.
     ``cancel`` called off: :class:`PromotionCancelled` (asked before each run and at the commit)."""
     started, cpu, cpu_pool = time.perf_counter(), time.thread_time(), pool_cpu_s(pool)
     device = hash_device(e.device for e in manifest.storages)  # (its own GPU: one host copy and one launch a run)
-    scratch = threading.local()  # each thread's copy of the run it stores, reused
     cancel = cancel if cancel is not None else CancelToken()
 
     fast.pin_checkpoint(manifest.id)
     try:
         with durable.begin_write() as txn:
+            txn.allow_device_names()
             runs = check_runs([n for e in manifest.storages for n in e.chunks], manifest.chunk_size, RUN_BYTES)
 
             def store(run: list[str]) -> list[str]:
                 cancel.check(manifest.id)
-                run_bytes = sum(chunk_location(n)[3] for n in run)
-                buffer = getattr(scratch, "buffer", None)
-                if buffer is None or buffer.numel() < run_bytes:
-                    buffer = scratch.buffer = torch.empty(max(run_bytes, min(RUN_BYTES, 1 << 20)), dtype=torch.uint8)
-                data = fast.copy_run(run, manifest.chunk_size, buffer)
-                # device hashes first: corrupt fast bytes must not become a clean durable checkpoint
-                fast.check_bytes(run, data, manifest.chunk_size, device)
-                digests, at = [], 0
+                data = fast.run_view(run, manifest.chunk_size)  # (slab memory: written from where it is)
+                names, at = [], 0
                 for name in run:
-                    n = chunk_location(name)[3]
-                    view = data[at : at + n]
+                    device_hash, _slab, _off, n = chunk_location(name)
+                    durable_name = device_name(device_hash)
+                    if not txn.has_chunk(durable_name):
+                        txn.put_chunk(durable_name, data[at : at + n])
+                    names.append(durable_name)
                     at += n
-                    digest = chunk_digest(view)  # (hashlib lets the GIL go for large buffers)
-                    if not txn.has_chunk(digest):
-                        txn.put_chunk(digest, view)
-                    digests.append(digest)
-                return digests
+                # checked after the write: bytes that were wrong before it, or changed while it
+                # ran, fail here; the commit never names a chunk this check has not passed
+                fast.check_bytes(run, data, manifest.chunk_size, device)
+                return names
 
             stores = [pool.submit(store, run) for run in runs] if pool is not None else []
             try:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from gpusnap.errors import CheckpointError, StorageError
 from gpusnap.storage.backend import BackendLock
+from gpusnap.storage.chunk_names import is_device_name
 from gpusnap.storage.layout import ID_RE, INTACT, MANIFESTS, PACKS, TMP, byte_view, storage_error
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.pack import PackIndex, PackWriter, pack_path
@@ -58,6 +59,7 @@ class WriteTxn:
         self._live = 0  # unfinished writers (free or in use), at most config.io_threads
         self._busy = 0  # put_chunk calls holding a writer
         self._seq = 0
+        self._device_names = False  # (allow_device_names)
         repo.txn_opened(self)  # gc keeps what it pins (stored or reused) and its tmp/ files
 
     def __enter__(self) -> WriteTxn:
@@ -103,13 +105,22 @@ class WriteTxn:
             put = set(self._put)
         return {k: d for k, d in chunks.items() if d in put or self._repo.pin_if_stored(self, d)}
 
+    def allow_device_names(self) -> None:
+        """This transaction stores the program's own state by device hash (a promotion):
+        ``nh:...`` names are accepted from now on (storage/chunk_names.py)."""
+        self._device_names = True
+
     def put_chunk(self, digest: str, data: bytes | bytearray | memoryview) -> bool:
         """Store one chunk unless known; returns False when deduplicated. Thread-safe.
 
         ``digest`` is trusted to be ``chunk_digest(data)`` (the capture layer computed it from
-        the same bytes); :meth:`Repository.verify` would expose a mismatch. After a
-        :class:`StorageError` the transaction can only be aborted.
+        the same bytes); :meth:`Repository.verify` would expose a mismatch. A name of the
+        device-hash space (``nh:...``) is refused unless :meth:`allow_device_names` was
+        called: bytes from outside the program never take one. After a :class:`StorageError`
+        the transaction can only be aborted.
         """
+        if is_device_name(digest) and not self._device_names:
+            raise ValueError(f"chunk name {digest!r}: device-hash names are a promotion's alone (storage/chunk_names.py)")
         view = byte_view(data)
         with self._cond:
             while True:
@@ -130,7 +141,7 @@ class WriteTxn:
         index: PackIndex | None = None
         try:
             if writer is None:
-                writer = PackWriter(self._backend, path, fsync=self._config.fsync)
+                writer = PackWriter(self._backend, path, fsync=self._config.fsync, direct=self._config.direct_writes == "auto")
                 with self._cond:
                     self._writers.append(writer)
             writer.append(digest, view)
