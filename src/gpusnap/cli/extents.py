@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from gpusnap.storage.chunk_names import device_hash_of, is_device_name
 from gpusnap.storage.fast_tier import chunk_location
 from gpusnap.storage.manifest import Manifest, StorageEntry
 
@@ -45,16 +46,17 @@ def storage_chunks(entry: StorageEntry, chunk_size: int) -> list[Chunk]:
         if _is_fast(name):  # (IntegrityError if the name is malformed)
             content, slab, lo, n = chunk_location(name)
             out.append(Chunk(content, f"slab {slab}", lo, start, n))
-        else:
+        else:  # (a promoted chunk's content is its device hash: equal to the fast chunk it came from)
             n = max(0, min(chunk_size, entry.nbytes - start))
-            out.append(Chunk(name, name, 0, start, n))
+            out.append(Chunk(device_hash_of(name) if is_device_name(name) else name, name, 0, start, n))
         start += out[-1].nbytes
     return out
 
 
 def device_hashed(m: Manifest) -> bool:
-    """Whether ``m``'s chunk contents are device hashes (a fast tier's), not BLAKE2b digests."""
-    return any(_is_fast(name) for entry in m.storages for name in entry.chunks)
+    """Whether ``m``'s chunk contents are device hashes (a fast tier's, or a promotion's
+    ``nh:`` names), not BLAKE2b digests."""
+    return any(_is_fast(name) or is_device_name(name) for entry in m.storages for name in entry.chunks)
 
 
 def _is_fast(name: str) -> bool:
