@@ -224,16 +224,6 @@ class FastTier(SlabFiles, SlabSpace, Repository, root_kind="fast"):
         slab, lo, hi = self._run_range(names, chunk_size)
         return self._slab_bytes(slab, lo, hi)
 
-    def copy_run(self, names: builtins.list[str], chunk_size: int, out: torch.Tensor) -> memoryview:
-        """The bytes of a run (as :meth:`check_run` takes it) copied once into ``out`` (a host
-        uint8 tensor at least that long; the copy lets the interpreter lock go): what a
-        promotion checks, digests and writes, so that all three see the same bytes even if
-        the slab changes meanwhile."""
-        slab, lo, hi = self._run_range(names, chunk_size)
-        source = torch.frombuffer(self._slab_bytes(slab, lo, hi), dtype=torch.uint8)
-        out[: hi - lo].copy_(source)
-        return memoryview(out[: hi - lo].numpy()).cast("B")
-
     def check_bytes(self, names: builtins.list[str], data: memoryview | bytes, chunk_size: int,
                     device: torch.device | None = None) -> None:
         """Check ``data``, the bytes of the run ``names`` (read by the caller), against the
