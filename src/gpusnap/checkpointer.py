@@ -97,7 +97,8 @@ class Checkpointer:
         default_keep = 2 if self.fast_root is not None else MEMORY_KEEP
         self.fast_keep_last = fast_keep_last if fast_keep_last is not None else default_keep
         # the memory tier promotes every save unless told otherwise; an explicit fast_root only when told
-        self.promote_every = promote_every if promote_every is not None or tier_root is None or self.fast_root else 1
+        memory_tier = self.fast_root is None and tier_root is not None
+        self.promote_every = 1 if promote_every is None and memory_tier else promote_every
         if tier_root is not None:
             if config.fast_slab_bytes <= config.piece_bytes():
                 raise ValueError(f"Config.fast_slab_bytes ({config.fast_slab_bytes}) must be larger than one "

@@ -78,19 +78,20 @@ def choose_memory_tier(root: str, durable_identity: str, config: Config, *, coll
         return MemoryTierChoice(None, "the root is in memory")
     if collective:
         return MemoryTierChoice(None, "a collective Checkpointer writes each rank's part to the root")
+    off = config.memory_tier_mode() == "off"
     base = _base(config)
     try:
         if not os.path.isdir(base):
             raise FileNotFoundError(f"{base} is not a directory")
         ensure_private_dir(os.path.join(base, f"gpusnap-{os.geteuid()}"), what="the memory tier's directory",
                            elsewhere="set Config.memory_tier_dir (GPUSNAP_MEMORY_TIER_DIR) to a tmpfs of yours",
-                           create=config.memory_tier_mode() != "off")
+                           create=not off)
     except OSError as exc:
-        if config.memory_tier_mode() == "off":
+        if off:
             return MemoryTierChoice(None, "Config.memory_tier='off'")
         return refused(f"no host memory tier under {base}: {exc}")
     path = memory_tier_path(base, durable_identity)
-    if config.memory_tier_mode() == "off":  # (one an earlier process left is still read and made durable)
+    if off:  # (one an earlier process left is still read and made durable)
         return MemoryTierChoice(path if os.path.isdir(path) else None, "Config.memory_tier='off'")
     return MemoryTierChoice(path)
 

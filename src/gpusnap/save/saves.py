@@ -119,7 +119,7 @@ class Saves:
         if fast is not None and self.tiers.implicit and retry_of is None:
             piece = self.config.piece_bytes()
             need = room_needed([sp.nbytes for sp in flat.spans], piece)
-            if not self.tiers.fits_in_memory(fast, need, max(1, min(piece, need))):
+            if not self.tiers.bound_fast(fast, need, max(1, min(piece, need))):
                 fast = None  # (too little host memory: this and later saves go to the root)
                 self.planner.history.forget_previous()
         repo = self.tiers.durable(create=True) if fast is None else fast
@@ -203,10 +203,9 @@ class Saves:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         fast = self.tiers.fast() if self.tiers.saves_to_fast else None
         piece_now = max(1, min(piece, nbytes))  # (no piece of a save is larger than the save)
-        if fast is not None and not self.tiers.fits_in_memory(fast, nbytes, piece_now):
+        if fast is not None and not self.tiers.bound_fast(fast, nbytes, piece_now):  # (too little room: said here)
             fast = None  # (the memory tier is off now: the staging a save copies through, instead)
         if fast is not None:
-            fast.set_budget(self.tiers.fast_saves_held(), nbytes, piece_now)  # (too little room: said here)
             made = fast.prepare_for(self.tiers.fast_keep_last + 1, nbytes, piece_now)
             if wait:
                 fast.wait_prepared()

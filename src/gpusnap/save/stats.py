@@ -26,6 +26,7 @@ def incremental_note(incremental: bool, share: float | None, compared: bool) -> 
 def window_stats(capture: ConcurrentSave) -> dict[str, Any]:
     w = capture.window
     closed = w.closed_at if w.closed_at is not None else w.opened
+    fast = _fast_stats(capture)
     return {
         "copies": capture.copier.copies,
         "copy_path": capture.copier.copy_path,  # "address" or "torch" (capture/address_copy.py)
@@ -40,9 +41,9 @@ def window_stats(capture: ConcurrentSave) -> dict[str, Any]:
         "stream_waits": w.stats.stream_waits,
         "staging_bytes": capture.staging.nbytes,
         # the host memory this Checkpointer holds for saves: the fast tier's slabs, else the staging
-        "host_memory_bytes": capture.staging.txn.tier.slab_bytes() if capture.fast else capture.staging.nbytes,
+        "host_memory_bytes": fast.get("fast_tier_bytes", capture.staging.nbytes),
         "staging_grow_s": capture.staging.grow_s,
-        **_fast_stats(capture),
+        **fast,
         "ops_seen": w.stats.ops_seen,
         "opaque_launches": w.stats.opaque_launches,
         "program_copies": w.stats.program_copies,

@@ -139,20 +139,27 @@ class Tiers:
         """A memory tier a process left (it crashed, or was killed) may hold a checkpoint newer
         than the root's newest: that one is made durable now."""
         try:
-            held = tier.list()
-            if not held:
-                return
-            newest = tier.load_manifest(held[-1].id)
-            durable = self.durable(create=True).list()
-            if durable and (newest.created, newest.id) <= (durable[-1].created, durable[-1].id):
-                return  # (the root has it, or something newer)
+            newest = self._newer_than_root(tier)
         except (CheckpointError, OSError) as exc:
             log.warning("gpusnap: could not look into the memory tier %s left by an earlier process: %s",
                         self.fast_root, exc)
             return
+        if newest is None:
+            return  # (the root has it, or something newer)
         log.warning("gpusnap: the memory tier %s holds checkpoint %s, which never reached %s (its process ended "
                     "first): it is made durable now", self.fast_root, newest.id, self.root)
         self.promotions().submit(tier, newest, explicit=True)
+
+    def _newer_than_root(self, tier: FastTier) -> Manifest | None:
+        """``tier``'s newest checkpoint if it is newer than the durable root's newest, else None."""
+        held = tier.list()
+        if not held:
+            return None
+        durable = self.durable(create=True).list()
+        newest = held[-1]
+        if durable and (newest.created, newest.id) <= (durable[-1].created, durable[-1].id):
+            return None
+        return newest
 
     def memory_note(self) -> str:
         """``stats["memory_tier"]``: on (where), or off and why."""
@@ -160,10 +167,12 @@ class Tiers:
             return self.memory.note
         return "explicit fast_root" if self.fast_root is not None else self.memory.note
 
-    def fits_in_memory(self, tier: FastTier, need: int, piece: int) -> bool:
-        """For the memory tier: bound it to this state's saves; where its file system cannot
-        hold them, turn it off for good (WARNING once): this and later saves go to the root."""
+    def bound_fast(self, tier: FastTier, need: int, piece: int) -> bool:
+        """Bound the fast tier to this state's saves. Where its file system cannot hold them,
+        an explicit tier raises the StorageError; the memory tier is turned off for good
+        (WARNING once) and this returns False: this and later saves go to the root."""
         if not self.implicit:
+            tier.set_budget(self.fast_saves_held(), need, piece)
             return True
         try:
             tier.set_budget(self.fast_saves_held(), need, piece)
@@ -337,13 +346,13 @@ class Tiers:
         held = self._fast.list()
         if not held:
             return
-        newest = held[-1].id
+        newest = held[-1]
         promoter = self.promoter
-        if promoter is not None and newest in promoter.pending_ids() + promoter.failed_ids():
+        if promoter is not None and newest.id in promoter.pending_ids() + promoter.failed_ids():
             return
-        if newest in {i.id for i in self.durable(create=True).list()}:
+        if newest.id in {i.id for i in self.durable(create=True).list()}:
             return
-        self.promotions().submit(self._fast, self._fast.load_manifest(newest), explicit=True)
+        self.promotions().submit(self._fast, newest, explicit=True)
 
     def close(self) -> None:
         """Release both roots' writer leases: another Checkpointer may write now. The memory
@@ -359,9 +368,7 @@ class Tiers:
         try:
             if self.promoter is not None and (self.promoter.pending_ids() or self.promoter.failed_ids()):
                 return  # (its failures are raised: the checkpoints stay where they are)
-            held = tier.list()
-            durable = self.durable(create=True).list()
-            if held and (not durable or (held[-1].created, held[-1].id) > (durable[-1].created, durable[-1].id)):
+            if self._newer_than_root(tier) is not None:
                 return
             tier.remove_all()
         except (CheckpointError, OSError) as exc:

@@ -2,10 +2,11 @@
 
 The durable copy is an ordinary checkpoint of that root (the same atomic commit, the same id,
 tag, tree and stats), its chunks named by the device hashes the fast tier already holds
-(``nh:...``, storage/chunk_names.py): the host neither copies nor hashes a byte. Each run of
-chunks is written straight from the slab (O_DIRECT where the root's file system takes it),
-then checked against its device hashes on the device (one host-to-device copy and one launch
-a run): bytes that changed in the slab before or while they were written (another process's
+(``nh:...``, storage/chunk_names.py): the host hashes nothing again. Each run of chunks is
+written straight from the slab (O_DIRECT where the root's file system takes it; what it cannot
+take from there goes through the pack writer's staging block), then checked against its device
+hashes on the device (one host-to-device copy and one launch a run; the host's nh128 without
+one): bytes that changed in the slab before or while they were written (another process's
 retention, a tier removed and made again, a flipped bit) fail the check instead of reaching
 the durable root. A failure (or ``cancelled()`` turning true) aborts the durable transaction,
 leaving both roots as they were.
