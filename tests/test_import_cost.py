@@ -34,3 +34,42 @@ def test_a_dtensor_made_after_the_import_is_recognised(tmp_path: Path) -> None:
         dist.destroy_process_group()
     """)
     assert out.splitlines()[-1] == "False True False"
+
+
+def test_import_gpusnap_imports_no_torch_until_a_name_is_used() -> None:
+    out = _run("""
+        import sys, gpusnap
+        before = 'torch' in sys.modules
+        gpusnap.Checkpointer
+        print(before, 'torch' in sys.modules, sorted(set(gpusnap.__all__) - set(dir(gpusnap))))
+    """)
+    assert out == "False True []"
+
+
+def test_an_unknown_name_is_an_attribute_error() -> None:
+    import gpusnap
+
+    try:
+        gpusnap.no_such_name  # noqa: B018
+    except AttributeError as exc:
+        assert "no_such_name" in str(exc)
+    else:
+        raise AssertionError("gpusnap.no_such_name did not raise")
+
+
+def test_the_command_line_builds_its_parser_without_torch() -> None:
+    out = _run("""
+        import sys, contextlib, io
+        from gpusnap.cli.main import main
+        with contextlib.redirect_stdout(io.StringIO()) as text:
+            code = main(["--help"])
+        print(code, 'torch' in sys.modules, 'export' in text.getvalue())
+    """)
+    assert out == "0 False True"
+
+
+def test_export_formats_of_the_parser_are_the_exporters() -> None:
+    from gpusnap.cli.interop_cmds import EXPORT_FORMATS
+    from gpusnap.interop.exporter import FORMATS
+
+    assert EXPORT_FORMATS == FORMATS

@@ -9,23 +9,28 @@ import argparse
 import json
 import sys
 
+from typing import TYPE_CHECKING
+
 from gpusnap.cli.exits import EXIT_ERROR, EXIT_OK
 from gpusnap.cli.progress import sized_progress
 from gpusnap.cli.render import human_bytes
 from gpusnap.errors import IntegrityError
-from gpusnap.interop.detect import identify
-from gpusnap.interop.exporter import FORMATS, export
-from gpusnap.interop.importer import import_
-from gpusnap.restore.key_select import Selector
 
-__all__ = ["add_parsers", "run_export", "run_import"]
+if TYPE_CHECKING:
+    from gpusnap.restore.key_select import Selector
+
+__all__ = ["EXPORT_FORMATS", "add_parsers", "run_export", "run_import"]
+
+# gpusnap.interop.exporter.FORMATS, spelled out so that building the parser (``gpusnap --help``)
+# imports no torch; a test keeps the two equal
+EXPORT_FORMATS = ("safetensors", "torch", "dcp")
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     s = sub.add_parser("export", help="write a checkpoint as a safetensors file, a torch.save file or a DCP directory")
     s.add_argument("root")
     s.add_argument("checkpoint", nargs="?", help="id or tag (default: latest)")
-    s.add_argument("--format", required=True, choices=FORMATS)
+    s.add_argument("--format", required=True, choices=EXPORT_FORMATS)
     s.add_argument("-o", "--output", required=True, metavar="PATH", help="file (directory for dcp) to write")
     s.add_argument("--keys", nargs="+", metavar="K", help="entries to export: dotted key paths (model, optim.state) "
                    "or JSON lists of keys ('[\"n\", 1]': the int key 1)")
@@ -55,6 +60,8 @@ def _selector(text: str) -> Selector:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    from gpusnap.interop.exporter import export
+
     keys = None if args.keys is None else [_selector(k) for k in args.keys]
     try:
         with sized_progress("exporting") as progress:  # (a bar on a terminal only)
@@ -74,6 +81,9 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def run_import(args: argparse.Namespace) -> int:
+    from gpusnap.interop.detect import identify
+    from gpusnap.interop.importer import import_
+
     kind = identify(args.path)
     with sized_progress("importing") as progress:
         info = import_(args.path, args.root, key=args.key, tag=args.tag, progress=progress)

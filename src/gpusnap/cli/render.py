@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import datetime as _dt
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from gpusnap.storage.manifest import Manifest
+if TYPE_CHECKING:  # (importing the storage package imports torch: ``gpusnap --help`` needs neither)
+    from gpusnap.storage.manifest import Manifest
 
 __all__ = ["checkpoint_table", "columns", "format_time", "human_bytes", "manifest_reason", "unreadable_lines"]
 
