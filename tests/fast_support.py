@@ -160,19 +160,20 @@ class DurableGate:
 
 
 def hold_durable_writes(monkeypatch: pytest.MonkeyPatch) -> Iterator[DurableGate]:
-    """A :class:`DurableGate` on ``WriteTxn.put_chunk``, released at the end whatever happens
-    (a test module's fixture yields from it)."""
+    """A :class:`DurableGate` on ``WriteTxn.put_run`` (a promotion's writes; ``put_chunk``
+    goes through it too), released at the end whatever happens (a test module's fixture
+    yields from it)."""
     g = DurableGate()
-    put_chunk = WriteTxn.put_chunk
+    put_run = WriteTxn.put_run
 
-    def gated(self: Any, digest: str, data: Any) -> bool:
+    def gated(self: Any, digests: list[str], data: Any, lengths: list[int]) -> int:
         g.held += 1
         g.entered.set()
         if not g.opened.wait(HANG_S):
             raise TimeoutError("the durable gate was never released")
-        return put_chunk(self, digest, data)
+        return put_run(self, digests, data, lengths)
 
-    monkeypatch.setattr(WriteTxn, "put_chunk", gated)
+    monkeypatch.setattr(WriteTxn, "put_run", gated)
     yield g
     g.release()
 

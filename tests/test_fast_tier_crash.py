@@ -42,12 +42,15 @@ CHILD = textwrap.dedent(
         print(what, flush=True)
         threading.Event().wait()  # until SIGKILL
 
-    def second_call_of_the_kill_step():
+    def call_of_the_kill_step(k):
         with lock:
             if at["step"] != KILL_AT:
                 return False
             at["calls"] += 1
-            return at["calls"] == 2
+            return at["calls"] == k
+
+    def second_call_of_the_kill_step():
+        return call_of_the_kill_step(2)
 
     take = fast_tier.FastTxn.take
     def held_take(self, n):  # mid-copy: one piece is in the slab, the next waits
@@ -63,14 +66,15 @@ CHILD = textwrap.dedent(
         return rename(self, src, dst)
     backend.LocalBackend.rename = held_rename
 
-    put_chunk = txn.WriteTxn.put_chunk
+    put_run = txn.WriteTxn.put_run
     recorded = threading.Event()  # the kill step's commit is in the side file
-    def held_put(self, digest, data):  # a promotion with one chunk in a durable pack
-        if mode == "promoting" and second_call_of_the_kill_step():
+    def held_put(self, digests, data, lengths):  # a promotion with one run in a durable pack
+        written = put_run(self, digests, data, lengths)
+        if mode == "promoting" and call_of_the_kill_step(1):
             recorded.wait()  # (the promotion may start before wait() returns to the main thread)
             stop_here("blocked promoting")
-        return put_chunk(self, digest, data)
-    txn.WriteTxn.put_chunk = held_put
+        return written
+    txn.WriteTxn.put_run = held_put
 
     def record(**entry):
         with open(side, "a") as f:

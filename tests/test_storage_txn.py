@@ -88,3 +88,35 @@ def test_put_after_commit_is_an_error(tmp_path: Path) -> None:
         with pytest.raises(CheckpointError, match="committed"):
             txn.put_chunk("2" * 32, b"x")
     assert [m.id for m in repo.list()] == ["c1"]
+
+
+def _manifest_of(repo: Repository, chunks: list[bytes], digests: list[str]) -> Manifest:
+    return Manifest(id=repo.new_id(1.0), tag=None, created=1.0, chunk_size=CHUNK,
+                    storages=(StorageEntry(sum(map(len, chunks)), "cpu", tuple(digests)),),
+                    tree={"t": "dict", "items": []}, stats={})
+
+
+def test_a_run_is_stored_with_its_known_and_repeated_chunks_skipped(tmp_path: Path) -> None:
+    repo = Repository.open(tmp_path / "ck", create=True, config=small_config())
+    chunks = chunks_of(2, 6)
+    commit_checkpoint(repo, [[chunks[1], chunks[4]]])  # two of them stored before
+    run = [chunks[0], chunks[1], chunks[2], chunks[0], chunks[3], chunks[4], chunks[5]]
+    digests = [chunk_digest(c) for c in run]
+    with repo.begin_write() as txn:
+        assert txn.put_run(digests, b"".join(run), [len(c) for c in run]) == 4  # 0, 2, 3, 5
+        assert txn.put_run(digests[:3], b"".join(run[:3]), [len(c) for c in run[:3]]) == 0
+        manifest = _manifest_of(repo, run, digests)
+        txn.commit(manifest)
+    assert repo.verify(manifest.id).ok
+    assert [repo.read_chunk(d) for d in digests] == run
+
+
+def test_a_run_that_does_not_fill_its_bytes_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    repo = Repository.open(tmp_path / "ck", create=True, config=small_config())
+    chunks = chunks_of(3, 2)
+    with repo.begin_write() as txn:
+        with pytest.raises(ValueError, match="does not fill"):
+            txn.put_run([chunk_digest(c) for c in chunks], b"".join(chunks), [CHUNK, CHUNK - 1])
+        with pytest.raises(ValueError, match="device-hash names"):
+            txn.put_run(["nh:" + "0" * 32], chunks[0], [CHUNK])
+        assert not txn.has_chunk(chunk_digest(chunks[0]))

@@ -131,6 +131,17 @@ class PackWriter:
         offset = self._write(data)
         self._entries.append((digest, offset, len(data)))
 
+    def append_run(self, digests: list[str], data: memoryview, lengths: list[int]) -> None:
+        """Write chunks that lie back to back in ``data`` (``lengths`` each, in order) with one
+        write: they lie back to back in the pack too. One large write instead of one per chunk
+        is what keeps a background promotion off the training thread's interpreter lock."""
+        if sum(lengths) != len(data) or len(digests) != len(lengths):
+            raise ValueError(f"a run of {len(digests)} chunk(s), {sum(lengths)} bytes, does not fill {len(data)} bytes")
+        offset = self._write(data)
+        for digest, length in zip(digests, lengths):
+            self._entries.append((digest, offset, length))
+            offset += length
+
     def finish(self) -> PackIndex:
         """Write index and footer, close (fsync if configured); returns the pack's index."""
         index = _encode_index(self._entries)

@@ -82,14 +82,12 @@ def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: Threa
             def store(run: list[str]) -> list[str]:
                 cancel.check(manifest.id)
                 data = fast.run_view(run, manifest.chunk_size)  # (slab memory: written from where it is)
-                names, at = [], 0
+                names, lengths = [], []
                 for name in run:
                     device_hash, _slab, _off, n = chunk_location(name)
-                    durable_name = device_name(device_hash)
-                    if not txn.has_chunk(durable_name):
-                        txn.put_chunk(durable_name, data[at : at + n])
-                    names.append(durable_name)
-                    at += n
+                    names.append(device_name(device_hash))
+                    lengths.append(n)
+                txn.put_run(names, data, lengths)  # (one write for the run: see WriteTxn.put_run)
                 # checked after the write: bytes that were wrong before it, or changed while it
                 # ran, fail here; the commit never names a chunk this check has not passed
                 fast.check_bytes(run, data, manifest.chunk_size, device)
