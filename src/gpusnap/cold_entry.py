@@ -16,7 +16,7 @@ from gpusnap.restore.cold import WarmUp, empty_model
 from gpusnap.restore.model_entry import ModelEntry, locate
 from gpusnap.restore.rank_view import rank_view
 
-__all__ = ["cold_start"]
+__all__ = ["cold_start", "restore_built"]
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -64,9 +64,7 @@ def cold_start(
     >>> logits = model(tokens)        # serves before the whole checkpoint is loaded  # doctest: +SKIP
     """
     model = empty_model(build, device)
-    found, tree, where = _resolve(ckpt, checkpoint)
-    entry = locate(tree, model, key=key, allow_pickle=ckpt.allow_pickle, where=where)
-    state = _targets(model, entry, app_state, where)
+    found, state = _prepare(model, ckpt, checkpoint, key, app_state)
     warming = WarmUp(warm_up, model, torch.device(device)) if warm_up is not None else None
     try:  # (strict=False: the entry's keys were checked above; the checkpoint's other keys are skipped)
         handle = ckpt.restore(state, found, lazy=True, strict=False)
@@ -77,6 +75,28 @@ def cold_start(
     if warming is not None:
         warming.report_to(handle)
     return model, handle
+
+
+def restore_built(model: nn.Module, ckpt: Checkpointer, *, checkpoint: str | None = None, key: str | None = None,
+                  app_state: MutableMapping[str, Any] | None = None, lazy: bool = False) -> RestoreHandle:
+    """Restore ``model``, already built (``empty_model``) and maybe already run, in place from
+    ``checkpoint``, its entry found as :func:`cold_start` finds it (the same checks, before
+    any byte moves); eager unless ``lazy``. The warm process pool (``gpusnap.pool``) loads
+    its processes' models this way: their tensors, and the kernels a warm-up loaded for
+    them, stay where they are.
+
+    >>> handle = restore_built(model, ckpt)        # every byte in place on return  # doctest: +SKIP
+    """
+    found, state = _prepare(model, ckpt, checkpoint, key, app_state)
+    return ckpt.restore(state, found, lazy=lazy, strict=False)
+
+
+def _prepare(model: nn.Module, ckpt: Checkpointer, checkpoint: str | None, key: str | None,
+             app_state: MutableMapping[str, Any] | None) -> tuple[str, MutableMapping[str, Any]]:
+    """The checkpoint's id (pinned) and what ``ckpt.restore`` fills, every check made."""
+    found, tree, where = _resolve(ckpt, checkpoint)
+    entry = locate(tree, model, key=key, allow_pickle=ckpt.allow_pickle, where=where)
+    return found, _targets(model, entry, app_state, where)
 
 
 def _resolve(ckpt: Checkpointer, checkpoint: str | None) -> tuple[str, dict[str, Any], str]:

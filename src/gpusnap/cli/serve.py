@@ -3,13 +3,20 @@
 Prints one line per event on stdout (``--json``: one JSON object per line, ``{"event":
 "ready", ...}`` first once the newest checkpoints are held) and runs until SIGTERM or SIGINT,
 then exits 0 having removed its socket.
+
+``--pool N --entry module:function`` also keeps N warm processes of the entry
+(``gpusnap.pool``, docs/pool.md), started once the server is ready; ``gpusnap.pool.take_from(ROOT)``
+hands one of them a checkpoint. Their events (``pool-ready``, ``pool-loaded``, ...) join the
+server's; what the processes print goes to stderr, so that stdout holds events only.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import threading
 from typing import Any
 
 from gpusnap.cli.exits import EXIT_ERROR, EXIT_OK
@@ -26,6 +33,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument("--socket", default=None, help="listen here (default: derived from ROOT, docs/serve.md)")
     s.add_argument("--poll", type=float, default=1.0, metavar="S", help="look for new checkpoints every S seconds")
     s.add_argument("--json", action="store_true", help="one JSON object per event line")
+    s.add_argument("--pool", type=int, default=0, metavar="N",
+                   help="also keep N warm processes of --entry ready to serve (docs/pool.md)")
+    s.add_argument("--entry", default=None, metavar="MODULE:FUNCTION",
+                   help="the pool's entry function (importable from the working directory or sys.path)")
 
 
 def _line(event: dict[str, Any]) -> str:
@@ -39,6 +50,11 @@ def _line(event: dict[str, Any]) -> str:
         return f"held {event['id']}: {event['bytes'] / 1e9:.2f} GB in {event['load_s']:.2f} s"
     if kind == "served":
         return f"served {event['id']} to pid {event['pid']}: {event['bytes'] / 1e9:.3f} GB in {event['copy_s']:.3f} s"
+    if kind == "pool-ready":
+        return f"pool process {event['pid']} ready on {event['device']} after {event['start_s']:.1f} s"
+    if kind == "pool-loaded":
+        return (f"pool process {event['pid']} serves {event['checkpoint']} (from {event['source']}, "
+                f"{event['take_s']:.3f} s)")
     detail = event.get("why") or event.get("id") or ""
     return f"{kind}{' ' if detail else ''}{detail}" + (f" (pid {event['pid']})" if "pid" in event else "")
 
@@ -46,13 +62,28 @@ def _line(event: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     from gpusnap.serving import serve
 
+    printing = threading.Lock()  # (events come from several threads: one whole line each)
+
     def show(event: dict[str, Any]) -> None:
-        print(json.dumps(event) if args.json else _line(event), flush=True)
+        text = (json.dumps(event) if args.json else _line(event)) + "\n"
+        with printing:
+            sys.stdout.write(text)
+            sys.stdout.flush()
 
     if args.keep < 1:
         raise ValueError("--keep must be at least 1")
+    if (args.pool != 0) != (args.entry is not None):
+        raise ValueError("--pool N and --entry MODULE:FUNCTION go together")
     try:
-        serve(args.root, keep=args.keep, device=args.device, socket=args.socket, poll_s=args.poll, on_event=show)
+        if args.entry is not None:
+            from gpusnap.pool.serve import serve_pool
+
+            if os.getcwd() not in sys.path:  # (an entry module in the working directory, as `python -m` finds it)
+                sys.path.insert(0, os.getcwd())
+            serve_pool(args.root, args.entry, args.pool, keep=args.keep, device=args.device, socket=args.socket,
+                       poll_s=args.poll, stdout=2, on_event=show)  # (fd 2: stdout holds events only)
+        else:
+            serve(args.root, keep=args.keep, device=args.device, socket=args.socket, poll_s=args.poll, on_event=show)
     except RuntimeError as exc:  # another server holds the root; a device that broke
         print(f"gpusnap: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return EXIT_ERROR

@@ -29,7 +29,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -63,12 +63,15 @@ class Server:
     or ``cpu``: it then serves host memory only (clients' CUDA targets land on the host
     first). ``socket``: the path to listen on (default ``paths.socket_path(root)``).
     ``on_event`` gets one dict per event (``ready``, ``held``, ``dropped``, ``failed``,
-    ``served``, ``refused``, ``stopped``).
+    ``served``, ``refused``, ``stopped``). ``ops``: more control requests, by op name; each
+    gets the request and returns the reply (``{"ok": ...}``), on the connection's thread
+    (``gpusnap serve --pool`` answers ``take`` so).
     """
 
     def __init__(self, root: str | os.PathLike[str], *, keep: int = 1, device: str | torch.device | None = None,
                  socket: str | None = None, poll_s: float = 1.0, config: Config | None = None,
-                 on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_event: Callable[[dict[str, Any]], None] | None = None,
+                 ops: Mapping[str, Callable[[dict[str, Any]], dict[str, Any]]] | None = None) -> None:
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be a positive integer, got {keep!r}")
         if poll_s <= 0:
@@ -88,6 +91,7 @@ class Server:
         self.socket_path = socket if socket is not None else paths.socket_path(self.root, create=True)
         self.poll_s = poll_s
         self.on_event = on_event or (lambda event: None)
+        self.ops = dict(ops or {})
         self.fault = Fault.from_env()
         self.holdings = Holdings(self.root, keep=keep, runtime=self.runtime, config=config, on_event=self._event,
                                  threads=max(2, min(16, os.cpu_count() or 2)))
@@ -279,6 +283,12 @@ class Server:
         if op == "refresh":  # (tests, benchmarks: "hold what is newest now", then answer)
             self.holdings.refresh(retry_failed=True)
             return {"ok": True, **self.holdings.status()}
+        handler = self.ops.get(op) if isinstance(op, str) else None
+        if handler is not None:
+            try:
+                return handler(msg)
+            except Exception as exc:  # noqa: BLE001 (the client gets why; the server goes on)
+                return {"ok": False, "code": "error", "type": type(exc).__name__, "why": str(exc)}
         if op != "restore":
             return {"ok": False, "code": "bad-request", "why": f"unknown op {op!r}"}
         try:
