@@ -7,6 +7,7 @@ consistent. Life of a span here: ``live -> host copy -> chunks hashed -> chunks 
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -75,7 +76,15 @@ def snapshot_to_host(
 
 
 def _chunk_views(data: torch.Tensor, chunk_size: int) -> list[memoryview]:
-    view = memoryview(data.numpy()).cast("B")
+    """``data``'s bytes (contiguous uint8 on the host) in chunks, which keep ``data`` alive.
+
+    Through their address, not ``data.numpy()``: exporting to numpy marks the storage not
+    resizable for good, and ``data`` may be the program's own (a blocking save aliases CPU
+    spans), whose ``resize_`` and ``gpusnap.suspend`` would then be refused after a save."""
+    memory = (ctypes.c_uint8 * data.numel()).from_address(data.data_ptr())
+    # held by every view, as numpy's array held it
+    memory.data = data  # type: ignore[attr-defined]
+    view = memoryview(memory).cast("B")
     return [view[off : off + chunk_size] for off in range(0, len(view), chunk_size)]
 
 
