@@ -30,7 +30,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -54,11 +54,13 @@ from gpusnap.state.targets import SpanInfo
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.repository import Repository
 
-__all__ = ["AUTO_UPFRONT_BYTES", "Restorer", "Verify", "load_order", "reader_threads"]
+__all__ = ["AUTO_UPFRONT_BYTES", "Replan", "Restorer", "Verify", "load_order", "reader_threads"]
 
 log = logging.getLogger("gpusnap")
 
 Verify = Literal["auto", "upfront", "stream", "off"]
+# restore(replan=...): (manifest, plan) -> the manifest and plan the restore runs instead
+Replan = Callable[[Manifest, RestorePlan], tuple[Manifest, RestorePlan]]
 VERIFY_MODES: tuple[str, ...] = ("auto", "upfront", "stream", "off")
 AUTO_UPFRONT_BYTES = 256 << 20  # verify="auto": checkpoints up to this size are verified before any write
 PIECE_BYTES = 32 << 20  # a piece: one read run, one host region, one device copy (whole chunks)
@@ -170,7 +172,14 @@ class Restorer:
         verify: str,
         started: float,
         strict: bool = True,
+        replan: Replan | None = None,
     ) -> RestoreHandle:
+        """Restore ``manifest`` into ``app_state`` (see the module docstring for the paths).
+
+        ``replan(manifest, plan)``, when given, is called once the plan is made (every check
+        passed, nothing written) and returns the manifest and plan the restore then runs:
+        what ``restore.delta`` uses to move only the chunks that differ from a checkpoint
+        already restored into the same targets."""
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         if lazy and verify == "upfront":
@@ -194,11 +203,15 @@ class Restorer:
             lazy = False
         if plan.unused_spans:  # (strict=False) what only skipped keys use is read by no path below
             manifest = manifest.without_data(plan.unused_spans)
+        if replan is not None:
+            manifest, plan = replan(manifest, plan)
+            original = manifest  # (a replanned restore is its own checkpoint for a restore server)
+        n = len(manifest.storages)
         setup = _Setup(started)  # where a restore's time before the first read goes (handle.stats["setup"])
         setup.mark("plan_s")
         served = self.server.restore(repo, manifest, plan, original=original)
         if served.served:
-            return self._served(manifest.id, plan, served.stats, started, len(spans), lazy=lazy,
+            return self._served(manifest.id, plan, served.stats, started, n, lazy=lazy,
                                 missing=plan.missing, unexpected=plan.unexpected)
         if verify == "auto":
             verify = "stream" if lazy or manifest.nbytes > AUTO_UPFRONT_BYTES else "upfront"
@@ -212,11 +225,11 @@ class Restorer:
             handle.stats["lazy_refused"] = refused
         if verify == "upfront":
             self._upfront(repo, manifest, plan, handle, done, started)
-            active.restored(_all_targets(plan, len(spans)))
+            active.restored(_all_targets(plan, n))
             return handle
         order, source = load_order(manifest, plan)
         handle.stats["order"] = source
-        cuda = _any_cuda(plan, len(spans))
+        cuda = _any_cuda(plan, n)
         on_device = VERIFY_ON_DEVICE if self.verify_on_device is None else self.verify_on_device
         checked = _checked_bytes(manifest, plan, on_device) if verify != "off" else {}
         if verify != "off":  # the device check's kernels load meanwhile
@@ -240,7 +253,7 @@ class Restorer:
             slots=slots,
             procs=procs,
             direct=direct,
-            streams={d: self._stream(d) for d in _cuda_devices(plan, len(spans))},
+            streams={d: self._stream(d) for d in _cuda_devices(plan, n)},
             verify=verify != "off",
             verify_on_device=on_device,
             scratch_slots=self.scratch_slots,
@@ -268,7 +281,7 @@ class Restorer:
         loader.start()
         loader.wait()
         plan.finish()
-        active.restored(_all_targets(plan, len(spans)))
+        active.restored(_all_targets(plan, n))
         elapsed = time.perf_counter() - started
         handle.stats.update(loader.stats.as_dict())
         handle.stats.update(

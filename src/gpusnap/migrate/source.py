@@ -1,0 +1,298 @@
+"""The running program's side of a live migration (:class:`Source`).
+
+Call order: ``Source(app_state, to)`` -> ``precopy()`` between steps, any number of times,
+while the program runs -> ``handoff()`` at a step or request boundary -> the program stops
+using ``app_state`` (the target owns it now) -> ``close()``.
+
+Each ``precopy()`` is a concurrent save of ``app_state`` into the transport root (a
+``Checkpointer`` of its own, written directly, no memory tier): it returns in milliseconds
+and the copy runs while the program goes on. Chunks unchanged since the round before are
+neither copied nor written again (incremental saves, by the device hashes), so once the
+first round has moved the whole state, rounds move only what changed. One round is in
+flight at a time: a ``precopy()`` while one is still being written starts nothing and
+returns None. ``handoff()`` waits for the round in flight, then saves once more,
+synchronously (``blocking=True``): that last delta is the program's whole share of the
+downtime. Its round is tagged as the handoff, which is how the target knows it is final.
+
+Between rounds, the source keeps the newest round and the one the target says it is
+reading (``migrate/target.json``) and deletes the others; a committed round rings the
+target's bell (bell.py). Nothing here waits for the target: a target that dies leaves
+the source running, and a new ``Target`` can take over from any round (see target.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+import weakref
+from collections.abc import MutableMapping
+from dataclasses import replace
+from typing import Any
+
+from gpusnap.checkpointer import Checkpointer
+from gpusnap.config import MiB, Config
+from gpusnap.errors import CheckpointError
+from gpusnap.handles import PendingSave
+from gpusnap.migrate import transport
+from gpusnap.migrate.bell import ring
+from gpusnap.migrate.errors import MigrationError
+from gpusnap.migrate.results import HandoffInfo, RoundInfo
+from gpusnap.storage.backend import open_backend
+from gpusnap.storage.repository import Repository
+
+__all__ = ["CHUNK_SIZE", "Source"]
+
+log = logging.getLogger("gpusnap")
+
+# A migration's default chunk: the unit a round moves when any byte of it changed. Smaller
+# than a checkpoint's 4 MiB so that a generating model's KV cache, written a token at a
+# time, dirties less per round; a 7 GB state is then ~7000 chunks, a manifest read in ms.
+CHUNK_SIZE = 1 * MiB
+
+
+class Source:
+    """The state of a running program, moving to a :class:`~gpusnap.migrate.Target`.
+
+    ``to``: where the rounds go: None (a private directory in host memory, for a target on
+    this machine; :attr:`address` names it), or a new or empty checkpoint root (a local
+    directory, or any fsspec URL gpusnap can write: a target elsewhere reads it there).
+    ``config``: the transport's Checkpointer knobs (its memory tier is always off: the
+    rounds are written to the transport directly; the chunk size defaults to
+    :data:`CHUNK_SIZE`).
+
+    >>> src = gpusnap.migrate.Source(app_state)         # doctest: +SKIP
+    >>> start_target(src.address)                        # doctest: +SKIP
+    >>> for batch in batches:                            # doctest: +SKIP
+    ...     train_step(batch); src.precopy()             # rounds while the program runs
+    >>> info = src.handoff()                             # doctest: +SKIP
+    >>> info.round.bytes_moved < info.round.bytes_total  # doctest: +SKIP
+    True
+    """
+
+    def __init__(self, app_state: MutableMapping[str, Any], to: str | os.PathLike[str] | None = None, *,
+                 config: Config | None = None, allow_pickle: bool = False) -> None:
+        if not isinstance(app_state, MutableMapping):
+            raise TypeError(f"app_state must be a mutable mapping (a dict), got {type(app_state).__name__}")
+        if config is None:
+            config = Config.from_env() if os.environ.get("GPUSNAP_CHUNK_SIZE") else Config.from_env(
+                chunk_size=CHUNK_SIZE)
+        elif not isinstance(config, Config):
+            raise TypeError(f"config must be a gpusnap.Config, got {type(config).__name__}")
+        self.config = config = replace(config, memory_tier="off")
+        self.app_state = app_state
+        root, self._made = transport.make_root(to, config)
+        self.address: str = root
+        """What the target needs: ``gpusnap.migrate.Target(address)``."""
+        self._left = _Leftovers(root if self._made else None)
+        try:
+            Repository.open(root, create=True, config=config).close()  # (the target may open it at once)
+            self._backend = open_backend(root)
+            self._backend.makedirs(transport.MIGRATE)
+            local = transport.local_path(root)
+            if local is not None:
+                self._left.lock = transport.Flock(os.path.join(local, transport.SOURCE_LOCK))
+            self._token = secrets.token_hex(8)
+            transport.write_json(self._backend, transport.SOURCE_FILE, {
+                "format": transport.FORMAT, "version": 1, "token": self._token, "made": self._made,
+                **transport.whoami()})
+            self._ckpt = Checkpointer(root, keep_last=None, config=config, allow_pickle=allow_pickle)
+        except BaseException:
+            self._left.clean(handed_off=False)
+            raise
+        # a Source dropped without close(): its lock goes, and a transport it made goes unless
+        # it handed off (a target may still need the rounds); at exit too
+        weakref.finalize(self, self._left.clean, handed_off=None)
+        self._seq = 0
+        self._inflight: PendingSave | None = None
+        self._inflight_seq = 0
+        self._committed: list[str] = []  # round ids still in the transport, oldest first
+        self._rounds: list[RoundInfo] = []
+        self._state = "running"  # -> "handed off" | "closed"
+
+    # -- the rounds -------------------------------------------------------------------------
+    def precopy(self, *, wait: bool = False) -> PendingSave | None:
+        """Start a round: a concurrent save of the changed bytes, while the program runs.
+
+        Returns its :class:`~gpusnap.PendingSave`, or None when the round before is still
+        being written (rounds never queue up). ``wait=True`` waits for that one first, and
+        returns once the new round is committed and the target told. A round that failed
+        is raised (once) by the next call, as a :class:`MigrationError`; the source stays
+        usable (the next round carries everything the failed one would have).
+        """
+        self._check_running("precopy()")
+        if wait and self._inflight is not None:
+            self._inflight.exception()
+        self._reap(raising=True)
+        if self._inflight is not None:
+            return None
+        pending = self._ckpt.save(self.app_state, tag=transport.round_tag(self._seq + 1, final=False))
+        self._seq += 1
+        self._inflight, self._inflight_seq = pending, self._seq
+        if wait:
+            pending.exception()
+            self._reap(raising=True)
+        return pending
+
+    def handoff(self) -> HandoffInfo:
+        """At a step or request boundary: save the last delta synchronously, tell the
+        target, and stop. From its return on, ``app_state`` belongs to the target: the
+        program must not use it (a later ``precopy()``/``handoff()`` raises).
+
+        If the last round fails (a :class:`MigrationError` naming why), nothing was handed
+        off: the program still owns its state and may go on, or call ``handoff()`` again.
+        """
+        self._check_running("handoff()")
+        started = time.perf_counter()
+        if self._inflight is not None:
+            self._inflight.exception()  # (its failure does not matter: the last round carries everything)
+        self._reap(raising=False)
+        tag = transport.round_tag(self._seq + 1, final=True)
+        try:
+            info = self._ckpt.save(self.app_state, tag=tag, blocking=True).wait()
+        except CheckpointError as exc:
+            raise MigrationError(f"the handoff round of {self.address} failed: {exc}; nothing was handed off: the "
+                                 "program still owns its state (go on, or call handoff() again)") from exc
+        self._seq += 1
+        self._state = "handed off"
+        self._left.handed_off = True
+        final = self._round_info(info.id, self._seq, True, info.stats)
+        self._rounds.append(final)
+        self._committed.append(info.id)
+        self._ring()
+        handoff_s = time.perf_counter() - started
+        try:
+            self._ckpt.close()  # (its threads and the writer lease: nothing more is written)
+        except CheckpointError as exc:  # (an earlier round's failure nothing observed: the handoff stands)
+            log.warning("gpusnap: migration %s: %s", self.address, exc)
+        return HandoffInfo(final, handoff_s, tuple(self._rounds))
+
+    @property
+    def rounds(self) -> tuple[RoundInfo, ...]:
+        """The rounds committed so far, oldest first (the handoff last, once made)."""
+        return tuple(self._rounds)
+
+    @property
+    def handed_off(self) -> bool:
+        """Whether :meth:`handoff` succeeded: the state is the target's now."""
+        return self._state == "handed off"
+
+    # -- life cycle ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Before the handoff: call the migration off (a target waiting fails: the source is
+        gone) and remove the transport if this Source made it. After it: let go of the
+        transport, which the target removes once it has received everything."""
+        if self._state == "closed":
+            return
+        handed_off = self._state == "handed off"
+        self._state = "closed"
+        try:
+            if not handed_off:
+                if self._inflight is not None:
+                    self._inflight.exception()
+                    self._inflight = None
+                self._ckpt.close()
+        finally:
+            self._left.clean(handed_off=handed_off)
+
+    def __enter__(self) -> Source:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Source({self.address!r}, {self._state}, rounds={len(self._rounds)})"
+
+    # -- inside -------------------------------------------------------------------------------
+    def _check_running(self, what: str) -> None:
+        if self._state != "running":
+            raise MigrationError(f"{what}: this Source has {self._state}; its state belongs to the target now"
+                                 if self._state == "handed off" else f"{what}: this Source is closed")
+
+    def _reap(self, *, raising: bool) -> None:
+        """The round in flight, once committed: recorded, the target told, old rounds deleted."""
+        pending = self._inflight
+        if pending is None or not pending.done():
+            return
+        self._inflight = None
+        error = pending.exception(0)
+        if error is not None:
+            if raising:
+                raise MigrationError(f"round {self._inflight_seq} of the migration to {self.address} failed: {error} "
+                                     "(the source goes on; the next round carries what it would have)") from error
+            return
+        info = pending.wait(0)
+        self._rounds.append(self._round_info(info.id, self._inflight_seq, False, info.stats))
+        self._committed.append(info.id)
+        self._retain()
+        self._ring()
+
+    def _round_info(self, cid: str, seq: int, final: bool, stats: dict[str, Any]) -> RoundInfo:
+        return RoundInfo(id=cid, seq=seq, final=final, bytes_total=int(stats.get("bytes_total", 0)),
+                         bytes_moved=int(stats.get("bytes_written", 0)), stall_s=float(stats.get("stall_s", 0.0)),
+                         duration_s=float(stats.get("duration_s", 0.0)))
+
+    def _claim(self) -> dict[str, Any] | None:
+        """The live target's claim file, or None (no target, or one that died)."""
+        doc = transport.read_json(self._backend, transport.TARGET_FILE)
+        if doc is None:
+            return None
+        local = transport.local_path(self.address)
+        if local is not None:
+            alive = transport.flock_held(os.path.join(local, transport.TARGET_LOCK))
+        else:
+            alive = transport.process_alive(doc) is not False
+        return doc if alive else None
+
+    def _retain(self) -> None:
+        """Delete every round but the newest and the one the target reads. Safe against a
+        target choosing a round meanwhile: it claims one and then checks that it is still
+        the newest (target.py), so a round it may read is either the newest here or was
+        claimed before this read of its claim."""
+        claim = self._claim()
+        reading = claim.get("reading") if claim else None
+        if not isinstance(reading, str):  # (a claim file this code did not write: it keeps nothing)
+            reading = None
+        keep = {self._committed[-1], reading}
+        for cid in list(self._committed[:-1]):
+            if cid in keep:
+                continue
+            try:
+                self._ckpt.delete(cid)
+            except CheckpointError as exc:  # (the transport keeps a round more: only memory)
+                log.warning("gpusnap: migration %s: could not delete round %s: %s", self.address, cid, exc)
+                continue
+            self._committed.remove(cid)
+
+    def _ring(self) -> None:
+        claim = self._claim()
+        local = transport.local_path(self.address)
+        bell = claim.get("bell") if claim else None
+        if local is not None and isinstance(bell, str) and "/" not in bell:
+            ring(os.path.join(local, transport.MIGRATE, bell))
+
+
+
+class _Leftovers:
+    """What a Source leaves to clean (no reference to the Source, so that a finalizer can
+    hold it): its lock, and the transport it made unless it handed off. Only the process
+    that made them cleans (a forked child exiting must not remove its parent's transport)."""
+
+    def __init__(self, made_root: str | None) -> None:
+        self.made_root = made_root
+        self.lock: transport.Flock | None = None
+        self.handed_off = False
+        self.pid = os.getpid()
+
+    def clean(self, *, handed_off: bool | None) -> None:
+        if os.getpid() != self.pid:
+            return
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+        handed = self.handed_off if handed_off is None else handed_off
+        root, self.made_root = self.made_root, None
+        if root is not None and not handed:
+            transport.remove_root(root)

@@ -1,0 +1,242 @@
+"""The transport of a live migration: a gpusnap root that the source saves rounds into and
+the target restores them from, plus a few small files of the migration's own.
+
+Layout (``ROOT`` is an ordinary checkpoint root: ``gpusnap ls ROOT`` lists the rounds)::
+
+    ROOT/manifests, packs, ...       the rounds: checkpoints tagged ``migrate-000001``, ...,
+                                     the last one ``migrate-00000N-handoff``
+    ROOT/migrate/source.json         who the source is (pid, host, whether it made ROOT)
+    ROOT/migrate/source.lock         flock held by the live source (local roots)
+    ROOT/migrate/target.json         the target's claim: the round it is reading, its bell
+    ROOT/migrate/target.lock         flock held by the live target (local roots)
+    ROOT/migrate/bell-<token>.sock   the target's doorbell (local roots, see bell.py)
+
+A transport the source makes itself (``Source(app_state)`` with no ``to``) is a private
+directory (0700) under ``Config.memory_tier_dir`` (``/dev/shm``):
+``gpusnap-<uid>/migrate-<random>``. Small files are written to a temporary name in
+``migrate/`` and renamed into place, so a reader sees the old or the new one whole.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from gpusnap.config import Config
+from gpusnap.storage.backend import Backend, open_backend
+from gpusnap.storage.backend_protocol import poll_until
+from gpusnap.storage.layout import LAYOUT, ROOT_FILE
+from gpusnap.storage.private_dir import ensure_private_dir, open_private
+
+__all__ = [
+    "FORMAT", "MIGRATE", "SOURCE_FILE", "SOURCE_LOCK", "TARGET_FILE", "TARGET_LOCK", "Flock", "RoundTag",
+    "default_base", "flock_held", "local_path", "make_root", "parse_tag", "pid_namespace", "process_alive",
+    "process_start", "read_json", "remove_root", "round_tag", "whoami", "write_json",
+]
+
+MIGRATE = "migrate"
+SOURCE_FILE = f"{MIGRATE}/source.json"
+SOURCE_LOCK = f"{MIGRATE}/source.lock"
+TARGET_FILE = f"{MIGRATE}/target.json"
+TARGET_LOCK = f"{MIGRATE}/target.lock"
+FORMAT = "gpusnap-migrate"
+_TAG = re.compile(r"^migrate-(\d{6,})(-handoff)?$")
+
+
+@dataclass(frozen=True)
+class RoundTag:
+    """A round's place in the migration (``seq``, from 1) and whether it is the handoff."""
+
+    seq: int
+    final: bool
+
+
+def round_tag(seq: int, *, final: bool) -> str:
+    """The tag of round ``seq``.
+
+    >>> round_tag(3, final=True)
+    'migrate-000003-handoff'
+    """
+    return f"migrate-{seq:06d}" + ("-handoff" if final else "")
+
+
+def parse_tag(tag: str | None) -> RoundTag | None:
+    """The round a checkpoint's tag names, or None when it is no round of a migration."""
+    m = _TAG.match(tag or "")
+    return None if m is None else RoundTag(int(m.group(1)), m.group(2) is not None)
+
+
+def default_base(config: Config) -> str:
+    """Where a transport the source makes lives: host memory, as the memory tier's."""
+    return config.memory_tier_dir or os.environ.get("GPUSNAP_MEMORY_TIER_DIR") or "/dev/shm"
+
+
+def make_root(to: str | os.PathLike[str] | None, config: Config) -> tuple[str, bool]:
+    """The transport root for ``to`` and whether it was made here (a private directory in
+    host memory when ``to`` is None). A given root must be new or empty: rounds of this
+    migration are the only checkpoints its target may find there."""
+    if to is None:
+        base = default_base(config)
+        if not os.path.isdir(base):
+            raise FileNotFoundError(errno.ENOENT, f"{base} is not a directory (set Config.memory_tier_dir to a "
+                                    "tmpfs of yours, or pass to= a root)", base)
+        parent = ensure_private_dir(os.path.join(base, f"gpusnap-{os.geteuid()}"),
+                                    what="the migration transport's directory",
+                                    elsewhere="set Config.memory_tier_dir to a tmpfs of yours, or pass to= a root")
+        root = os.path.join(parent, f"migrate-{secrets.token_hex(8)}")
+        os.mkdir(root, 0o700)
+        return root, True
+    root = os.fspath(to)
+    backend = open_backend(root)
+    if backend.exists("") and backend.isdir("") and set(backend.listdir("")) - (LAYOUT - {ROOT_FILE}):
+        raise ValueError(f"{root} is not empty: a migration's transport must be a new or empty root (the target "
+                         "takes every round it finds there for one of this migration's)")
+    if "://" not in root.removeprefix("file://"):
+        ensure_private_dir(root.removeprefix("file://"), what="the migration transport")
+    return root, False
+
+
+def write_json(backend: Backend, path: str, doc: dict[str, Any]) -> None:
+    """``doc`` at ``path``, whole: written to a temporary name beside it, then renamed."""
+    tmp = f"{path}.tmp-{secrets.token_hex(4)}"
+    handle = backend.open_write(tmp)
+    try:
+        handle.write(json.dumps(doc, sort_keys=True).encode())
+    finally:
+        handle.close(sync=False)  # (a crash loses it with the migration: no fsync needed)
+    try:
+        backend.rename(tmp, path)
+    except BaseException:
+        try:
+            backend.remove(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def read_json(backend: Backend, path: str) -> dict[str, Any] | None:
+    """The JSON object at ``path``, or None when it is absent or not one."""
+    try:
+        doc = json.loads(backend.read_range(path).decode())
+    except FileNotFoundError:
+        return None
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def remove_root(root: str) -> None:
+    """Remove the transport, every round in it (missing already is fine)."""
+    local = root.removeprefix("file://")
+    if "://" not in local:
+        shutil.rmtree(local, ignore_errors=True)
+        return
+    backend: Any = open_backend(root)
+    try:
+        backend.fs.rm(backend._abs(""), recursive=True)
+    except FileNotFoundError:
+        pass
+
+
+def local_path(root: str) -> str | None:
+    """The transport's local directory, or None for a URL (no locks, no bell there)."""
+    local = root.removeprefix("file://")
+    return None if "://" in local else local
+
+
+class Flock:
+    """An exclusive ``flock`` on a file of a local transport, held until :meth:`release`
+    (the kernel drops it when the process dies, SIGKILL included): how each side tells the
+    other it is alive."""
+
+    def __init__(self, path: str, *, timeout: float = 0.0) -> None:
+        fd = open_private(path, os.O_RDWR | os.O_CREAT)
+
+        def attempt() -> bool:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                return False
+
+        # (the other side's liveness probe (flock_held) takes a free lock for an instant)
+        if not poll_until(attempt, timeout):
+            os.close(fd)
+            raise BlockingIOError(errno.EWOULDBLOCK, "held by another process", path)
+        self.path = path
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # (closing releases the flock)
+
+
+def flock_held(path: str) -> bool:
+    """Whether a live process holds ``path``'s flock (a probe: it takes the lock for an
+    instant when it is free; ask only about a holder known to have taken it)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def process_alive(doc: dict[str, Any] | None) -> bool | None:
+    """Whether the process a ``source.json``/``target.json`` names lives: True/False on this
+    host (its pid, and its start time so that a reused pid does not count), None elsewhere
+    (another host, or another pid namespace of this one: a container sharing its host name)."""
+    if not doc or doc.get("host") != socket.gethostname() or doc.get("pid_ns") != pid_namespace():
+        return None
+    pid = doc.get("pid")
+    if not isinstance(pid, int):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    started = doc.get("pid_start")
+    return started is None or started == process_start(pid)
+
+
+def process_start(pid: int) -> int | None:
+    """A process's start time in clock ticks since boot (``/proc/<pid>/stat``), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def pid_namespace() -> str | None:
+    """This process's pid namespace (``pid:[4026531836]``), or None where /proc does not say."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def whoami() -> dict[str, Any]:
+    """This process, for ``source.json`` / ``target.json``."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), "pid_ns": pid_namespace(),
+            "pid_start": process_start(os.getpid()), "since": time.time()}
