@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks and measurements, each step time-boxed, logs under
 # $OUT (default ./gpu-out), packed into $OUT/suite.tgz. Usage: benchmarks/gpu_suite.sh [demo] [tests]
-# [rdiag] [fresh] [serve] [quick] (default: demo tests). Run from the repository root on the GPU
-# machine. SUITE_S (default 570) bounds the whole call: a step gets at most the time left,
-# and one with under 30 s left is skipped, so the logs of the steps before it always come back.
+# [rdiag] [fresh] [serve] [quick] [suspend] [migrate] [pool] [cost] (default: demo tests). Run
+# from the repository root on the GPU machine. SUITE_S (default 570) bounds the whole call: a
+# step gets at most the time left, and one with under 30 s left is skipped, so the logs of the
+# steps before it always come back.
 # TEST_FILES picks the tests step's files, RDIAG_ARGS restore_diagnosis.py's options, FRESH_MODELS
 # and FRESH_ARGS fresh_cold_start.py's, SERVE_ARGS cold_start_serve.py's.
 set -uo pipefail
@@ -32,7 +33,8 @@ for s in "${steps[@]}"; do
            t 200 python3 -X faulthandler -m pytest -v -p no:cacheprovider --timeout 50 -m cuda \
              ${TEST_FILES:-tests/test_concurrent_capture.py tests/test_capture_pieces.py tests/test_validation_cuda.py \
              tests/test_restore_pipelined.py tests/test_restore_lazy.py tests/test_restore_pieces.py \
-             tests/test_chunk_hash.py tests/test_chunk_hash_many.py tests/test_bench_dcp.py tests/test_state_rng.py} \
+             tests/test_chunk_hash.py tests/test_chunk_hash_many.py tests/test_bench_dcp.py tests/test_state_rng.py \
+             tests/test_suspend.py tests/test_suspend_lazy.py tests/test_suspend_errors.py tests/test_pool_serve.py} \
              > "$L/tests.log" 2>&1; tail -3 "$L/tests.log" ;;
     rdiag) t 240 python3 benchmarks/restore_diagnosis.py --sample ${RDIAG_ARGS:-} > "$L/rdiag.log" 2>&1
            tail -12 "$L/rdiag.log" ;;
@@ -44,6 +46,19 @@ for s in "${steps[@]}"; do
              tail -12 "$L/fresh-$m.log"; done ;;
     quick) t 560 python3 -m gpusnap bench --quick --out "$L/bench" > "$L/quick.log" 2>&1
            tail -30 "$L/quick.log" ;;
+    # moving a job and the warm pool (docs/moving.md, docs/pool.md): their acceptance figures
+    suspend) t 120 python3 benchmarks/suspend_resume.py --out "$L/suspend.json" > "$L/suspend.log" 2>&1
+             tail -14 "$L/suspend.log" ;;
+    migrate) t 240 python3 benchmarks/migrate_bench.py --out "$L/migrate.json" > "$L/migrate.log" 2>&1
+             tail -14 "$L/migrate.log" ;;
+    pool) t 240 python3 benchmarks/pool_start.py --out "$L/pool.json" > "$L/pool.log" 2>&1
+          tail -14 "$L/pool.log" ;;
+    # the default Checkpointer(root) against the pinned copy, root on the local disk (COST_ROOT)
+    cost) mkdir -p "${COST_ROOT:-/root/gpusnap-disk}"
+          t 480 python3 -m gpusnap bench --cost --quick --workload ${COST_WORKLOAD:-llama} \
+            --systems pinned_writer,gpusnap_default,gpusnap_default_p10 --saves 5 --every 10 \
+            --root "${COST_ROOT:-/root/gpusnap-disk}" --no-plots --out "$L/cost" > "$L/cost.log" 2>&1
+          rm -rf "${COST_ROOT:-/root/gpusnap-disk}"; tail -10 "$L/cost/cost.md" ;;
     *) echo "unknown step $s" ;;
   esac
   pack

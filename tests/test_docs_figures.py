@@ -48,6 +48,10 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("docs/serve.md", "1 s"): "--poll's default, the connect timeout, the reply timeout's slope",
     ("docs/serve.md", "60 s"): "the client's REPLY_TIMEOUT_S",
     ("docs/serve.md", "10 s"): "the most the client and the server wait for a process to end",
+    ("docs/moving.md", "0.5 s"): "migrate.Target's poll_s default with a doorbell",
+    ("docs/moving.md", "0.2 s"): "migrate.Target's poll_s default without a doorbell",
+    ("docs/api.md", "0.5 s"): "migrate.Target's poll_s default with a doorbell",
+    ("docs/api.md", "0.2 s"): "migrate.Target's poll_s default without a doorbell",
 }
 
 

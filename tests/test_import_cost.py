@@ -73,3 +73,24 @@ def test_export_formats_of_the_parser_are_the_exporters() -> None:
     from gpusnap.interop.exporter import FORMATS
 
     assert EXPORT_FORMATS == FORMATS
+
+
+def test_first_uses_from_several_threads_at_once_all_succeed() -> None:
+    out = _run("""
+        import threading, torch, gpusnap
+        names = [*gpusnap.__all__, "pool", "migrate"]
+        start, errors = threading.Barrier(len(names)), []
+        def use(name):
+            start.wait()
+            try:
+                getattr(gpusnap, name)
+            except Exception as exc:
+                errors.append(f"{name}: {exc!r}")
+        threads = [threading.Thread(target=use, args=(n,)) for n in names]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        print(errors)
+    """)
+    assert out == "[]"

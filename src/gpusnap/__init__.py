@@ -16,6 +16,7 @@ that has imported only what it needs, does not pay for torch and every layer up 
 from __future__ import annotations
 
 import importlib
+import threading
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -41,7 +42,12 @@ _WHERE = {
     "load": "gpusnap.restore.template_free",
     "serve": "gpusnap.serving",
     "RNGState": "gpusnap.state.rng",
+    "suspend": "gpusnap.moving",
 }
+
+# subpackages with public names of their own (``gpusnap.pool.Pool``, ``gpusnap.migrate.Source``):
+# ``import gpusnap`` alone reaches them, as it reaches the names above
+_SUBPACKAGES = ("migrate", "pool")
 
 __all__ = [
     "Checkpointer",
@@ -56,6 +62,7 @@ __all__ = [
     "import_",
     "load",
     "serve",
+    "suspend",
     "CheckpointError",
     "CheckpointNotFoundError",
     "IntegrityError",
@@ -67,17 +74,28 @@ __all__ = [
 ]
 
 
+# first uses from several threads import one at a time: the layers import each other in
+# cycles, and two threads entering a cycle at different modules get an ImportError
+# ("partially initialized module") or a _DeadlockError, where ``import gpusnap`` used to
+# import everything once under the package's own import lock
+_IMPORTING = threading.RLock()
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        with _IMPORTING:
+            return importlib.import_module(f"gpusnap.{name}")  # (the import binds it here)
     where = _WHERE.get(name)
     if where is None:
         raise AttributeError(f"module 'gpusnap' has no attribute {name!r}")
-    value = getattr(importlib.import_module(where), name)
+    with _IMPORTING:
+        value = getattr(importlib.import_module(where), name)
     globals()[name] = value  # (later lookups skip this function)
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE))
+    return sorted(set(globals()) | set(_WHERE) | set(_SUBPACKAGES))
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
@@ -95,6 +113,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     )
     from gpusnap.handles import CheckpointInfo, PendingSave, RestoreHandle
     from gpusnap.interop import export, import_
+    from gpusnap.moving import suspend
     from gpusnap.restore.cold import empty_model
     from gpusnap.restore.template_free import load
     from gpusnap.serving import serve

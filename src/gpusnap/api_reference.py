@@ -18,6 +18,8 @@ __all__ = ["MissingDocstring", "render"]
 
 # defaults computed from the machine at import: the page shows what decides them, not this machine's value
 MACHINE_DEFAULTS = {"io_threads": "per machine"}
+# public subpackages: what ``gpusnap.suspend`` returns, live migration, the warm process pool
+SUBPACKAGES = ("gpusnap.moving", "gpusnap.migrate", "gpusnap.pool")
 PLUG_INS = ("gpusnap.integrations.lightning", "gpusnap.integrations.transformers", "gpusnap.integrations.accelerate")
 
 
@@ -93,7 +95,7 @@ def render() -> str:
         if name == "__version__":
             continue
         out += _entry(name, getattr(gpusnap, name))
-    for module_name in PLUG_INS:
+    for module_name in (*SUBPACKAGES, *PLUG_INS):
         module = importlib.import_module(module_name)
         out += [f"## `{module_name}`", "", _doc(module, module_name), ""]
         for name in getattr(module, "__all__", ()):
