@@ -34,6 +34,7 @@ from typing import Any
 from gpusnap.config import Config
 from gpusnap.storage.backend import Backend, open_backend
 from gpusnap.storage.backend_protocol import poll_until
+from gpusnap.storage.flock_probe import flock_held as _flock_held
 from gpusnap.storage.layout import LAYOUT, ROOT_FILE
 from gpusnap.storage.private_dir import ensure_private_dir, open_private
 
@@ -182,21 +183,8 @@ class Flock:
 
 
 def flock_held(path: str) -> bool:
-    """Whether a live process holds ``path``'s flock (a probe: it takes the lock for an
-    instant when it is free; ask only about a holder known to have taken it)."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return False
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    finally:
-        os.close(fd)
+    """Whether a live process holds ``path``'s flock (storage.flock_probe; a link is not followed)."""
+    return _flock_held(path, follow_links=False)
 
 
 def process_alive(doc: dict[str, Any] | None) -> bool | None:

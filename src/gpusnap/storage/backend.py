@@ -38,6 +38,7 @@ from gpusnap.storage.backend_protocol import (
     poll_until,
 )
 from gpusnap.storage.direct_file import DirectFile
+from gpusnap.storage.flock_probe import flock_held
 from gpusnap.storage.lease import (
     LEASE_NAME,
     LeaseBusy,
@@ -325,19 +326,7 @@ class LocalBackend:
         """Whether a live process holds this root's writer lease. A probe: it takes the lock
         for an instant when it is free, so ask only about a writer known to have taken it
         (the kernel drops a dead process's flock: a writer SIGKILLed reads as gone)."""
-        try:
-            fd = os.open(self._abs(LEASE_NAME), os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return False
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return True
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return False
-        finally:
-            os.close(fd)
+        return flock_held(self._abs(LEASE_NAME))
 
     def writer_lease(self, owner: dict[str, Any], timeout: float) -> WriterLease:
         self._writable_root()
