@@ -70,8 +70,9 @@ def build_model(cfg: Any) -> Any:
         torch.set_default_dtype(previous)
 
 
-def prepare(work: str, args: argparse.Namespace) -> int:
-    """Build, compute the expected logits, save every format into ``work``; bytes of weights."""
+def prepare(work: str, args: argparse.Namespace, *, every_format: bool = True) -> int:
+    """Build, compute the expected logits, save every format into ``work`` (without
+    ``every_format``: the Hugging Face directory and the gpusnap root only); bytes of weights."""
     import torch
     from safetensors.torch import save_model
     from transformers import LlamaConfig
@@ -92,15 +93,19 @@ def prepare(work: str, args: argparse.Namespace) -> int:
     nbytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     step = time.perf_counter()
     model.save_pretrained(os.path.join(work, "hf"))
-    save_model(model, os.path.join(work, "model.safetensors"))
-    torch.save(model.state_dict(), os.path.join(work, "model.pt"))
+    if every_format:
+        save_model(model, os.path.join(work, "model.safetensors"))
+        torch.save(model.state_dict(), os.path.join(work, "model.pt"))
     with gpusnap.Checkpointer(os.path.join(work, "ck"), config=gpusnap.Config.from_env(fsync=False)) as ck:
         pending = ck.save({"model": model})
         with torch.no_grad():
             model(input_ids=ids, use_cache=False)  # inside the save window: the manifest records the order
         pending.wait()
-    print(f"model: {nbytes / 1e9:.2f} GB of weights, saved 4 ways under {work} in {time.perf_counter() - step:.1f} s",
-          flush=True)
+    del model
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()  # (the fresh processes measured next need the device memory)
+    print(f"model: {nbytes / 1e9:.2f} GB of weights, saved {4 if every_format else 2} ways under {work} in "
+          f"{time.perf_counter() - step:.1f} s", flush=True)
     return nbytes
 
 

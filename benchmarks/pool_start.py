@@ -40,7 +40,8 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from cold_start_serve import FULL, SMALL, ServeProc, build_model  # noqa: E402
+from cold_start_serve import ServeProc, build_model  # noqa: E402
+from cold_start_serve import prepare as prepare_model  # noqa: E402
 
 import gpusnap.pool  # noqa: E402
 
@@ -141,35 +142,9 @@ def _forward(model: Any, ids: Any, device: Any) -> Any:
 # -- the parent -------------------------------------------------------------------------------
 
 def prepare(work: str, args: argparse.Namespace) -> int:
-    """Build, compute the expected logits, save (save_pretrained, gpusnap); bytes of weights."""
-    import torch
-    from transformers import LlamaConfig
-
-    import gpusnap
-
-    dev = torch.device(args.device)
-    cfg = LlamaConfig(**(SMALL if args.tiny else FULL), max_position_embeddings=max(2048, args.prompt))
-    cfg.to_json_file(os.path.join(work, "config.json"))
-    torch.manual_seed(0)
-    with torch.device(dev):
-        model = build_model(cfg)
-    ids = (torch.arange(args.prompt, device=dev).unsqueeze(0) * 7919) % cfg.vocab_size
-    with torch.no_grad():
-        expected = model(input_ids=ids, use_cache=False).logits
-    torch.save(ids.cpu(), os.path.join(work, "ids.pt"))
-    torch.save(expected.cpu(), os.path.join(work, "expected.pt"))
-    nbytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
-    model.save_pretrained(os.path.join(work, "hf"))
-    with gpusnap.Checkpointer(os.path.join(work, "ck"), config=gpusnap.Config.from_env(fsync=False)) as ck:
-        pending = ck.save({"model": model})
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=False)  # inside the save window: the manifest records the order
-        pending.wait()
-    del model
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-    print(f"model: {nbytes / 1e9:.2f} GB of weights ({'tiny' if args.tiny else '3B'}), saved under {work}", flush=True)
-    return nbytes
+    """cold_start_serve.py's: build, expected logits, the Hugging Face directory and the root."""
+    same = argparse.Namespace(small=args.tiny, device=args.device, prompt=args.prompt)
+    return prepare_model(work, same, every_format=False)
 
 
 def run_child(kind: str, r: int, work: str, args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
