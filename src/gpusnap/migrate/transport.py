@@ -20,7 +20,6 @@ directory (0700) under ``Config.memory_tier_dir`` (``/dev/shm``):
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import os
 import re
@@ -34,7 +33,7 @@ from typing import Any
 from gpusnap.config import Config
 from gpusnap.storage.backend import Backend, open_backend
 from gpusnap.storage.backend_protocol import poll_until
-from gpusnap.storage.flock_probe import flock_held as _flock_held
+from gpusnap.storage.flock_probe import flock_held as _flock_held, try_flock
 from gpusnap.storage.layout import LAYOUT, ROOT_FILE
 from gpusnap.storage.private_dir import ensure_private_dir, open_private
 
@@ -161,16 +160,8 @@ class Flock:
 
     def __init__(self, path: str, *, timeout: float = 0.0) -> None:
         fd = open_private(path, os.O_RDWR | os.O_CREAT)
-
-        def attempt() -> bool:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return True
-            except BlockingIOError:
-                return False
-
         # (the other side's liveness probe (flock_held) takes a free lock for an instant)
-        if not poll_until(attempt, timeout):
+        if not poll_until(lambda: try_flock(fd), timeout):
             os.close(fd)
             raise BlockingIOError(errno.EWOULDBLOCK, "held by another process", path)
         self.path = path

@@ -38,7 +38,7 @@ from gpusnap.storage.backend_protocol import (
     poll_until,
 )
 from gpusnap.storage.direct_file import DirectFile
-from gpusnap.storage.flock_probe import flock_held
+from gpusnap.storage.flock_probe import flock_held, try_flock
 from gpusnap.storage.lease import (
     LEASE_NAME,
     LeaseBusy,
@@ -303,17 +303,8 @@ class LocalBackend:
             if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
                 raise
             fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
-
-        def attempt() -> bool:
-            try:
-                fcntl.flock(fd, mode)
-                return True
-            except BlockingIOError:
-                return False
-
         try:
-            acquired = poll_until(attempt, timeout)
+            acquired = poll_until(lambda: try_flock(fd, shared=not exclusive), timeout)
         except BaseException:
             os.close(fd)
             raise
@@ -331,16 +322,8 @@ class LocalBackend:
     def writer_lease(self, owner: dict[str, Any], timeout: float) -> WriterLease:
         self._writable_root()
         fd = open_private(self._abs(LEASE_NAME), os.O_RDWR | os.O_CREAT)
-
-        def attempt() -> bool:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return True
-            except BlockingIOError:
-                return False
-
         try:
-            if not poll_until(attempt, timeout):
+            if not poll_until(lambda: try_flock(fd), timeout):
                 raise LeaseBusy(describe_owner(parse_owner(os.pread(fd, 4096, 0))))
             os.ftruncate(fd, 0)
             os.pwrite(fd, encode_owner(owner), 0)

@@ -1,4 +1,4 @@
-"""Whether a live process holds a file's flock: the kernel drops a dead process's flock, so a
+"""Whether a live process holds a file's flock, and taking one without waiting: the kernel drops a dead process's flock, so a
 holder SIGKILLed reads as gone (a root's writer lease, a migration's two sides)."""
 
 from __future__ import annotations
@@ -6,7 +6,16 @@ from __future__ import annotations
 import fcntl
 import os
 
-__all__ = ["flock_held"]
+__all__ = ["flock_held", "try_flock"]
+
+
+def try_flock(fd: int, *, shared: bool = False) -> bool:
+    """Take ``fd``'s flock (exclusive, or ``shared``) if it is free now; False if it is held."""
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def flock_held(path: str, *, follow_links: bool = True) -> bool:
@@ -19,9 +28,7 @@ def flock_held(path: str, *, follow_links: bool = True) -> bool:
     except FileNotFoundError:
         return False
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not try_flock(fd):
             return True
         fcntl.flock(fd, fcntl.LOCK_UN)
         return False
