@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks and measurements, each step time-boxed, logs under
 # $OUT (default ./gpu-out), packed into $OUT/suite.tgz. Usage: benchmarks/gpu_suite.sh [demo] [tests]
-# [rdiag] [fresh] [serve] [quick] [suspend] [migrate] [pool] [cost] (default: demo tests). Run
-# from the repository root on the GPU machine. SUITE_S (default 570) bounds the whole call: a
+# [rdiag] [fresh] [serve] [quick] [suspend] [migrate] [pool] [cost] [cost_slab] [compiled] (default: demo
+# tests). Run from the repository root on the GPU machine. SUITE_S (default 570) bounds the whole call: a
 # step gets at most the time left, and one with under 30 s left is skipped, so the logs of the
 # steps before it always come back.
 # TEST_FILES picks the tests step's files, RDIAG_ARGS restore_diagnosis.py's options, FRESH_MODELS
-# and FRESH_ARGS fresh_cold_start.py's, SERVE_ARGS cold_start_serve.py's.
+# and FRESH_ARGS fresh_cold_start.py's, SERVE_ARGS cold_start_serve.py's, COST_SYSTEMS/COST_SAVES/COST_S
+# the cost step's.
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 # Logs go to $L; after every step they are packed into $OUT/suite.tgz (the device tool returns
@@ -55,10 +56,21 @@ for s in "${steps[@]}"; do
           tail -14 "$L/pool.log" ;;
     # the default Checkpointer(root) against the pinned copy, root on the local disk (COST_ROOT)
     cost) mkdir -p "${COST_ROOT:-/root/gpusnap-disk}"
-          t 480 python3 -m gpusnap bench --cost --quick --workload ${COST_WORKLOAD:-llama} \
-            --systems pinned_writer,gpusnap_default,gpusnap_default_p10 --saves 5 --every 10 \
+          t ${COST_S:-480} python3 -m gpusnap bench --cost --quick --workload ${COST_WORKLOAD:-llama} \
+            --systems ${COST_SYSTEMS:-pinned_writer,gpusnap_default,gpusnap_default_p10} --saves ${COST_SAVES:-5} --every 10 \
             --root "${COST_ROOT:-/root/gpusnap-disk}" --no-plots --out "$L/cost" > "$L/cost.log" 2>&1
           rm -rf "${COST_ROOT:-/root/gpusnap-disk}"; tail -10 "$L/cost/cost.md" ;;
+    # the default's first save with 64 MiB slabs: shorter page-locking calls between the training's launches
+    cost_slab) mkdir -p "${COST_ROOT:-/root/gpusnap-disk}"
+          GPUSNAP_FAST_SLAB_BYTES=$((64 << 20)) t 150 python3 -m gpusnap bench --cost --quick --workload ${COST_WORKLOAD:-llama} \
+            --systems gpusnap_default --saves 3 --every 10 --root "${COST_ROOT:-/root/gpusnap-disk}" --no-plots \
+            --out "$L/cost-slab64" > "$L/cost-slab64.log" 2>&1
+          rm -rf "${COST_ROOT:-/root/gpusnap-disk}"; tail -6 "$L/cost-slab64/cost.md" ;;
+    # a compiled model's first windows, with prepare() at set-up (issue 39, item 5)
+    compiled) mkdir -p "${COST_ROOT:-/root/gpusnap-disk}"
+          t 150 python3 benchmarks/compiled_cost.py --prepare --root "${COST_ROOT:-/root/gpusnap-disk}/compiled" \
+            --out "$L/compiled" --window 20 > "$L/compiled.log" 2>&1
+          rm -rf "${COST_ROOT:-/root/gpusnap-disk}"; tail -8 "$L/compiled.log" ;;
     *) echo "unknown step $s" ;;
   esac
   pack

@@ -26,6 +26,7 @@ from faults import FaultyBackend
 from restore_support import HeldBackend
 from test_migrate import CFG, HANG_S, Applied, _join, _receive_in_thread
 
+from gpusnap.config import Config
 from gpusnap.migrate import MigrationError, Source, Target, transport
 from gpusnap.storage.backend import LocalBackend, open_backend
 from gpusnap.storage.repository import Repository
@@ -385,6 +386,46 @@ def test_a_source_killed_while_a_process_it_forked_lives_on_fails_the_target() -
     dst.close()
 
 
+# A target that forks a helper (no exec: it inherits the target's descriptors) and is killed
+# once the helper runs; the helper lives on until the parent kills it.
+FORKING_TARGET = textwrap.dedent(
+    """
+    import os, signal, sys
+    from gpusnap.migrate import Target
+    dst = Target(sys.argv[2])
+    ran, told = os.pipe()
+    helper = os.fork()
+    if helper == 0:
+        os.write(told, b"1")                  # (its fork hooks have run)
+        os.close(1)
+        signal.pause()
+        os._exit(0)
+    os.read(ran, 1)
+    print(helper, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def test_a_target_killed_while_a_process_it_forked_lives_on_leaves_the_transport_to_a_new_target() -> None:
+    """A forked child closes its copy of the target's lock: a flock lasts while any copy of its
+    descriptor is open, and the helper must not keep the next target out."""
+    app = _state(1)
+    with Source(app, config=CFG) as src:
+        with _child(FORKING_TARGET, src.address) as proc:
+            helper = int(_line(proc))
+            try:
+                proc.wait()
+                copy = _blank()
+                with Target(src.address) as dst:
+                    thread, out = _receive_in_thread(dst, copy)
+                    src.handoff()
+                    _join(thread, out)
+            finally:
+                os.kill(helper, 9)
+    assert _same(copy, _state(1))
+
+
 @pytest.mark.parametrize("reading", [["a list"], {"a": "dict"}, 7])
 def test_a_claim_file_this_code_did_not_write_never_stops_a_round(reading: Any) -> None:
     app = _state(1)
@@ -413,3 +454,46 @@ def test_a_process_of_another_pid_namespace_is_never_judged_dead() -> None:
     assert transport.process_alive(dead) is False
     assert transport.process_alive({**dead, "pid_ns": "pid:[1]"}) is None
     assert transport.process_alive(transport.whoami()) is True
+
+
+# A source in host memory under argv[2] that commits round 1 (and its handoff, when argv[3]
+# says so), says its address and is killed.
+KILLED_SOURCE = textwrap.dedent(
+    """
+    import os, signal, sys, torch
+    from gpusnap.config import Config
+    from gpusnap.migrate import Source
+    app = {"w": torch.arange(20_000, dtype=torch.float32) + 1e6, "step": 1}
+    src = Source(app, config=Config(chunk_size=4096, io_threads=1, memory_tier_dir=sys.argv[2]))
+    src.precopy(wait=True)
+    if sys.argv[3] == "handoff":
+        src.handoff()
+    print(src.address, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def test_a_new_source_sweeps_the_transports_of_dead_sources_that_nothing_can_complete(tmp_path: Path) -> None:
+    """A source killed before its handoff leaves its transport in host memory; the next
+    Source of this user removes it. A handed-off one waits for its target (however late),
+    and a live source's stays."""
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o700)
+    cfg = Config(chunk_size=4096, io_threads=1, memory_tier_dir=str(shm))
+    left = {}
+    for when in ("handoff", "before"):  # (the second one's start keeps the first: handed off)
+        with _child(KILLED_SOURCE, str(shm), when) as proc:
+            left[when] = _line(proc)
+            proc.wait()
+    assert all(os.path.isdir(root) for root in left.values())
+    with Source(_state(5), config=cfg) as live:
+        assert not os.path.exists(left["before"])
+        assert os.path.isdir(left["handoff"])
+        with Source(_state(6), config=cfg):
+            assert os.path.isdir(live.address) and os.path.isdir(left["handoff"])
+        copy = _blank()
+        with Target(left["handoff"]) as dst:
+            dst.receive(copy)
+    assert _same(copy, _state(1))
+    assert not os.path.exists(left["handoff"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from test_migrate import CFG
 
 import gpusnap
 from gpusnap.errors import RestoreMismatchError
-from gpusnap.migrate import MigrationError, Source, Target
+from gpusnap.migrate import MigrationError, Source, Target, transport
 
 
 def test_a_source_needs_a_mapping_and_a_config() -> None:
@@ -82,3 +83,33 @@ def test_an_app_state_that_does_not_fit_is_refused_untouched() -> None:
     assert isinstance(caught.value.__cause__, RestoreMismatchError)
     assert "w" in str(caught.value)
     assert torch.equal(copy["w"], torch.zeros(12)) and torch.equal(copy["b"], torch.zeros(4))
+
+
+def _open_under(root: str) -> list[str]:
+    """What this process's descriptors name under ``root``."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # (closed meanwhile: the listing's own descriptor)
+            continue
+        if path.startswith(root + os.sep):
+            found.append(path)
+    return found
+
+
+def test_a_target_that_fails_to_start_lets_go_of_its_lock_and_bell() -> None:
+    with Source({"w": torch.arange(10.0)}, config=CFG) as src:
+        claim = os.path.join(src.address, transport.TARGET_FILE)
+        os.mkdir(claim)  # (its claim cannot be written: the last step of Target() fails)
+        before = sorted(_open_under(src.address))
+        with pytest.raises(OSError):
+            Target(src.address)
+        assert sorted(_open_under(src.address)) == before  # (the source's lock only)
+        assert not [n for n in os.listdir(os.path.join(src.address, transport.MIGRATE)) if n.startswith("bell-")]
+        os.rmdir(claim)
+        with Target(src.address) as dst:  # not refused as "another target"
+            src.handoff()
+            copy = {"w": torch.zeros(10)}
+            dst.receive(copy)
+    assert torch.equal(copy["w"], torch.arange(10.0))

@@ -143,6 +143,26 @@ def test_a_process_that_cannot_start_is_a_clear_error(tmp_path: Path) -> None:
         no_device.close()
 
 
+def test_a_process_whose_loaded_message_cannot_be_read_is_stopped_and_replaced(tmp_path: Path) -> None:
+    """As a process of another gpusnap version might: the take fails clearly, that process is
+    reaped (it went on to serve as if heard), and its replacement serves."""
+    root = tmp_path / "ck"
+    model = trained(0)
+    _save(root, model)
+    events: list[dict[str, Any]] = []
+    pool = Pool(root, "pool_support:serve", size=1, config=tiny_config(),
+                env={"GPUSNAP_POOL_FAULT": "garble-loading@0"}, on_event=events.append)
+    try:
+        with pytest.raises(PoolError, match=r"could not load .* in a message this pool cannot read .*\['garbled'\]"):
+            pool.take(params={"hold": True}, timeout=HANG_S)
+        (garbled,) = [e["pid"] for e in events if e["event"] == "pool-taken"]
+        assert gone(garbled)
+        proc = pool.take(params={"ids": IDS}, timeout=HANG_S)
+        assert proc.pid != garbled and torch.equal(_served(proc.wait(HANG_S).value), _logits(model))
+    finally:
+        pool.close()
+
+
 def test_bad_arguments_are_refused_before_any_process_starts(tmp_path: Path,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     def local(ready: Any) -> None:

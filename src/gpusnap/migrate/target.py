@@ -103,28 +103,33 @@ class Target:
         except CheckpointNotFoundError:
             raise MigrationError(f"no migration at {root}: no transport there (gone after a receive, or the source "
                                  "called it off)") from None
-        self._backend = open_backend(root)
-        doc = transport.read_json(self._backend, transport.SOURCE_FILE)
-        if doc is None or doc.get("format") != transport.FORMAT:
-            self._repo.close()
-            raise MigrationError(f"{root} is a checkpoint root, not a live migration's transport (no "
-                                 f"{transport.SOURCE_FILE}): pass the address Source.address gives")
-        self._source = doc
         self._lock: transport.Flock | None = None
         self._bell: Bell | None = None
         self._token = secrets.token_hex(8)
-        if self._local is not None:
-            try:
-                self._lock = transport.Flock(os.path.join(self._local, transport.TARGET_LOCK), timeout=LOCK_WAIT_S)
-            except BlockingIOError:
-                self._repo.close()
-                other = transport.read_json(self._backend, transport.TARGET_FILE) or {}
-                raise MigrationError(f"another target (pid {other.get('pid', '?')}) is receiving from {root}: one "
-                                     "target at a time") from None
-            try:
-                self._bell = Bell(os.path.join(self._local, transport.MIGRATE, f"bell-{self._token}.sock"))
-            except OSError:
-                self._bell = None  # (polls instead)
+        try:  # (a step that fails lets go of what the ones before took: the lock, the bell, the repo)
+            self._backend = open_backend(root)
+            doc = transport.read_json(self._backend, transport.SOURCE_FILE)
+            if doc is None or doc.get("format") != transport.FORMAT:
+                raise MigrationError(f"{root} is a checkpoint root, not a live migration's transport (no "
+                                     f"{transport.SOURCE_FILE}): pass the address Source.address gives")
+            self._source = doc
+            if self._local is not None:
+                try:
+                    self._lock = transport.Flock(os.path.join(self._local, transport.TARGET_LOCK),
+                                                 timeout=LOCK_WAIT_S)
+                except BlockingIOError:
+                    other = transport.read_json(self._backend, transport.TARGET_FILE) or {}
+                    raise MigrationError(f"another target (pid {other.get('pid', '?')}) is receiving from {root}: "
+                                         "one target at a time") from None
+                try:
+                    self._bell = Bell(os.path.join(self._local, transport.MIGRATE, f"bell-{self._token}.sock"))
+                except OSError:
+                    self._bell = None  # (polls instead)
+            self._claim(None)
+        except BaseException:
+            self._release()
+            self._repo.close()
+            raise
         self.poll_s = poll_s if poll_s is not None else (POLL_LOCAL_S if self._bell is not None else POLL_REMOTE_S)
         self._restorer = Restorer(
             io_threads=config.io_threads, staging_bytes=config.staging_bytes, piece_bytes=config.restore_piece_bytes,
@@ -132,7 +137,6 @@ class Target:
             scratch_slots=config.restore_scratch_slots, device_check_min_bytes=config.device_check_min_bytes,
             reader_processes=config.restore_reader_processes, direct_copies=config.restore_direct_copies,
             from_server="off")
-        self._claim(None)
         self._final: RestoreHandle | None = None  # a lazy handoff still loading
         self._received = False
         self._closed = False
@@ -284,8 +288,8 @@ class Target:
             time.sleep(self.poll_s)
 
     def _source_alive(self) -> bool:
-        # the flock alone is not enough: a process the source forked (without exec) holds it
-        # as long as it lives, after the source itself is gone
+        # the flock alone is not enough: a process the source forked where no at-fork hook runs
+        # (a fork in C, transport.Flock) holds it as long as it lives, after the source is gone
         if transport.process_alive(self._source) is False:
             return False
         if self._local is not None:

@@ -13,7 +13,8 @@ Layout (``ROOT`` is an ordinary checkpoint root: ``gpusnap ls ROOT`` lists the r
 
 A transport the source makes itself (``Source(app_state)`` with no ``to``) is a private
 directory (0700) under ``Config.memory_tier_dir`` (``/dev/shm``):
-``gpusnap-<uid>/migrate-<random>``. Small files are written to a temporary name in
+``gpusnap-<uid>/migrate-<random>``; making one first removes those there that nothing can
+complete any more (:func:`sweep`). Small files are written to a temporary name in
 ``migrate/`` and renamed into place, so a reader sees the old or the new one whole.
 """
 
@@ -21,27 +22,34 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import re
 import secrets
 import shutil
 import socket
+import stat
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 from gpusnap.config import Config
+from gpusnap.errors import CheckpointError
 from gpusnap.storage.backend import Backend, open_backend
 from gpusnap.storage.backend_protocol import poll_until
 from gpusnap.storage.flock_probe import flock_held as _flock_held, try_flock
 from gpusnap.storage.layout import LAYOUT, ROOT_FILE
 from gpusnap.storage.private_dir import ensure_private_dir, open_private
+from gpusnap.storage.repository import Repository
 
 __all__ = [
     "FORMAT", "MIGRATE", "SOURCE_FILE", "SOURCE_LOCK", "TARGET_FILE", "TARGET_LOCK", "Flock", "RoundTag",
     "default_base", "flock_held", "local_path", "make_root", "parse_tag", "pid_namespace", "process_alive",
-    "process_start", "read_json", "remove_root", "round_tag", "whoami", "write_json",
+    "process_start", "read_json", "remove_root", "round_tag", "sweep", "whoami", "write_json",
 ]
+
+log = logging.getLogger("gpusnap")
 
 MIGRATE = "migrate"
 SOURCE_FILE = f"{MIGRATE}/source.json"
@@ -92,6 +100,7 @@ def make_root(to: str | os.PathLike[str] | None, config: Config) -> tuple[str, b
         parent = ensure_private_dir(os.path.join(base, f"gpusnap-{os.geteuid()}"),
                                     what="the migration transport's directory",
                                     elsewhere="set Config.memory_tier_dir to a tmpfs of yours, or pass to= a root")
+        sweep(parent, config)
         root = os.path.join(parent, f"migrate-{secrets.token_hex(8)}")
         os.mkdir(root, 0o700)
         return root, True
@@ -103,6 +112,46 @@ def make_root(to: str | os.PathLike[str] | None, config: Config) -> tuple[str, b
     if "://" not in root.removeprefix("file://"):
         ensure_private_dir(root.removeprefix("file://"), what="the migration transport")
     return root, False
+
+
+def sweep(parent: str, config: Config) -> list[str]:
+    """Remove the transports in ``parent`` (this user's directory of those sources made) that
+    nothing can complete: their source gone (its lock free, its process not alive here)
+    before a handoff round committed, and no target reading them (its lock free). A
+    handed-off one stays, however late its target comes (its rounds are the program's state
+    now), and so does one without ``source.json`` yet (a source making it). Returns the roots
+    removed; a transport it cannot judge is kept."""
+    removed = []
+    try:
+        names = sorted(os.listdir(parent))
+    except OSError:
+        return removed
+    for name in names:
+        root = os.path.join(parent, name)
+        try:
+            if not name.startswith("migrate-") or not _abandoned(root, config):
+                continue
+        except (OSError, CheckpointError):
+            continue
+        log.info("gpusnap: removing %s, the transport of a migration whose source died before its handoff", root)
+        remove_root(root)
+        removed.append(root)
+    return removed
+
+
+def _abandoned(root: str, config: Config) -> bool:
+    info = os.lstat(root)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+        return False
+    doc = read_json(open_backend(root), SOURCE_FILE)
+    if doc is None or doc.get("format") != FORMAT or not doc.get("made"):
+        return False
+    # (source.json is written once the source holds its lock: probing it cannot stop a source starting)
+    if flock_held(os.path.join(root, SOURCE_LOCK)) or process_alive(doc) or \
+            flock_held(os.path.join(root, TARGET_LOCK)):
+        return False
+    good, bad = Repository.open(root, config=config).scan()
+    return not bad and not any(getattr(parse_tag(m.tag), "final", False) for m in good)
 
 
 def write_json(backend: Backend, path: str, doc: dict[str, Any]) -> None:
@@ -156,7 +205,11 @@ def local_path(root: str) -> str | None:
 class Flock:
     """An exclusive ``flock`` on a file of a local transport, held until :meth:`release`
     (the kernel drops it when the process dies, SIGKILL included): how each side tells the
-    other it is alive."""
+    other it is alive.
+
+    A flock lasts while any copy of its descriptor is open, and a child forked without exec
+    (a DataLoader worker, a helper) inherits one: the child closes its copy at once, so that
+    it does not keep the lock after its parent dies (storage's writer lease does the same)."""
 
     def __init__(self, path: str, *, timeout: float = 0.0) -> None:
         fd = open_private(path, os.O_RDWR | os.O_CREAT)
@@ -166,11 +219,24 @@ class Flock:
             raise BlockingIOError(errno.EWOULDBLOCK, "held by another process", path)
         self.path = path
         self._fd: int | None = fd
+        _held.add(self)
 
     def release(self) -> None:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)  # (closing releases the flock)
+
+
+_held: weakref.WeakSet[Flock] = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    for lock in list(_held):
+        lock.release()  # (closing the child's copy; LOCK_UN would unlock the parent's too)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 def flock_held(path: str) -> bool:

@@ -115,8 +115,12 @@ class Child:
             self.ready_at = time.monotonic()
             self.state = "ready"
         elif op == "loaded" and self.state == "loading":
-            self.loaded = msg
-            self.state = "serving"
+            if isinstance(msg.get("checkpoint"), str) and isinstance(msg.get("stats"), dict):
+                self.loaded = msg
+                self.state = "serving"
+            else:  # (not what this gpusnap's worker sends: never handed out, take() stops it)
+                self.error = {"stage": "load", "message": "it said its weights were in place in a message this pool "
+                              f"cannot read ({str(msg)[:120]}): does it run another gpusnap version?"}
         elif op == "failed":
             error = msg.get("error")
             self.error = {"stage": msg.get("stage"), **(error if isinstance(error, dict) else {})}

@@ -1,11 +1,15 @@
 """Test hook: ``GPUSNAP_POOL_FAULT`` makes a pool process kill itself (SIGKILL) at a set
 point, as a crash, the OOM killer or an operator would: ``die-starting@N`` while it starts
 (after its model is built, before it says ready), ``die-loading@N`` once a take has arrived
-and its weights have been written, before it says they are in place. ``N`` is the
-process's number in its pool (0: the first it started; a replacement gets the next one), so
-a test can fail one process and watch the next. Several, comma-separated.
+and its weights have been written, before it says they are in place. ``garble-loading@N``
+makes it say so in a ``loaded`` message the pool cannot read (its stats not a mapping, as a
+process running another gpusnap version might send), then serve as if it had been read.
+``N`` is the process's number in its pool (0: the first it started; a replacement gets the
+next one), so a test can fail one process and watch the next. Several, comma-separated.
 
 >>> Fault.parse("die-loading@0,die-starting@2").hits("loading", 0)
+True
+>>> Fault.parse("garble-loading@1").garbles(1)
 True
 """
 
@@ -23,20 +27,24 @@ _POINTS = ("starting", "loading")
 
 @dataclass(frozen=True)
 class Fault:
-    """Where processes die: ``(point, process number)`` pairs."""
+    """Where processes die: ``(point, process number)`` pairs; which garble their ``loaded``."""
 
     points: frozenset[tuple[str, int]] = frozenset()
+    garbled: frozenset[int] = frozenset()
 
     @classmethod
     def parse(cls, text: str) -> Fault:
-        found = set()
+        found, garbled = set(), set()
         for item in filter(None, (part.strip() for part in text.split(","))):
             what, _, seq = item.partition("@")
             point = what.removeprefix("die-")
+            if what == "garble-loading" and seq.isdigit():
+                garbled.add(int(seq))
+                continue
             if not what.startswith("die-") or point not in _POINTS or not seq.isdigit():
-                raise ValueError(f"{ENV}: {item!r} is not die-starting@N or die-loading@N")
+                raise ValueError(f"{ENV}: {item!r} is not die-starting@N, die-loading@N or garble-loading@N")
             found.add((point, int(seq)))
-        return cls(frozenset(found))
+        return cls(frozenset(found), frozenset(garbled))
 
     @classmethod
     def from_env(cls) -> Fault:
@@ -44,6 +52,9 @@ class Fault:
 
     def hits(self, point: str, seq: int) -> bool:
         return (point, seq) in self.points
+
+    def garbles(self, seq: int) -> bool:
+        return seq in self.garbled
 
     def maybe_die(self, point: str, seq: int) -> None:
         if self.hits(point, seq):

@@ -69,7 +69,8 @@ def main(fd: int, started: float) -> int:
     fault.maybe_die("loading", seq)
     loaded_at = time.perf_counter()
     try:
-        send(sock, {"op": "loaded", "checkpoint": checkpoint, "stats": to_json(stats)})
+        send(sock, {"op": "loaded", "checkpoint": checkpoint,
+                    "stats": ["garbled"] if fault.garbles(seq) else to_json(stats)})
     except OSError:
         return 1  # nobody took it after all: serve nothing
     threading.Thread(target=_die_with_pool, args=(sock,), name="gpusnap-pool-watch", daemon=True).start()
