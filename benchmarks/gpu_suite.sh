@@ -6,8 +6,8 @@
 # step gets at most the time left, and one with under 30 s left is skipped, so the logs of the
 # steps before it always come back.
 # TEST_FILES picks the tests step's files, RDIAG_ARGS restore_diagnosis.py's options, FRESH_MODELS
-# and FRESH_ARGS fresh_cold_start.py's, SERVE_ARGS cold_start_serve.py's, COST_SYSTEMS/COST_SAVES/COST_S
-# the cost step's.
+# and FRESH_ARGS fresh_cold_start.py's, SERVE_ARGS cold_start_serve.py's, MIGRATE_ARGS migrate_bench.py's,
+# COST_SYSTEMS/COST_SAVES/COST_S the cost step's.
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 # Logs go to $L; after every step they are packed into $OUT/suite.tgz (the device tool returns
@@ -50,13 +50,15 @@ for s in "${steps[@]}"; do
     # moving a job and the warm pool (docs/moving.md, docs/pool.md): their acceptance figures
     suspend) t 120 python3 benchmarks/suspend_resume.py --out "$L/suspend.json" > "$L/suspend.log" 2>&1
              tail -14 "$L/suspend.log" ;;
-    migrate) t 240 python3 benchmarks/migrate_bench.py --out "$L/migrate.json" > "$L/migrate.log" 2>&1
+    migrate) t 240 python3 benchmarks/migrate_bench.py ${MIGRATE_ARGS:-} --out "$L/migrate.json" > "$L/migrate.log" 2>&1
              tail -14 "$L/migrate.log" ;;
     pool) t 240 python3 benchmarks/pool_start.py --out "$L/pool.json" > "$L/pool.log" 2>&1
           tail -14 "$L/pool.log" ;;
     # the default Checkpointer(root) against the pinned copy, root on the local disk (COST_ROOT)
+    # (its --budget-s ends the measuring 45 s before the step's limit, so cost.md is written)
     cost) mkdir -p "${COST_ROOT:-/root/gpusnap-disk}"
-          t ${COST_S:-480} python3 -m gpusnap bench --cost --quick --workload ${COST_WORKLOAD:-llama} \
+          left=$(( SUITE_S - (SECONDS - start) - 5 )); lim=${COST_S:-480}; (( left < lim )) && lim=$left
+          t $lim python3 -m gpusnap bench --cost --quick --workload ${COST_WORKLOAD:-llama} --budget-s $(( lim - 45 )) \
             --systems ${COST_SYSTEMS:-pinned_writer,gpusnap_default,gpusnap_default_p10} --saves ${COST_SAVES:-5} --every 10 \
             --root "${COST_ROOT:-/root/gpusnap-disk}" --no-plots --out "$L/cost" > "$L/cost.log" 2>&1
           rm -rf "${COST_ROOT:-/root/gpusnap-disk}"; tail -10 "$L/cost/cost.md" ;;

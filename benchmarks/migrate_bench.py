@@ -74,8 +74,12 @@ def llama_config(tiny: bool, max_len: int) -> Any:
 
 
 def build_model(cfg: Any, device: Any, *, empty: bool) -> Any:
-    """``LlamaForCausalLM(cfg)`` in bf16 on ``device`` (random init; ``empty``: parameters
-    uninitialised, as a target that receives them builds it)."""
+    """``LlamaForCausalLM(cfg)`` in bf16 on ``device``, built as a target that receives its
+    parameters builds it (``gpusnap.empty_model``); unless ``empty``, the parameters are then
+    drawn (seeded, on the device). Both sides build alike on purpose: the buffers a model
+    computes at build time and no state holds (rotary ``inv_freq``, non-persistent) differ
+    in their last bits between a build on the GPU and one on the CPU, and greedy tokens
+    then part ways after a few steps, moved or not."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -84,12 +88,18 @@ def build_model(cfg: Any, device: Any, *, empty: bool) -> Any:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # (buffers made in float32 on purpose stay so)
     try:
-        if empty:
-            return gpusnap.empty_model(lambda: LlamaForCausalLM(cfg), device).eval()
-        with torch.device(device):
-            return LlamaForCausalLM(cfg).eval()
+        model = gpusnap.empty_model(lambda: LlamaForCausalLM(cfg), device).eval()
     finally:
         torch.set_default_dtype(previous)
+    if not empty:
+        g = torch.Generator(device=device).manual_seed(0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02, generator=g)
+    return model
 
 
 def serving_state(cfg: Any, device: Any, max_len: int, model: Any) -> tuple[dict[str, Any], Any]:
@@ -111,6 +121,34 @@ def serving_state(cfg: Any, device: Any, max_len: int, model: Any) -> tuple[dict
     app = {"model": model, "kv": buffers, "lengths": [layer.cumulative_length for layer in cache.layers],
            "tokens": torch.zeros(max_len, dtype=torch.long, device=device), "n": 0}
     return app, cache
+
+
+def serving_digest(app: dict[str, Any]) -> dict[str, str]:
+    """Per tensor the serving program holds (the model's parameters and every buffer,
+    non-persistent ones too, the cache, the tokens), a digest of its bytes; and ``n``."""
+    named = {f"model/{k}": v for k, v in app["model"].state_dict(keep_vars=False).items()}
+    named.update({f"model/{k}": v for k, v in app["model"].named_buffers()})
+    named.update({f"kv/{i}": t for i, t in enumerate(app["kv"])})
+    named.update({f"lengths/{i}": t for i, t in enumerate(app["lengths"])})
+    named["tokens"] = app["tokens"]
+    out = digests(named)
+    out["n"] = str(app["n"])
+    return out
+
+
+def digests(named: dict[str, Any]) -> dict[str, str]:
+    """A digest of each tensor's bytes (device hashes of 1 MiB chunks)."""
+    import hashlib
+
+    import torch
+
+    from gpusnap.kernels.chunk_hash import chunk_hashes, hashes_to_hex
+
+    out = {}
+    for name, t in named.items():
+        flat = t.detach().contiguous().view(-1).view(torch.uint8)
+        out[name] = hashlib.sha256("".join(hashes_to_hex(chunk_hashes(flat, 1 << 20))).encode()).hexdigest()
+    return out
 
 
 def generate(app: dict[str, Any], cache: Any, k: int) -> None:
@@ -150,16 +188,21 @@ def serve_target(args: argparse.Namespace) -> None:
             "applied": r.seq, "bytes_moved": r.bytes_moved, "apply_s": r.apply_s, "final": r.final})) as dst:
         info = dst.receive(app, lazy=args.lazy)
         resumed = clock()
+        digest, digest_s = None, 0.0
+        if not args.lazy:  # (a lazy one's bytes are still arriving: its tokens are the check)
+            digest = serving_digest(app)
+            sync(device)
+            digest_s = clock() - resumed
         start = app["n"]
         generate(app, cache, 1)
         sync(device)
-        first = clock()
+        first = clock() - digest_s
         generate(app, cache, args.tokens - 1)
         sync(device)
         done = clock()
         dst.wait()
-    say({"done": True, "resumed": resumed, "first_token": first, "decode_s": (done - first) / max(1, args.tokens - 1),
-         "tokens": app["tokens"][start : app["n"]].tolist(), "handoff_s": info.handoff_s,
+    say({"done": True, "resumed": resumed, "first_token": first, "decode_s": (done - first - digest_s) / max(1, args.tokens - 1),
+         "digest": digest, "tokens": app["tokens"][start : app["n"]].tolist(), "handoff_s": info.handoff_s,
          "rounds": [r.__dict__ for r in info.rounds]})
 
 
@@ -197,6 +240,7 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
             sync(device)
             last = clock()
             handed = src.handoff()
+            held = serving_digest(app)  # (the source's state as handed off: nothing writes it now)
             result = child.expect("done")
         finally:
             child.close()
@@ -205,6 +249,8 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
     unmoved = app["tokens"][start : app["n"]].tolist()
     out.update(
         verify=args.verify, lazy=args.lazy, tokens=len(unmoved), tokens_equal=result["tokens"] == unmoved,
+        moved_tokens=result["tokens"], unmoved_tokens=unmoved, state_equal=None if result["digest"] is None else result["digest"] == held,
+        differing=sorted(k for k in held if (result["digest"] or held).get(k) != held[k])[:8],
         downtime_first_token_s=result["first_token"] - last, downtime_resume_s=result["resumed"] - last,
         handoff_s=handed.handoff_s, target_handoff_s=result["handoff_s"], decode_s=result["decode_s"],
         source_rounds=[r.__dict__ for r in handed.rounds], target_rounds=result["rounds"],
@@ -399,6 +445,7 @@ def table(results: dict[str, Any]) -> str:
             ("serving: handoff() in the source", f"{s['handoff_s'] * 1e3:.1f} ms"),
             ("serving: last delta / state", f"{s['last_delta_bytes'] / 2**20:.1f} MiB / {s['state_bytes'] / 2**30:.2f} GiB"),
             ("serving: tokens equal to the unmoved run", f"{s['tokens_equal']} ({s['tokens']} tokens)"),
+            ("serving: state equal at the handoff", f"{s['state_equal']} {' '.join(s['differing'])}".rstrip()),
         ]
     t = results.get("training")
     if t:

@@ -17,11 +17,11 @@ last delta moves. Its loop:
    the tensors that already hold the rest (``Restorer.restore(replan=...)``). Plain values
    (step counters, RNG state) and ``load_state_dict`` come with every round, the final
    round's last.
-3. If it was the handoff round, done: remove the transport and return. Else wait for the
-   bell (a ring per committed round, bell.py) or ``poll_s``, whichever comes first, and go
-   to 1. While waiting, a source that is gone (its flock on a local transport released, or
-   its process gone on this host) before any handoff round appeared fails the receive; so
-   does ``timeout`` seconds without a new round.
+3. If it was the handoff round, done: return, the transport removed on a thread behind.
+   Else wait for the bell (a ring per committed round, bell.py) or ``poll_s``, whichever
+   comes first, and go to 1. While waiting, a source that is gone (its flock on a local
+   transport released, or its process gone on this host) before any handoff round appeared
+   fails the receive; so does ``timeout`` seconds without a new round.
 
 Failures: a source killed at any moment leaves its uncommitted round invisible (atomic
 commits), so the target either finds the handoff or fails with a :class:`MigrationError`
@@ -140,6 +140,7 @@ class Target:
         self._final: RestoreHandle | None = None  # a lazy handoff still loading
         self._received = False
         self._closed = False
+        self._removal: threading.Thread | None = None  # the spent transport going, after a receive
         self._receiving = threading.Lock()
 
     # -- receive ------------------------------------------------------------------------------
@@ -243,6 +244,8 @@ class Target:
             self._release()
             self._restorer.close()
             self._repo.close()
+            if self._removal is not None:
+                self._removal.join()
 
     def __enter__(self) -> Target:
         return self
@@ -331,9 +334,15 @@ class Target:
             return []
 
     def _finish(self) -> None:
-        """Received: the transport is spent; remove it."""
+        """Received: the transport is spent; remove it, on a thread of its own, so that
+        ``receive()`` returns without waiting for it (freeing a state's worth of host memory
+        would be downtime). Not a daemon thread, so the interpreter waits for it at exit;
+        ``close()`` does too."""
         self._release()
-        transport.remove_root(self.address)
+        if self._removal is None:
+            self._removal = threading.Thread(target=transport.remove_root, args=(self.address,),
+                                             name="gpusnap-migrate-remove")
+            self._removal.start()
 
     def _release(self) -> None:
         if self._bell is not None:
