@@ -134,11 +134,11 @@ def test_a_storage_given_other_memory_while_suspended_is_left_as_the_program_mad
     t = torch.randn(16, device=device)
     s = suspend({"t": t}, device=device)
     mine = torch.full((16,), 5.0, device=device)
-    t.untyped_storage()._swap_data_ptr_(mine.untyped_storage())  # other code exchanging memory as suspend does
+    exchange_all([(t.untyped_storage(), mine.untyped_storage())])  # other code exchanging memory as suspend does
     with pytest.warns(RuntimeWarning, match=r"leaves t as the program made them"):
         s.resume()
     assert s.stats.changed == ("t",) and bool((t == 5.0).all())
-    t.untyped_storage()._swap_data_ptr_(mine.untyped_storage())  # (gives the host copy's pointer back to `mine`)
+    exchange_all([(t.untyped_storage(), mine.untyped_storage())])  # (gives the host copy's pointer back to `mine`)
     del mine
 
 
