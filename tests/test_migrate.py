@@ -430,3 +430,35 @@ def test_a_tensor_laid_out_otherwise_moves_whole_when_any_chunk_of_it_changed() 
         info = _join(thread, out)
     assert info.rounds[-1].bytes_moved == base.numel() * 4 + chunk
     assert torch.equal(copy["t"], app["t"]) and torch.equal(copy["flat"], app["flat"])
+
+
+def test_a_root_is_free_for_the_next_migration_as_soon_as_receive_returns(tmp_path: Path) -> None:
+    """Moving A -> B and straight back through the same root: the spent transport is renamed
+    out of the way inside receive() (its removal goes on behind), so the next Source finds
+    the root free at once, and the removal behind never touches the new migration's files."""
+    root = tmp_path / "move"
+    for i in range(3):
+        app = {"w": torch.arange(5000.0) + i, "step": i}
+        with Source(app, to=str(root), config=CFG) as src:
+            src.precopy(wait=True)
+            with Target(src.address) as dst:
+                src.handoff()
+                copy = {"w": torch.zeros(5000), "step": -1}
+                dst.receive(copy)
+                assert not root.exists(), "receive() returned with the spent transport still at its path"
+        assert copy["step"] == i and torch.equal(copy["w"], app["w"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "a spent transport outlived its Target"
+
+
+def test_a_new_source_removes_what_a_target_killed_while_removing_left(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o700)
+    cfg = Config(chunk_size=4096, io_threads=1, memory_tier_dir=str(shm))
+    parent = shm / f"gpusnap-{os.geteuid()}"
+    parent.mkdir(mode=0o700)
+    left = parent / ".removing-0123456789abcdef"
+    (left / "packs").mkdir(parents=True)
+    (left / "packs" / "p").write_bytes(b"x" * 100)
+    with Source({"w": torch.ones(10)}, config=cfg) as src:
+        assert not left.exists()
+        assert os.path.isdir(src.address)

@@ -39,6 +39,7 @@ lazy gate). It gains the copy of the last delta, not the wait for the handoff.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import threading
@@ -59,6 +60,8 @@ from gpusnap.restore.restorer import AUTO_UPFRONT_BYTES, Restorer, Verify
 from gpusnap.storage.backend import open_backend
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.repository import Repository
+
+log = logging.getLogger("gpusnap")
 
 __all__ = ["Target"]
 
@@ -334,15 +337,21 @@ class Target:
             return []
 
     def _finish(self) -> None:
-        """Received: the transport is spent; remove it, on a thread of its own, so that
-        ``receive()`` returns without waiting for it (freeing a state's worth of host memory
-        would be downtime). Not a daemon thread, so the interpreter waits for it at exit;
-        ``close()`` does too."""
+        """Received: the transport is spent; remove it. A local one is renamed out of the
+        way first (its path free at once for the next migration), then removed on a thread
+        of its own, so that ``receive()`` returns without waiting (freeing a state's worth of
+        host memory would be downtime); not a daemon thread, so the interpreter waits for it
+        at exit, and ``close()`` does too."""
         self._release()
-        if self._removal is None:
-            self._removal = threading.Thread(target=transport.remove_root, args=(self.address,),
-                                             name="gpusnap-migrate-remove")
-            self._removal.start()
+        if self._removal is not None:
+            return
+        detached = transport.detach_root(self.address)
+        if detached is None:  # (a URL, or it could not be renamed: removed here, as it was)
+            transport.remove_root(self.address)
+            return
+        removal = threading.Thread(target=_remove, args=(detached, self.address), name="gpusnap-migrate-remove")
+        removal.start()
+        self._removal = removal
 
     def _release(self) -> None:
         if self._bell is not None:
@@ -351,6 +360,13 @@ class Target:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+
+
+def _remove(path: str, address: str) -> None:
+    try:
+        transport.remove_root(path)
+    except Exception as exc:  # noqa: BLE001  (a thread's error would only reach stderr)
+        log.warning("gpusnap: the spent transport of %s could not be removed from %s: %s", address, path, exc)
 
 
 class _Broken(Exception):

@@ -46,7 +46,7 @@ from gpusnap.storage.repository import Repository
 __all__ = [
     "FORMAT", "MIGRATE", "SOURCE_FILE", "SOURCE_LOCK", "TARGET_FILE", "TARGET_LOCK", "Flock", "RoundTag",
     "default_base", "flock_held", "local_path", "make_root", "parse_tag", "pid_namespace", "process_alive",
-    "process_start", "read_json", "remove_root", "round_tag", "sweep", "whoami", "write_json",
+    "process_start", "read_json", "remove_root", "round_tag", "sweep", "whoami", "write_json", "detach_root",
 ]
 
 log = logging.getLogger("gpusnap")
@@ -116,11 +116,14 @@ def make_root(to: str | os.PathLike[str] | None, config: Config) -> tuple[str, b
 
 def sweep(parent: str, config: Config) -> list[str]:
     """Remove the transports in ``parent`` (this user's directory of those sources made) that
-    nothing can complete: their source gone (its lock free, its process not alive here)
-    before a handoff round committed, and no target reading them (its lock free). A
-    handed-off one stays, however late its target comes (its rounds are the program's state
-    now), and so does one without ``source.json`` yet (a source making it). Returns the roots
-    removed; a transport it cannot judge is kept."""
+    nothing can complete: their source gone (its lock free, which on the tmpfs of
+    ``Config.memory_tier_dir`` the kernel guarantees once the process is gone, and its
+    process not alive here) before a handoff round committed, and no target reading them
+    (its lock free). A handed-off one stays, however late its target comes (its rounds are
+    the program's state now), and so does one without ``source.json`` yet (a source making
+    it); a transport whose files cannot be read is kept. Also removes what a target that
+    died while removing a spent transport left (:func:`detach_root`'s names). Returns the
+    roots removed."""
     removed = []
     try:
         names = sorted(os.listdir(parent))
@@ -128,6 +131,14 @@ def sweep(parent: str, config: Config) -> list[str]:
         return removed
     for name in names:
         root = os.path.join(parent, name)
+        if name.startswith(_DETACHED):
+            try:
+                if stat.S_ISDIR(os.lstat(root).st_mode):
+                    remove_root(root)
+                    removed.append(root)
+            except OSError:
+                pass
+            continue
         try:
             if not name.startswith("migrate-") or not _abandoned(root, config):
                 continue
@@ -194,6 +205,24 @@ def remove_root(root: str) -> None:
         backend.fs.rm(backend._abs(""), recursive=True)
     except FileNotFoundError:
         pass
+
+
+_DETACHED = ".removing-"
+
+
+def detach_root(root: str) -> str | None:
+    """Rename a local transport out of the way (one instant), so that its path is free at
+    once for the next migration and what remains can be removed at leisure; returns the
+    name it now has, or None (a URL, or the rename failed: remove it where it is)."""
+    local = local_path(root)
+    if local is None:
+        return None
+    gone = os.path.join(os.path.dirname(os.path.abspath(local)), f"{_DETACHED}{secrets.token_hex(8)}")
+    try:
+        os.rename(local, gone)
+    except OSError:
+        return None
+    return gone
 
 
 def local_path(root: str) -> str | None:
