@@ -233,3 +233,131 @@ def test_native_mode_uses_torchs_exchange(monkeypatch: pytest.MonkeyPatch) -> No
     s = suspend({"t": t}, device="cpu")
     s.resume()
     assert torch.equal(t, torch.arange(4.0))
+
+
+@needs_compiler
+def test_the_file_loaded_is_the_file_checked(tmp_path: Path) -> None:
+    # Another library is renamed over the helper's path between its checks and its load (where a
+    # racing rename lands at worst): the checked file is still the one loaded.
+    compiler = next(name for name in (os.environ.get("CXX", "").split() or ["c++", "g++", "clang++"])
+                    if shutil.which(name))
+    planted = tmp_path / "planted.so"
+    source = tmp_path / "planted.cpp"
+    source.write_text('#include <cstdio>\n__attribute__((constructor)) static void ran() { std::puts("PLANTED RAN"); '
+                      'std::fflush(stdout); }\nextern "C" int gpusnap_storage_swap(void*, void*, char*, unsigned long) '
+                      '{ return 0; }\n')
+    subprocess.run([compiler, "-shared", "-fPIC", str(source), "-o", str(planted)], check=True, capture_output=True)
+    racer = f"""
+import ctypes, glob, os
+load = ctypes.PyDLL
+def renamed_first(name, *args, **kwargs):
+    ctypes.PyDLL = load
+    (helper,) = glob.glob(os.path.join({str(tmp_path)!r}, "gpusnap", "storage-swap-*.so"))
+    os.replace({str(planted)!r}, helper)
+    return load(name, *args, **kwargs)
+ctypes.PyDLL = renamed_first
+"""
+    done = _run(TRIPWIRE + racer + SMALL.replace(TRIPWIRE, ""), _env(tmp_path))
+    assert done.returncode == 0 and "SMALL OK" in done.stdout, done.stderr
+    assert "PLANTED RAN" not in done.stdout and not planted.exists()  # (renamed into place, never loaded)
+
+
+@pytest.mark.parametrize("ancestor", ["group-writable", "another user's"])
+def test_a_cache_below_a_directory_others_may_write_is_refused(tmp_path: Path, ancestor: str) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    if ancestor == "group-writable":
+        shared.chmod(0o775)
+        found = f"others may write {shared} (mode 0775, no sticky bit)"
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("giving a directory to another user needs root")
+        os.chown(shared, 65534, 65534)
+        found = f"{shared} is owned by uid 65534"
+    done = _run(NO_HELPER, _env(shared))
+    assert done.returncode == 0, done.stderr
+    assert "REFUSED cannot suspend: the cache directory for the storage-swap helper" in done.stdout
+    assert found in done.stdout and "set XDG_CACHE_HOME" in done.stdout
+
+
+ENOUGH_SPACE_FOR_NOTHING = """
+import errno, resource, signal, tempfile
+if WHAT == "read-only":
+    def mkdtemp(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+    tempfile.mkdtemp = mkdtemp
+else:  # a cache with no room: the source file cannot be written
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+"""
+
+
+@pytest.mark.parametrize("cache", ["read-only", "full"])
+def test_a_cache_that_cannot_be_written_is_a_refusal(tmp_path: Path, cache: str) -> None:
+    compiler = tmp_path / "unused-c++"  # (only needs to exist: the cache fails first)
+    compiler.write_text("#!/bin/sh\nexit 1\n")
+    compiler.chmod(0o700)
+    code = "import torch, gpusnap\nWHAT = " + repr(cache) + "\n" + ENOUGH_SPACE_FOR_NOTHING + NO_HELPER
+    done = _run(code, _env(tmp_path, CXX=str(compiler)))
+    assert done.returncode == 0, done.stderr
+    error = "[Errno 30] Read-only file system" if cache == "read-only" else "[Errno 27] File too large"
+    assert f"REFUSED cannot suspend: the storage-swap helper cannot be built in the cache: {error}" in done.stdout
+    assert _helpers(tmp_path) == [] and [p.name for p in (tmp_path / "gpusnap").iterdir()] == []
+
+
+def test_a_compiler_that_writes_nothing_is_a_refusal_remembered_for_the_process(tmp_path: Path) -> None:
+    calls = tmp_path / "calls"
+    compiler = tmp_path / "silent-c++"
+    compiler.write_text(f"#!/bin/sh\necho called >> {calls}\nexit 0\n")
+    compiler.chmod(0o700)
+    done = _run(NO_HELPER + NO_HELPER.split("\n", 3)[3], _env(tmp_path, CXX=str(compiler)))  # (suspend twice)
+    assert done.returncode == 0, done.stderr
+    refusal = f"REFUSED cannot suspend: the C++ compiler ({compiler}) exited 0 but wrote no storage-swap helper"
+    assert done.stdout.count(refusal) == 2, done.stdout
+    assert calls.read_text() == "called\n"  # the second suspend did not build again
+    assert _helpers(tmp_path) == [] and [p.name for p in (tmp_path / "gpusnap").iterdir()] == []
+
+
+@needs_compiler
+def test_a_torch_without_setuptools_builds_the_helper(tmp_path: Path) -> None:
+    done = _run("import sys\nsys.modules['setuptools'] = None  # (not installed)\n" + SMALL, _env(tmp_path))
+    assert done.returncode == 0 and "SMALL OK" in done.stdout, done.stderr
+    assert "compiled the storage-swap helper" in done.stderr
+
+
+FORK_DURING_BUILD = """
+import os, signal, threading
+from gpusnap.moving import compiled_swap
+parent = threading.Thread(target=compiled_swap.why_not)
+parent.start()
+with open(os.environ["STARTED"]) as f:  # the compiler runs: the build holds the module's lock
+    f.read()
+pid = os.fork()
+if pid == 0:
+    signal.alarm(60)  # (a child hung on the parent's lock dies of it, instead of hanging the test)
+    os.environ["CXX"] = os.environ["CHILD_CXX"]
+    print("CHILD", compiled_swap.why_not(), flush=True)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+with open(os.environ["GO"], "w") as f:
+    f.write("go\\n")
+parent.join()
+print("CHILD STATUS", status)
+print("PARENT", compiled_swap.why_not())
+"""
+
+
+def test_a_child_forked_during_a_build_builds_for_itself(tmp_path: Path) -> None:
+    started, go = tmp_path / "started", tmp_path / "go"
+    os.mkfifo(started)
+    os.mkfifo(go)
+    compiler = tmp_path / "waiting-c++"  # (says it runs, waits to be let go, then fails)
+    compiler.write_text(f"#!/bin/sh\necho started > {started}\nread line < {go}\nexit 1\n")
+    compiler.chmod(0o700)
+    child_cxx = str(tmp_path / "no-such-compiler")
+    done = _run(FORK_DURING_BUILD, _env(tmp_path, CXX=str(compiler), CHILD_CXX=child_cxx, STARTED=str(started),
+                                        GO=str(go)))
+    assert done.returncode == 0, done.stderr
+    assert f"CHILD no C++ compiler: CXX={child_cxx!r} is not a program on PATH" in done.stdout, done.stdout
+    assert "CHILD STATUS 0" in done.stdout
+    assert "PARENT the C++ compiler could not build the storage-swap helper (exit 1)" in done.stdout

@@ -6,10 +6,15 @@ methods older torches have (2.11's headers included): exchange the data pointer,
 the allocator and whether the storage is resizable. Call order::
 
     why_not()                 loads the helper, building it first if the cache lacks it
-      _cache_dir()            $XDG_CACHE_HOME/gpusnap (or ~/.cache/gpusnap), private (0700)
+      _cache_dir()            $XDG_CACHE_HOME/gpusnap (or ~/.cache/gpusnap), private (0700),
+                              reached through no directory another user may write
       _load(path)             a file of this user that no one else may write, else rebuilt
       _build(path)            c++ into a private temporary directory, then rename into place
     exchange(a, b)            one exchange; RuntimeError (nothing changed) when refused
+
+Every failure on the way (no compiler, a failed build, an unusable cache) is the reason
+``why_not`` answers, kept for the rest of the process. The file is checked and loaded through
+one open descriptor, so what is loaded is what was checked.
 
 The helper's one function has a C ABI and catches every C++ exception: it answers a code
 and a message. It is loaded with ``ctypes.PyDLL``, which keeps the GIL held during the call,
@@ -26,6 +31,7 @@ would have failed first; the helper still refuses a storage whose ``data()`` thr
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import logging
 import os
@@ -131,6 +137,16 @@ _swap: Callable[..., int] | None = None
 _failure: str | None = None
 
 
+def _after_fork_in_child() -> None:
+    # A build on another thread of the parent holds _lock and never ends here: the child gets
+    # a free lock and, with neither _swap nor _failure set yet, builds or loads for itself.
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def why_not() -> str | None:
     """Why the helper cannot be used (no compiler, a failed build, an unusable cache), or
     None once it is loaded; builds it the first time a process asks, if the cache lacks it."""
@@ -188,23 +204,61 @@ def _cache_dir() -> str:
     if not os.path.isabs(base):  # (the XDG spec ignores a relative one)
         base = os.path.join(os.path.expanduser("~"), ".cache")
     try:
-        return ensure_private_dir(os.path.join(base, "gpusnap"), what="gpusnap's cache directory",
-                                  elsewhere="set XDG_CACHE_HOME to a directory you own")
+        folder = ensure_private_dir(os.path.join(base, "gpusnap"), what="gpusnap's cache directory",
+                                    elsewhere="set XDG_CACHE_HOME to a directory you own")
     except OSError as exc:
         raise _Unavailable(f"no cache directory for the storage-swap helper: {exc}") from exc
+    _check_ancestors(folder)
+    return folder
+
+
+def _check_ancestors(folder: str) -> None:
+    """_Unavailable unless every directory above ``folder`` (as given, and with links resolved)
+    is owned by this user or root and writable by no one else, or sticky (``/tmp``): another
+    user who may rename entries there could put their own cache, and helper, in its place."""
+    euid = os.geteuid()
+    for start in (folder, os.path.realpath(folder)):
+        parent = os.path.dirname(start)
+        while True:
+            try:
+                info = os.stat(parent)
+            except OSError as exc:
+                raise _Unavailable(f"no cache directory for the storage-swap helper: {exc}") from exc
+            found = ""
+            if info.st_uid not in (euid, 0):
+                found = f"{parent} is owned by uid {info.st_uid}"
+            elif info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+                found = f"others may write {parent} (mode {stat.S_IMODE(info.st_mode):04o}, no sticky bit)"
+            if found:
+                raise _Unavailable(f"the cache directory for the storage-swap helper {folder} must be reached only "
+                                   f"through directories of this user (uid {euid}) or root that no one else may "
+                                   f"write: {found}; set XDG_CACHE_HOME to a directory below only such directories")
+            if parent == os.path.dirname(parent):
+                break
+            parent = os.path.dirname(parent)
 
 
 def _load(path: str) -> Callable[..., int]:
     """The helper at ``path``: FileNotFoundError, or _Untrusted for a file that is not a regular
-    file of this user, one others may write, or one that does not load."""
-    info = os.lstat(path)
-    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
-        raise _Untrusted(f"mode {stat.S_IMODE(info.st_mode):04o}, uid {info.st_uid}: only a regular file of this user "
-                         f"(uid {os.geteuid()}) that no one else may write is loaded")
+    file of this user, one others may write, or one that does not load. The checks and the load
+    see one open file (``/proc/self/fd``), which a rename at ``path`` meanwhile cannot change."""
+    try:  # (O_NONBLOCK: a FIFO there does not block the open)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise _Untrusted("a symbolic link" if exc.errno == errno.ELOOP else str(exc)) from exc
     try:
-        swap = ctypes.PyDLL(path).gpusnap_storage_swap
-    except (OSError, AttributeError) as exc:
-        raise _Untrusted(str(exc)) from exc
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+            raise _Untrusted(f"mode {stat.S_IMODE(info.st_mode):04o}, uid {info.st_uid}: only a regular file of this "
+                             f"user (uid {os.geteuid()}) that no one else may write is loaded")
+        try:
+            swap = ctypes.PyDLL(f"/proc/self/fd/{fd}").gpusnap_storage_swap
+        except (OSError, AttributeError) as exc:
+            raise _Untrusted(str(exc)) from exc
+    finally:
+        os.close(fd)  # (a loaded library keeps its own mapping)
     swap.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
     swap.restype = ctypes.c_int
     return swap  # type: ignore[no-any-return]
@@ -215,11 +269,15 @@ def _build(path: str) -> None:
     ``path`` (atomic: a process loading ``path`` meanwhile sees the old file or the new one)."""
     compiler = _compiler()
     started = time.perf_counter()
-    work = tempfile.mkdtemp(prefix=".storage-swap-build-", dir=os.path.dirname(path))
+    work: str | None = None
     try:
-        source = os.path.join(work, "storage_swap.cpp")
-        with open(source, "w") as f:
-            f.write(SOURCE)
+        try:  # (a read-only or full cache)
+            work = tempfile.mkdtemp(prefix=".storage-swap-build-", dir=os.path.dirname(path))
+            source = os.path.join(work, "storage_swap.cpp")
+            with open(source, "w") as f:
+                f.write(SOURCE)
+        except OSError as exc:
+            raise _Unavailable(f"the storage-swap helper cannot be built in the cache: {exc}") from exc
         out = os.path.join(work, "storage_swap.so")
         try:
             done = subprocess.run([*compiler, *_flags(source, out)], capture_output=True, text=True,
@@ -230,21 +288,30 @@ def _build(path: str) -> None:
             tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-12:])
             raise _Unavailable(f"the C++ compiler could not build the storage-swap helper "
                                f"(exit {done.returncode}):\n{tail}")
-        os.chmod(out, 0o700)  # (the linker made it 0777 less the umask)
-        os.replace(out, path)
+        if not os.path.isfile(out):
+            raise _Unavailable(f"the C++ compiler ({shlex.join(compiler)}) exited 0 but wrote no storage-swap helper")
+        try:
+            os.chmod(out, 0o700)  # (the linker made it 0777 less the umask)
+            os.replace(out, path)
+        except OSError as exc:
+            raise _Unavailable(f"the storage-swap helper cannot be kept in the cache: {exc}") from exc
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
     log.info("gpusnap: compiled the storage-swap helper for torch %s in %.1f s (once per torch build; kept as %s)",
              torch.__version__, time.perf_counter() - started, path)
 
 
 def _flags(source: str, out: str) -> list[str]:
-    from torch.utils.cpp_extension import include_paths
-
-    lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    # (the paths torch.utils.cpp_extension.include_paths() gives, without importing it: it
+    # imports setuptools, which a torch before 2.13 does not require on Python before 3.12)
+    root = os.path.dirname(torch.__file__)
+    include = os.path.join(root, "include")
+    lib = os.path.join(root, "lib")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return ["-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            *[f"-I{p}" for p in include_paths()], source, f"-L{lib}", "-lc10", f"-Wl,-rpath,{lib}", "-o", out]
+            f"-I{include}", f"-I{os.path.join(include, 'torch', 'csrc', 'api', 'include')}",
+            source, f"-L{lib}", "-lc10", f"-Wl,-rpath,{lib}", "-o", out]
 
 
 def _compiler() -> list[str]:
