@@ -19,6 +19,8 @@ from gpusnap.save.job import SaveJob
 
 __all__ = ["JobWriter", "SaveEngine", "stop_writer"]
 
+SIGNAL_CHECK_S = 0.2  # a save waiting for a slot looks for a signal (Ctrl-C) at least this often
+
 
 class JobWriter(Protocol):
     def write_one(self, job: SaveJob) -> None:
@@ -50,8 +52,11 @@ class SaveEngine:
                 raise self.closed_error()
             self._ensure_writer()
         # Blocks while max_pending_saves durable writes are queued: not under the lock, which a
-        # close() from a signal handler on this very thread (SIGTERM on preemption) takes.
-        self._slots.acquire()
+        # close() from a signal handler on this very thread (SIGTERM on preemption) takes. In
+        # short waits: a signal (Ctrl-C) that lands just before a lock wait begins is handled
+        # only when that wait ends (CPython), so an untimed wait would hold it until a slot frees.
+        while not self._slots.acquire(timeout=SIGNAL_CHECK_S):
+            pass
         try:
             self.jobs.put(job)
         except BaseException:
