@@ -34,6 +34,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from gpusnap import fork_safety
 from gpusnap.config import Config
 from gpusnap.errors import CheckpointError
 from gpusnap.storage.backend import Backend, open_backend
@@ -45,8 +46,8 @@ from gpusnap.storage.repository import Repository
 
 __all__ = [
     "FORMAT", "MIGRATE", "SOURCE_FILE", "SOURCE_LOCK", "TARGET_FILE", "TARGET_LOCK", "Flock", "RoundTag",
-    "default_base", "flock_held", "local_path", "make_root", "parse_tag", "pid_namespace", "process_alive",
-    "process_start", "read_json", "remove_root", "round_tag", "sweep", "whoami", "write_json", "detach_root",
+    "default_base", "detach_root", "flock_held", "local_path", "make_root", "parse_tag", "pid_namespace",
+    "process_alive", "process_start", "read_json", "remove_root", "round_tag", "sweep", "whoami", "write_json",
 ]
 
 log = logging.getLogger("gpusnap")
@@ -264,8 +265,7 @@ def _after_fork() -> None:
         lock.release()  # (closing the child's copy; LOCK_UN would unlock the parent's too)
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork)
+fork_safety.at_fork(after_in_child=_after_fork)
 
 
 def flock_held(path: str) -> bool:

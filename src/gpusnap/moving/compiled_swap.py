@@ -46,6 +46,8 @@ from collections.abc import Callable
 
 import torch
 
+from gpusnap import fork_safety
+
 __all__ = ["SOURCE", "exchange", "why_not"]
 
 log = logging.getLogger("gpusnap")
@@ -144,7 +146,7 @@ def _after_fork_in_child() -> None:
     _lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+fork_safety.at_fork(after_in_child=_after_fork_in_child)
 
 
 def why_not() -> str | None:

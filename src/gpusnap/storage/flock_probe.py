@@ -1,5 +1,6 @@
-"""Whether a live process holds a file's flock, and taking one without waiting: the kernel drops a dead process's flock, so a
-holder SIGKILLed reads as gone (a root's writer lease, a migration's two sides)."""
+"""Whether a live process holds a file's flock, and taking one without waiting: the kernel
+drops a dead process's flock, so a holder SIGKILLed reads as gone (a root's writer lease, a
+migration's two sides)."""
 
 from __future__ import annotations
 
