@@ -183,11 +183,13 @@ def serve_target(args: argparse.Namespace) -> None:
     generate(app, cache, 2)  # warm: a serving process loads its kernels before it takes traffic
     app["n"] = 0  # (what this wrote, the first round overwrites)
     sync(device)
+    sampler = sampler_if(args)
     say({"ready": True})
     with Target(args.address, verify=args.verify, on_round=lambda r: say({
             "applied": r.seq, "bytes_moved": r.bytes_moved, "apply_s": r.apply_s, "final": r.final})) as dst:
         info = dst.receive(app, lazy=args.lazy)
         resumed = clock()
+        profile = [] if sampler is None else sampler.stop().report(resumed - info.handoff_s - 0.005, resumed)
         digest, digest_s = None, 0.0
         if not args.lazy:  # (a lazy one's bytes are still arriving: its tokens are the check)
             digest = serving_digest(app)
@@ -203,7 +205,17 @@ def serve_target(args: argparse.Namespace) -> None:
         dst.wait()
     say({"done": True, "resumed": resumed, "first_token": first, "decode_s": (done - first - digest_s) / max(1, args.tokens - 1),
          "digest": digest, "tokens": app["tokens"][start : app["n"]].tolist(), "handoff_s": info.handoff_s,
-         "rounds": [r.__dict__ for r in info.rounds]})
+         "rounds": [r.__dict__ for r in info.rounds], "profile": profile})
+
+
+def sampler_if(args: argparse.Namespace) -> Any:
+    """A started StackSampler with ``--sample`` (where the handoff's time goes), else None."""
+    if not args.sample:
+        return None
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from stack_sample import StackSampler
+
+    return StackSampler().start()
 
 
 def serving(args: argparse.Namespace) -> dict[str, Any]:
@@ -238,8 +250,10 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
             child.wait_applied(src.rounds[-1].seq)
             generate(app, cache, 1)  # the source's last token
             sync(device)
+            sampler = sampler_if(args)
             last = clock()
             handed = src.handoff()
+            profile = [] if sampler is None else sampler.stop().report(last, clock())
             held = serving_digest(app)  # (the source's state as handed off: nothing writes it now)
             result = child.expect("done")
         finally:
@@ -255,6 +269,7 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
         handoff_s=handed.handoff_s, target_handoff_s=result["handoff_s"], decode_s=result["decode_s"],
         source_rounds=[r.__dict__ for r in handed.rounds], target_rounds=result["rounds"],
         last_delta_bytes=result["rounds"][-1]["bytes_moved"], state_bytes=handed.round.bytes_total,
+        profile_source=profile, profile_target=result["profile"],
     )
     return out
 
@@ -382,7 +397,7 @@ class Child:
         cmd = [sys.executable, os.path.abspath(__file__), "--role", role, "--address", address, "--device",
                args.device, "--max-len", str(args.max_len), "--tokens", str(args.tokens), "--steps", str(args.steps),
                "--train-size", args.train_size, "--verify", args.verify] + (["--tiny"] if args.tiny else []) + (
-                   ["--lazy"] if args.lazy else [])
+                   ["--lazy"] if args.lazy else []) + (["--sample"] if args.sample else [])
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.applied = 0
         self.docs: queue.Queue[dict[str, Any] | None] = queue.Queue()
@@ -473,6 +488,8 @@ def main() -> None:
     parser.add_argument("--train-size", default="quick", help="gpusnap.bench llama size (quick: batch 4)")
     parser.add_argument("--verify", default="auto", help="the target's verify mode (Target(verify=...))")
     parser.add_argument("--lazy", action="store_true", help="the serving target receives with lazy=True")
+    parser.add_argument("--sample", action="store_true",
+                        help="sample every thread's stack during the serving handoff and the target's last apply")
     parser.add_argument("--role", default="main", help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -494,7 +511,11 @@ def main() -> None:
     started = time.perf_counter()
     if "serve" in parts:
         results["serving"] = serving(args)
-        print(json.dumps({k: v for k, v in results["serving"].items() if "rounds" not in k}), flush=True)
+        print(json.dumps({k: v for k, v in results["serving"].items() if "rounds" not in k and "profile" not in k}),
+              flush=True)
+        for side in ("source", "target"):
+            if results["serving"].get(f"profile_{side}"):
+                print(f"-- where the {side}'s handoff time went", *results["serving"][f"profile_{side}"], sep="\n")
         with open(args.out, "w") as f:  # (kept if the training part does not finish)
             json.dump(results, f, indent=1)
         if args.device.startswith("cuda"):

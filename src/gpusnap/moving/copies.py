@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from gpusnap.errors import CheckpointError
+from gpusnap.moving.device_memory import give_back, own_pool
 from gpusnap.moving.host_memory import Slab
 from gpusnap.moving.members import Member
 
@@ -38,20 +39,25 @@ def to_host(members: Sequence[Member], slab: Slab) -> None:
 
 
 def allocate(members: Sequence[Member]) -> list[torch.Tensor]:
-    """New memory for each member (uint8, its device), from the program's current stream;
+    """New memory for each member (uint8, its device), from the program's current stream and
+    a pool of the state's own on each CUDA device (``device_memory.own_pool``);
     CheckpointError if the device cannot hold them all (then none is kept)."""
-    out: list[torch.Tensor] = []
+    placed: dict[int, torch.Tensor] = {}
     try:
-        for m in members:
-            out.append(torch.empty(m.nbytes, dtype=torch.uint8, device=m.device, pin_memory=m.pinned))
+        for device in dict.fromkeys(m.device for m in members):
+            with own_pool(device):
+                for i, m in enumerate(members):
+                    if m.device == device:
+                        placed[i] = torch.empty(m.nbytes, dtype=torch.uint8, device=m.device, pin_memory=m.pinned)
     except (torch.OutOfMemoryError, RuntimeError) as exc:  # (a failed CPU allocation is a RuntimeError)
         need = sum(m.nbytes for m in members)
-        out.clear()
+        placed.clear()
+        give_back({m.device for m in members})  # what was placed sits in the state's own pool
         raise CheckpointError(
             f"cannot resume: the device has no room for the state's {need} bytes ({exc}). The state stays suspended "
             f"(its tensors keep working from host memory); free device memory and call resume() again"
         ) from exc
-    return out
+    return [placed[i] for i in range(len(members))]
 
 
 def to_device(members: Sequence[Member], buffers: Sequence[torch.Tensor], slab: Slab) -> None:

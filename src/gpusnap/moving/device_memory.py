@@ -1,19 +1,25 @@
-"""How much device memory a suspend gave back.
+"""How much device memory a suspend gave back, and the memory a resume takes.
 
 On CUDA the driver is asked (``cudaMemGetInfo``: memory free for any process on the device,
 so another process's allocations meanwhile blur it) and so is torch's caching allocator
 (``memory_reserved``: what it holds from the driver). On CPU there is no driver to ask: the
 bytes of the storages freed are what went back to the allocator.
+
+A resume allocates the state from a memory pool of its own (:func:`own_pool`): were its
+storages mixed into the caching allocator's shared segments, a tensor the program makes later
+could take the rest of such a segment, and the next suspend could not give that segment back
+(``empty_cache`` frees only segments with nothing in them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Reading", "give_back", "read"]
+__all__ = ["Reading", "give_back", "own_pool", "read"]
 
 
 @dataclass(frozen=True)
@@ -35,3 +41,22 @@ def give_back(devices: Iterable[torch.device]) -> None:
     """Return the allocator's unused cached memory to the driver, so another process can use it."""
     if any(d.type == "cuda" for d in devices):
         torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def own_pool(device: torch.device) -> Iterator[None]:
+    """Allocations of this thread on ``device`` inside come from a new private pool.
+
+    The pool object is let go on exit: nothing else can allocate from it, and the caching
+    allocator counts it as freeable, so ``empty_cache()`` gives each of its segments back to
+    the driver once the storages on it are freed (by the next suspend). A torch without
+    ``torch.cuda.MemPool`` allocates from the shared pool, as before.
+    """
+    pool_type = getattr(torch.cuda, "MemPool", None)
+    use = getattr(torch.cuda, "use_mem_pool", None)
+    if device.type != "cuda" or pool_type is None or use is None:
+        yield
+        return
+    pool = pool_type()
+    with use(pool, device):
+        yield
