@@ -7,7 +7,7 @@
 # steps before it always come back.
 # TEST_FILES picks the tests step's files, RDIAG_ARGS restore_diagnosis.py's options, FRESH_MODELS
 # and FRESH_ARGS fresh_cold_start.py's, SERVE_ARGS cold_start_serve.py's, MIGRATE_ARGS migrate_bench.py's,
-# COST_SYSTEMS/COST_SAVES/COST_S the cost step's.
+# SUSPEND_ARGS suspend_resume.py's, COST_SYSTEMS/COST_SAVES/COST_S the cost step's.
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 # Logs go to $L; after every step they are packed into $OUT/suite.tgz (the device tool returns
@@ -48,7 +48,7 @@ for s in "${steps[@]}"; do
     quick) t 560 python3 -m gpusnap bench --quick --out "$L/bench" > "$L/quick.log" 2>&1
            tail -30 "$L/quick.log" ;;
     # moving a job and the warm pool (docs/moving.md, docs/pool.md): their acceptance figures
-    suspend) t 120 python3 benchmarks/suspend_resume.py --out "$L/suspend.json" > "$L/suspend.log" 2>&1
+    suspend) t 150 python3 benchmarks/suspend_resume.py ${SUSPEND_ARGS:-} --out "$L/suspend.json" > "$L/suspend.log" 2>&1
              tail -14 "$L/suspend.log" ;;
     migrate) t 240 python3 benchmarks/migrate_bench.py ${MIGRATE_ARGS:-} --out "$L/migrate.json" > "$L/migrate.log" 2>&1
              tail -14 "$L/migrate.log" ;;
