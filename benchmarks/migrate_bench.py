@@ -353,8 +353,10 @@ def training(args: argparse.Namespace) -> dict[str, Any]:
                 child.wait_applied(src.rounds[-1].seq)
                 wl.step(None)  # the source's last step
                 sync(device)
+                sampler = sampler_if(args)
                 last = clock()
                 handed = src.handoff()
+                profile = [] if sampler is None else sampler.stop().report(last, clock())
                 result = child.expect("done")
                 for _ in range(args.steps):  # the unmoved run
                     wl.step(None)
@@ -377,7 +379,7 @@ def training(args: argparse.Namespace) -> dict[str, Any]:
         steps=args.steps, bit_exact=moved == unmoved,
         differing=sorted(k for k in unmoved if moved.get(k) != unmoved[k])[:5],
         downtime_resume_s=result["resumed"] - last, downtime_first_step_s=result["first_step"] - last,
-        handoff_s=handed.handoff_s, target_handoff_s=result["handoff_s"],
+        profile_source=profile, handoff_s=handed.handoff_s, target_handoff_s=result["handoff_s"],
         stop_the_world_s=save_s + restored["restore_s"], stw_save_s=save_s, stw_restore_s=restored["restore_s"],
         source_rounds=[r.__dict__ for r in handed.rounds], target_rounds=result["rounds"],
         last_delta_bytes=result["rounds"][-1]["bytes_moved"],
@@ -489,7 +491,7 @@ def main() -> None:
     parser.add_argument("--verify", default="auto", help="the target's verify mode (Target(verify=...))")
     parser.add_argument("--lazy", action="store_true", help="the serving target receives with lazy=True")
     parser.add_argument("--sample", action="store_true",
-                        help="sample every thread's stack during the serving handoff and the target's last apply")
+                        help="sample every thread's stack during the handoffs (and the serving target's last apply)")
     parser.add_argument("--role", default="main", help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -522,7 +524,10 @@ def main() -> None:
             torch.cuda.empty_cache()
     if "train" in parts:
         results["training"] = training(args)
-        print(json.dumps({k: v for k, v in results["training"].items() if "rounds" not in k}), flush=True)
+        print(json.dumps({k: v for k, v in results["training"].items() if "rounds" not in k and "profile" not in k}),
+              flush=True)
+        if results["training"].get("profile_source"):
+            print("-- where the training source's handoff time went", *results["training"]["profile_source"], sep="\n")
     results["total_s"] = time.perf_counter() - started
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
