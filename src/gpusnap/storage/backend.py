@@ -31,6 +31,7 @@ import stat
 import weakref
 from typing import Any
 
+from gpusnap.fork_safety import at_fork
 from gpusnap.storage.backend_protocol import (
     Backend,
     BackendLock,
@@ -168,8 +169,7 @@ def _after_fork() -> None:
         lease._forget_in_child()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork)
+at_fork(after_in_child=_after_fork)
 
 
 
