@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from itertools import chain
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from typing import Any
@@ -35,7 +35,7 @@ from gpusnap.capture.window import CaptureWindow, SnapshotBuffer, WindowSpan
 from gpusnap.errors import CheckpointError, ValidationError
 from gpusnap.kernels.hashing import chunk_digest
 from gpusnap.state.flatten import FlatState
-from gpusnap.storage import ChunkSink, SlabSink, StorageEntry
+from gpusnap.storage import ChunkSink, SlabSink, StorageEntry, device_name
 
 __all__ = ["ConcurrentSave"]
 
@@ -203,6 +203,8 @@ class ConcurrentSave:
                     # nobody would commit or abort (its lease, lock and pins would leak)
                     raise self._txn_refused
                 self._txn = self._open_txn()
+                if self.compared and not self.fast and self.copier.streams:  # (CUDA spans: see _device_named)
+                    self._txn.allow_device_names()
             return self._txn
 
     def abort_txn(self, error: BaseException | None = None) -> None:
@@ -410,9 +412,11 @@ class ConcurrentSave:
         ):
             self.after.fill(index, data, start // self.chunk_size)  # the staged bytes
         view_all = memoryview(data.numpy()).cast("B")
+        named = self._device_named(index)
+        first_chunk = start // self.chunk_size
         for off in range(0, data.numel(), self.chunk_size):
             view = view_all[off : off + self.chunk_size]
-            digest = chunk_digest(view)
+            digest = chunk_digest(view) if named is None else device_name(named[first_chunk + off // self.chunk_size])
             txn = self.txn
             wrote = not txn.has_chunk(digest) and txn.put_chunk(digest, view)
             with self._lock:
@@ -421,6 +425,22 @@ class ConcurrentSave:
                 else:
                     self.bytes_skipped += len(view)
             self.digests[self._first[index] + (start + off) // self.chunk_size] = digest
+
+    def _device_named(self, index: int) -> Sequence[str] | None:
+        """Span ``index``'s consistent-point hashes, when its chunks are stored under them
+        (``nh:`` names, storage/chunk_names.py: the host hashes nothing), else None (BLAKE2b).
+
+        For a CUDA span whose hashes are on the host before any copy (a compared save: the
+        copier waited for them) and are sure to describe the stored bytes (``_describes_stored``:
+        a snapshot, or validated copies), so that a later chunk of the same hash can never be
+        deduplicated against other bytes. A CPU span keeps BLAKE2b: its hash costs the host as
+        much either way, and a blocking save of host state (stop-the-world, BLAKE2b) would
+        otherwise store its unchanged chunks again under the other name."""
+        span = self.flat.spans[index]
+        if (not self.compared or span.device.type != "cuda"
+                or not (self.after is not None or index in self.window.snapshotted)):
+            return None
+        return self.before_hex()[index]
 
     def wait_captured(self, timeout: float | None = None) -> None:
         self.copier.join(timeout)

@@ -9,6 +9,7 @@ Capture hands its result to storage through the sinks in ``storage.sink``: the w
 transactions that :meth:`Repository.begin_write` returns.
 """
 
+from gpusnap.storage.chunk_names import device_name
 from gpusnap.storage.backend import Backend, BackendLock, LocalBackend, WriteHandle, open_backend
 from gpusnap.storage.fsspec_backend import FsspecBackend
 from gpusnap.storage.manifest import Manifest, StorageEntry
@@ -38,6 +39,7 @@ __all__ = [
     "UnreadableManifest",
     "VerifyReport",
     "WriteHandle",
+    "device_name",
     "WriteTxn",
     "fast_room_needed",
     "open_backend",

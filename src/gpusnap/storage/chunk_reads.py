@@ -13,14 +13,18 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gpusnap.errors import IntegrityError, StorageError
 from gpusnap.kernels.hashing import chunk_digest
 from gpusnap.storage.chunk_names import device_hash_of, is_device_name
-from gpusnap.storage.host_bytes_hash import hash_host_bytes
+from gpusnap.storage.host_bytes_hash import hash_device, hash_host_bytes
 from gpusnap.storage.backend_protocol import Backend
 from gpusnap.storage.layout import PACKS, about, byte_view, map_chunks, storage_error
 from gpusnap.storage.pack import PackIndex, read_pack_index
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["ChunkReads", "PackReads", "matches_name"]
 
@@ -242,7 +246,7 @@ class PackReads:
             if n > 1 and chunk_size % 16 == 0 and all(is_device_name(d) for d in digests[first : first + n]):
                 # one hash pass over the run: the host's nh128 costs ~0.3 ms a call before a byte
                 lo, hi = first * chunk_size, min(len(view), (first + n) * chunk_size)
-                got = hash_host_bytes(view[lo:hi], chunk_size)
+                got = hash_host_bytes(view[lo:hi], chunk_size, _check_device())
                 if all(h == device_hash_of(d) for h, d in zip(got, digests[first : first + n])):
                     continue
             for j in range(first, first + n):
@@ -299,7 +303,15 @@ class PackReads:
 
 def matches_name(name: str, data: bytes | memoryview) -> bool:
     """Whether ``data`` (a whole chunk) is the chunk ``name``: its BLAKE2b digest, or for a
-    device name its device hash (on the host: a reader has no device set up for it)."""
+    device name its device hash (see :func:`_check_device` for where it is computed)."""
     if is_device_name(name):
-        return hash_host_bytes(data, max(16, -(-len(data) // 16) * 16)) == [device_hash_of(name)]
+        return hash_host_bytes(data, max(16, -(-len(data) // 16) * 16), _check_device()) == [device_hash_of(name)]
     return chunk_digest(data) == name
+
+
+def _check_device() -> torch.device | None:
+    """Where a device name is checked: the current GPU of a process that has CUDA up (a
+    restore of device state: one copy and one launch a run, where the host's torch
+    implementation costs ~10 CPU-s per GB), else the host (a reader with no device set
+    up for it, such as ``gpusnap verify``, is not made to start one)."""
+    return hash_device(("cuda",))
