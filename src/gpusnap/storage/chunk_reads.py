@@ -69,13 +69,19 @@ class PackReads:
             paths.extend(f"{PACKS}/{fan}/{n}" for n in self.listdir(f"{PACKS}/{fan}") if n.endswith(".pack"))
         return paths
 
-    def _refresh_packs(self, errors: builtins.list[tuple[str, str]] | None = None) -> None:
+    def _refresh_packs(self, errors: builtins.list[tuple[str, str]] | None = None, *, wanted: str | None = None) -> None:
         """Re-list ``packs/``: forget vanished packs (another gc), index new ones from their trailers.
 
         A damaged trailer is skipped (its chunks count as missing); with ``errors`` given, every
-        failure is collected there instead of a backend error being raised.
+        failure is collected there instead of a backend error being raised. ``wanted``: the
+        chunk a reader misses; a refresh that another reader finished meanwhile may have
+        found it (a restore's threads miss the same new pack together: one lists it).
         """
         with self._refresh_mutex:
+            if wanted is not None:
+                with self._mutex:
+                    if wanted in self._chunks:
+                        return
             present = self.pack_paths()
             with self._mutex:
                 gone = set(self._packs) - set(present)
@@ -121,7 +127,7 @@ class PackReads:
         with self._mutex:
             loc = self._chunks.get(digest)
         if loc is None:
-            self._refresh_packs()
+            self._refresh_packs(wanted=digest)
             with self._mutex:
                 loc = self._chunks.get(digest)
         if loc is None:
