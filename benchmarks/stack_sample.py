@@ -1,5 +1,7 @@
 """A light sampling profiler for the benchmarks: where a short stretch of wall time goes, in
-every thread, without cProfile's per-call cost (which would double a 50 ms handoff).
+every thread, without cProfile's per-call cost (which would double a 50 ms handoff). It
+still takes the GIL every ``interval_s``: times measured while it runs are a little longer
+than without it, so a benchmark reports those of a run without it.
 
 A daemon thread reads ``sys._current_frames()`` every ``interval_s``; :meth:`report` counts,
 per function, the samples whose stack holds it (inclusive) and those where it is innermost
@@ -46,10 +48,11 @@ class StackSampler:
         names = {}
         while not self._stop.wait(self.interval_s):
             now = time.monotonic()
-            if len(names) != threading.active_count():
+            frames = sys._current_frames()
+            if any(ident not in names for ident in frames):  # (a new thread, or an ident reused)
                 names = {t.ident: t.name for t in threading.enumerate()}
             stacks = []
-            for ident, frame in sys._current_frames().items():
+            for ident, frame in frames.items():
                 if ident == me:
                     continue
                 funcs = []

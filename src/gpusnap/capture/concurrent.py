@@ -35,7 +35,7 @@ from gpusnap.capture.window import CaptureWindow, SnapshotBuffer, WindowSpan
 from gpusnap.errors import CheckpointError, ValidationError
 from gpusnap.kernels.hashing import chunk_digest
 from gpusnap.state.flatten import FlatState
-from gpusnap.storage import ChunkSink, SlabSink, StorageEntry, device_name
+from gpusnap.storage import CHECK_SLICE_BYTES, ChunkSink, SlabSink, StorageEntry, device_name, hash_host_bytes
 
 __all__ = ["ConcurrentSave"]
 
@@ -414,6 +414,8 @@ class ConcurrentSave:
         view_all = memoryview(data.numpy()).cast("B")
         named = self._device_named(index)
         first_chunk = start // self.chunk_size
+        if named is not None:
+            self._check_staged(index, view_all, named[first_chunk : first_chunk + -(-len(view_all) // self.chunk_size)])
         for off in range(0, data.numel(), self.chunk_size):
             view = view_all[off : off + self.chunk_size]
             digest = chunk_digest(view) if named is None else device_name(named[first_chunk + off // self.chunk_size])
@@ -441,6 +443,19 @@ class ConcurrentSave:
                 or not (self.after is not None or index in self.window.snapshotted)):
             return None
         return self.before_hex()[index]
+
+    def _check_staged(self, index: int, staged: memoryview, names: Sequence[str]) -> None:
+        """The staged bytes of span ``index`` hash to the names they are stored under, on the
+        span's GPU (one copy back and one launch per slice), before any is stored: a chunk
+        named by a device hash must hold those bytes, or every later chunk of that hash would
+        be deduplicated against wrong ones. A mismatch fails the save; nothing is committed."""
+        got = hash_host_bytes(staged, self.chunk_size, self.flat.spans[index].device, slice_bytes=CHECK_SLICE_BYTES)
+        bad = [k for k, (g, want) in enumerate(zip(got, names)) if g != want]
+        if bad or len(got) != len(names):
+            span = self.flat.spans[index]
+            raise CheckpointError(
+                f"the bytes copied from {span.paths[0] if span.paths else f'storage #{index}'} differ from the "
+                f"device's at the save's consistent point ({len(bad)} chunk(s)); nothing was committed")
 
     def wait_captured(self, timeout: float | None = None) -> None:
         self.copier.join(timeout)

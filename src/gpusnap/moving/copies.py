@@ -43,20 +43,25 @@ def allocate(members: Sequence[Member]) -> list[torch.Tensor]:
     a pool of the state's own on each CUDA device (``device_memory.own_pool``);
     CheckpointError if the device cannot hold them all (then none is kept)."""
     placed: dict[int, torch.Tensor] = {}
-    try:
-        for device in dict.fromkeys(m.device for m in members):
-            with own_pool(device):
+    failed: BaseException | None = None
+    for device in dict.fromkeys(m.device for m in members):
+        with own_pool(device):
+            try:
                 for i, m in enumerate(members):
                     if m.device == device:
                         placed[i] = torch.empty(m.nbytes, dtype=torch.uint8, device=m.device, pin_memory=m.pinned)
-    except (torch.OutOfMemoryError, RuntimeError) as exc:  # (a failed CPU allocation is a RuntimeError)
+            except (torch.OutOfMemoryError, RuntimeError) as exc:  # (a failed CPU allocation is a RuntimeError)
+                failed = exc  # (caught inside: no traceback frame keeps the pool alive past give_back)
+        if failed is not None:
+            break
+    if failed is not None:
         need = sum(m.nbytes for m in members)
         placed.clear()
         give_back({m.device for m in members})  # what was placed sits in the state's own pool
         raise CheckpointError(
-            f"cannot resume: the device has no room for the state's {need} bytes ({exc}). The state stays suspended "
+            f"cannot resume: the device has no room for the state's {need} bytes ({failed}). The state stays suspended "
             f"(its tensors keep working from host memory); free device memory and call resume() again"
-        ) from exc
+        ) from failed
     return [placed[i] for i in range(len(members))]
 
 

@@ -14,7 +14,7 @@ could take the rest of such a segment, and the next suspend could not give that 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -43,20 +43,34 @@ def give_back(devices: Iterable[torch.device]) -> None:
         torch.cuda.empty_cache()
 
 
-@contextlib.contextmanager
-def own_pool(device: torch.device) -> Iterator[None]:
+def own_pool(device: torch.device) -> contextlib.AbstractContextManager[None]:
     """Allocations of this thread on ``device`` inside come from a new private pool.
 
     The pool object is let go on exit: nothing else can allocate from it, and the caching
     allocator counts it as freeable, so ``empty_cache()`` gives each of its segments back to
-    the driver once the storages on it are freed (by the next suspend). A torch without
-    ``torch.cuda.MemPool`` allocates from the shared pool, as before.
+    the driver once the storages on it are freed (by the next suspend). Where no such pool
+    can be made (a torch without per-thread pool routing, whose older ``use_mem_pool`` sent
+    every thread's allocations there; an allocator that refuses pools, such as a pluggable
+    one) the allocations come from the shared pool, as before.
     """
-    pool_type = getattr(torch.cuda, "MemPool", None)
-    use = getattr(torch.cuda, "use_mem_pool", None)
-    if device.type != "cuda" or pool_type is None or use is None:
-        yield
-        return
-    pool = pool_type()
-    with use(pool, device):
-        yield
+    if device.type != "cuda" or not hasattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool"):
+        return contextlib.nullcontext()
+    try:
+        pool = torch.cuda.MemPool()
+        routed = torch.cuda.use_mem_pool(pool, device)
+        routed.__enter__()
+    except (RuntimeError, AttributeError, TypeError):
+        return contextlib.nullcontext()
+    return _Routed(routed)
+
+
+class _Routed(contextlib.AbstractContextManager[None]):
+    """An entered ``use_mem_pool``, left on exit (the pool goes with it)."""
+
+    def __init__(self, routed: contextlib.AbstractContextManager[None]) -> None:
+        self._routed: contextlib.AbstractContextManager[None] | None = routed
+
+    def __exit__(self, *exc: object) -> None:
+        routed, self._routed = self._routed, None
+        if routed is not None:
+            routed.__exit__(None, None, None)

@@ -45,6 +45,7 @@ from gpusnap.capture.swap_guard import before_swap
 from gpusnap.device import outside_graph_captures, own_stream
 from gpusnap.errors import CheckpointError
 from gpusnap.moving.copies import bytes_of, host_part
+from gpusnap.moving.device_memory import give_back
 from gpusnap.moving.host_memory import Slab
 from gpusnap.moving.members import Member
 from gpusnap.moving.swap import exchange_all
@@ -222,4 +223,6 @@ class LazyResume:
             self.on_done(list(self.back), error, time.perf_counter(), self.gate.waits)
         finally:
             self.buffers.clear()
+            if error is not None:  # (what was not brought back sits in the state's own pool: see copies.allocate)
+                give_back({m.device for m in self.members})
             self._over.set()

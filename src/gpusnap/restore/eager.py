@@ -61,9 +61,11 @@ def load_spans(
         buffers.append(buf)
         view = memoryview(buf.numpy()).cast("B")
         what = describe_span(plan, index)
+        check_on = _gpu_of(plan, index)
         for k in range(0, len(entry.chunks), per):
             piece = view[k * cs : (k + per) * cs]
-            futures.append(pool.submit(repo.read_chunks_into, entry.chunks[k : k + per], piece, cs, what=what))
+            futures.append(pool.submit(repo.read_chunks_into, entry.chunks[k : k + per], piece, cs, what=what,
+                                       check_on=check_on))
             sizes.append(len(piece))
         counters.bytes_read += entry.nbytes
         counters.chunks_read += len(entry.chunks)
@@ -76,6 +78,16 @@ def load_spans(
         else:
             apply(index, buf)
     return counters
+
+
+def _gpu_of(plan: RestorePlan, index: int) -> torch.device | None:
+    """Where span ``index``'s device-named chunks are checked: the one GPU its targets are
+    on (a reader thread's own current device is not theirs), else None (the host)."""
+    devices = plan.devices(index)
+    if len(devices) != 1:
+        return None
+    (device,) = devices
+    return device if device.type == "cuda" and device.index is not None else None
 
 
 def _wait(futures: list[Future[Any]], sizes: list[int], progress: Callable[[int], None] | None) -> None:

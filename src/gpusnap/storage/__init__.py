@@ -10,6 +10,8 @@ transactions that :meth:`Repository.begin_write` returns.
 """
 
 from gpusnap.storage.chunk_names import device_name
+from gpusnap.storage.chunk_reads import CHECK_SLICE_BYTES
+from gpusnap.storage.host_bytes_hash import hash_host_bytes
 from gpusnap.storage.backend import Backend, BackendLock, LocalBackend, WriteHandle, open_backend
 from gpusnap.storage.fsspec_backend import FsspecBackend
 from gpusnap.storage.manifest import Manifest, StorageEntry
@@ -39,7 +41,9 @@ __all__ = [
     "UnreadableManifest",
     "VerifyReport",
     "WriteHandle",
+    "CHECK_SLICE_BYTES",
     "device_name",
+    "hash_host_bytes",
     "WriteTxn",
     "fast_room_needed",
     "open_backend",

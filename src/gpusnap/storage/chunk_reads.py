@@ -18,13 +18,17 @@ from typing import TYPE_CHECKING
 from gpusnap.errors import IntegrityError, StorageError
 from gpusnap.kernels.hashing import chunk_digest
 from gpusnap.storage.chunk_names import device_hash_of, is_device_name
-from gpusnap.storage.host_bytes_hash import hash_device, hash_host_bytes
+from gpusnap.storage.host_bytes_hash import hash_host_bytes
 from gpusnap.storage.backend_protocol import Backend
 from gpusnap.storage.layout import PACKS, about, byte_view, map_chunks, storage_error
 from gpusnap.storage.pack import PackIndex, read_pack_index
 
 if TYPE_CHECKING:
     import torch
+
+# Device-named runs are checked on a GPU this many bytes at a time: each reader thread's
+# device scratch stays this small
+CHECK_SLICE_BYTES = 4 << 20
 
 __all__ = ["ChunkReads", "PackReads", "matches_name"]
 
@@ -202,7 +206,8 @@ class PackReads:
             return
 
     def read_chunks_into(
-        self, digests: Sequence[str], out: memoryview, chunk_size: int, *, what: str = "", verify: bool = True
+        self, digests: Sequence[str], out: memoryview, chunk_size: int, *, what: str = "", verify: bool = True,
+        check_on: torch.device | None = None,
     ) -> ChunkReads:
         """Read consecutive chunks of one span into ``out`` (chunk ``j`` at ``j * chunk_size``).
 
@@ -210,7 +215,8 @@ class PackReads:
         order) are read with one call per run, so a restore pays one system call per run rather
         than per chunk; the rest (deduplicated chunks, chunks of older packs) are read one by
         one. Each chunk is then checked against its digest (``verify``) or only for its
-        length. ``out`` must be exactly the chunks' total length.
+        length; a device-named one on ``check_on`` (a GPU: see :func:`matches_name`), else on
+        the host. ``out`` must be exactly the chunks' total length.
         """
         view = byte_view(out)
         if view.readonly:
@@ -239,25 +245,27 @@ class PackReads:
                 )
         read_s = time.perf_counter() - started
         if verify:
-            self.check_runs(digests, view, chunk_size, runs, what=what)
+            self.check_runs(digests, view, chunk_size, runs, what=what, check_on=check_on)
         return ChunkReads(reads=len(runs), read_s=read_s, verify_s=time.perf_counter() - started - read_s)
 
     def check_runs(
         self, digests: Sequence[str], view: memoryview, chunk_size: int,
-        runs: Sequence[tuple[str, int, int, int]], *, what: str = ""
+        runs: Sequence[tuple[str, int, int, int]], *, what: str = "", check_on: torch.device | None = None
     ) -> None:
         """Check chunks read into ``view`` along ``runs`` (``chunk_runs``) against their
-        digests; raises :class:`IntegrityError` at the first that differs."""
+        digests; raises :class:`IntegrityError` at the first that differs. Device-named
+        chunks are hashed on ``check_on`` (see :func:`matches_name`)."""
         for path, offset, first, n in runs:
             if n > 1 and chunk_size % 16 == 0 and all(is_device_name(d) for d in digests[first : first + n]):
                 # one hash pass over the run: the host's nh128 costs ~0.3 ms a call before a byte
                 lo, hi = first * chunk_size, min(len(view), (first + n) * chunk_size)
-                got = hash_host_bytes(view[lo:hi], chunk_size, _check_device())
+                got = hash_host_bytes(view[lo:hi], chunk_size, check_on, slice_bytes=CHECK_SLICE_BYTES)
                 if all(h == device_hash_of(d) for h, d in zip(got, digests[first : first + n])):
                     continue
             for j in range(first, first + n):
                 lo, hi = j * chunk_size, min(len(view), (j + 1) * chunk_size)
-                self.check_chunk(digests[j], view[lo:hi], path, offset + (j - first) * chunk_size, hi - lo, what)
+                self.check_chunk(digests[j], view[lo:hi], path, offset + (j - first) * chunk_size, hi - lo, what,
+                                 check_on)
 
     def chunk_runs(
         self, digests: Sequence[str], chunk_size: int, nbytes: int, *, what: str = ""
@@ -293,7 +301,8 @@ class PackReads:
         doing = f"reading chunk for {what} from pack" if what else "reading chunk from pack"
         return storage_error(exc, doing, self.backend.describe(path), writing=False)
 
-    def check_chunk(self, digest: str, data: bytes | memoryview, path: str, offset: int, length: int, what: str) -> None:
+    def check_chunk(self, digest: str, data: bytes | memoryview, path: str, offset: int, length: int, what: str,
+                    device: torch.device | None = None) -> None:
         """Raise :class:`IntegrityError` unless ``data`` (read from ``path`` at ``offset``) is
         the whole chunk ``digest``."""
         where = self.backend.describe(path)
@@ -301,23 +310,17 @@ class PackReads:
             raise IntegrityError(
                 f"chunk {digest}{about(what)} in pack {where} is truncated: {len(data)} of {length} bytes"
             )
-        if not matches_name(digest, data):
+        if not matches_name(digest, data, device):
             raise IntegrityError(
                 f"chunk {digest}{about(what)} in pack {where} at offset {offset} does not match its digest (corrupt)"
             )
 
 
-def matches_name(name: str, data: bytes | memoryview) -> bool:
+def matches_name(name: str, data: bytes | memoryview, check_on: torch.device | None = None) -> bool:
     """Whether ``data`` (a whole chunk) is the chunk ``name``: its BLAKE2b digest, or for a
-    device name its device hash (see :func:`_check_device` for where it is computed)."""
+    device name its device hash, computed on ``check_on`` (a GPU of the reading process: one
+    copy and one launch, where the host's torch implementation costs ~10 CPU-s per GB), else
+    on the host."""
     if is_device_name(name):
-        return hash_host_bytes(data, max(16, -(-len(data) // 16) * 16), _check_device()) == [device_hash_of(name)]
+        return hash_host_bytes(data, max(16, -(-len(data) // 16) * 16), check_on) == [device_hash_of(name)]
     return chunk_digest(data) == name
-
-
-def _check_device() -> torch.device | None:
-    """Where a device name is checked: the current GPU of a process that has CUDA up (a
-    restore of device state: one copy and one launch a run, where the host's torch
-    implementation costs ~10 CPU-s per GB), else the host (a reader with no device set
-    up for it, such as ``gpusnap verify``, is not made to start one)."""
-    return hash_device(("cuda",))

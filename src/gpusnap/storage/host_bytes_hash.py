@@ -12,6 +12,7 @@ its own; both implementations give the same bits (``kernels/chunk_hash.py``).
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import warnings
 from collections.abc import Iterable
@@ -23,6 +24,8 @@ from gpusnap.device import outside_graph_captures, own_stream, waitable_event
 from gpusnap.kernels.chunk_hash import chunk_hashes, hex_rows
 
 __all__ = ["hash_host_bytes", "hash_device"]
+
+log = logging.getLogger("gpusnap")
 
 _local = threading.local()  # this thread's (device, stream, scratch): promotion pool threads each have one
 
@@ -36,15 +39,37 @@ def hash_device(devices: Iterable[str]) -> torch.device | None:
     return next((torch.device(d) for d in devices if d.startswith("cuda")), None)
 
 
-def hash_host_bytes(data: bytes | memoryview, chunk_size: int, device: torch.device | None = None) -> list[str]:
+def hash_host_bytes(data: bytes | memoryview, chunk_size: int, device: torch.device | None = None, *,
+                    slice_bytes: int | None = None) -> list[str]:
     """The hex device hashes of ``data``'s ``chunk_size``-byte chunks (a multiple of 16),
     computed on ``device`` (None: the host). ``data`` stays where it is; on a device it is
-    copied into this thread's scratch first."""
+    copied into this thread's scratch first, ``slice_bytes`` at a time when given (a whole
+    number of chunks: this thread's scratch stays that small). A device that cannot take it
+    (out of memory, a CUDA error) leaves the hash to the host, with a warning once."""
     with warnings.catch_warnings():  # (a read-only buffer: the hash only reads it)
         warnings.simplefilter("ignore", UserWarning)
         host = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
-    if device is None:
-        return hex_rows(chunk_hashes(host, chunk_size).numpy())
+    if device is not None:
+        step = max(chunk_size, (slice_bytes // chunk_size) * chunk_size) if slice_bytes else max(1, host.numel())
+        try:
+            return [h for at in range(0, max(1, host.numel()), step)
+                    for h in _on_device(host[at : at + step], chunk_size, device)]
+        except (torch.OutOfMemoryError, RuntimeError) as exc:  # (the bytes are still on the host)
+            _warn_host_fallback(device, exc)
+    return hex_rows(chunk_hashes(host, chunk_size).numpy())
+
+
+_fell_back: set[str] = set()
+
+
+def _warn_host_fallback(device: torch.device, exc: BaseException) -> None:
+    if str(device) not in _fell_back:
+        _fell_back.add(str(device))
+        log.warning("gpusnap: hashing chunks on %s failed (%s); they are hashed on the host instead (slower)",
+                    device, exc)
+
+
+def _on_device(host: torch.Tensor, chunk_size: int, device: torch.device) -> list[str]:
     if device.type == "cuda":
         outside_graph_captures()  # (the program may be capturing a graph meanwhile)
     stream, scratch = _scratch(device, host.numel())
