@@ -310,14 +310,17 @@ def train_target(args: argparse.Namespace) -> None:
             "applied": r.seq, "bytes_moved": r.bytes_moved, "apply_s": r.apply_s, "final": r.final})) as dst:
         info = dst.receive(wl.app_state)
         resumed = clock()
+    received = state_digest(wl)  # (the state as received: compared with the source's as handed off)
+    sync(device)
+    digest_s = clock() - resumed
     wl.step(None)
     sync(device)
-    first = clock()
+    first = clock() - digest_s
     for _ in range(args.steps - 1):
         wl.step(None)
     sync(device)
     say({"done": True, "resumed": resumed, "first_step": first, "handoff_s": info.handoff_s,
-         "rounds": [r.__dict__ for r in info.rounds], "digest": state_digest(wl)})
+         "rounds": [r.__dict__ for r in info.rounds], "digest": state_digest(wl), "received": received})
     line = sys.stdin.readline().split()  # "restore ROOT FAST": the stop-the-world move's restore
     if line and line[0] == "restore":
         with gpusnap.Checkpointer(line[1], fast_root=line[2]) as ckpt:
@@ -357,6 +360,7 @@ def training(args: argparse.Namespace) -> dict[str, Any]:
                 last = clock()
                 handed = src.handoff()
                 profile = [] if sampler is None else sampler.stop().report(last, clock())
+                held = state_digest(wl)  # (the source's state as handed off: nothing writes it now)
                 result = child.expect("done")
                 for _ in range(args.steps):  # the unmoved run
                     wl.step(None)
@@ -364,12 +368,14 @@ def training(args: argparse.Namespace) -> dict[str, Any]:
                 unmoved = state_digest(wl)
                 # the stop-the-world move of the same state: a blocking save here, a restore there
                 root, fast = os.path.join(shm, "root"), os.path.join(shm, "fast")
-                with gpusnap.Checkpointer(root, fast_root=fast, promote_every=1 << 30) as ckpt:
-                    started = time.perf_counter()
-                    ckpt.save(wl.app_state, blocking=True)
-                    save_s = time.perf_counter() - started
-                    child.send(f"restore {root} {fast}")
-                    restored = child.expect("restored")
+                save_s, restored = float("nan"), {"restore_s": float("nan")}
+                if args.stw:
+                    with gpusnap.Checkpointer(root, fast_root=fast, promote_every=1 << 30) as ckpt:
+                        started = time.perf_counter()
+                        ckpt.save(wl.app_state, blocking=True)
+                        save_s = time.perf_counter() - started
+                        child.send(f"restore {root} {fast}")
+                        restored = child.expect("restored")
             finally:
                 child.close()
     finally:
@@ -378,6 +384,9 @@ def training(args: argparse.Namespace) -> dict[str, Any]:
     out.update(
         steps=args.steps, bit_exact=moved == unmoved,
         differing=sorted(k for k in unmoved if moved.get(k) != unmoved[k])[:5],
+        state_equal=result["received"] == held,
+        differing_at_handoff=sorted(k for k in held if result["received"].get(k) != held[k])[:5],
+        deterministic=args.deterministic,
         downtime_resume_s=result["resumed"] - last, downtime_first_step_s=result["first_step"] - last,
         profile_source=profile, handoff_s=handed.handoff_s, target_handoff_s=result["handoff_s"],
         stop_the_world_s=save_s + restored["restore_s"], stw_save_s=save_s, stw_restore_s=restored["restore_s"],
@@ -399,7 +408,8 @@ class Child:
         cmd = [sys.executable, os.path.abspath(__file__), "--role", role, "--address", address, "--device",
                args.device, "--max-len", str(args.max_len), "--tokens", str(args.tokens), "--steps", str(args.steps),
                "--train-size", args.train_size, "--verify", args.verify] + (["--tiny"] if args.tiny else []) + (
-                   ["--lazy"] if args.lazy else []) + (["--sample"] if args.sample else [])
+                   ["--lazy"] if args.lazy else []) + (["--sample"] if args.sample else []) + (
+                   [] if args.deterministic else ["--nondeterministic"])
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.applied = 0
         self.docs: queue.Queue[dict[str, Any] | None] = queue.Queue()
@@ -471,6 +481,7 @@ def table(results: dict[str, Any]) -> str:
             ("training: stop-the-world save + restore", f"{t['stop_the_world_s']:.3f} s "
                                                         f"({t['stw_save_s']:.3f} + {t['stw_restore_s']:.3f})"),
             ("training: last delta / state", f"{t['last_delta_bytes'] / 2**30:.2f} / {t['state_bytes'] / 2**30:.2f} GiB"),
+            ("training: state equal at the handoff", f"{t.get('state_equal')} {t.get('differing_at_handoff') or ''}"),
             ("training: bit-exact after the move", f"{t['bit_exact']} ({t['steps']} steps)"),
         ]
     width = max(len(r[0]) for r in rows) if rows else 0
@@ -492,11 +503,21 @@ def main() -> None:
     parser.add_argument("--lazy", action="store_true", help="the serving target receives with lazy=True")
     parser.add_argument("--sample", action="store_true",
                         help="sample every thread's stack during the handoffs (and the serving target's last apply)")
+    parser.add_argument("--nondeterministic", dest="deterministic", action="store_false",
+                        help="leave torch's nondeterministic kernels on (by default both processes run "
+                             "deterministic algorithms, so that an unmoved run is a reference at all)")
+    parser.add_argument("--no-stw", dest="stw", action="store_false",
+                        help="skip the stop-the-world comparison of the training part")
     parser.add_argument("--role", default="main", help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tiny and args.max_len == 10240:
         args.max_len = 512
+    if args.deterministic:  # (before CUDA starts: cuBLAS reads it then)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        import torch
+
+        torch.use_deterministic_algorithms(True, warn_only=True)
     if args.role == "serve-target":
         return serve_target(args)
     if args.role == "train-target":
