@@ -152,7 +152,7 @@ class Saves:
             return completion, (repo, job)
         if windowed:
             job.concurrent = self.windows.open(repo, flat, completion, job.phases,
-                                               lambda: self._others_busy(completion), blocking=blocking)
+                                               lambda: self._others_busy(completion))
             if job.concurrent is None:  # when_busy="skip": the fast tier has no room now
                 release_state(job)
                 return self._skip(tag, "the fast tier has no room", completion), None

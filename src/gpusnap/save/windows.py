@@ -36,18 +36,11 @@ class Windows:
         self._copier_runner = copier_runner  # one long-lived thread runs each window's copier in turn
 
     def open(self, repo: Repository, flat: FlatState, completion: SaveCompletion, phases: dict[str, float],
-             others_busy: Callable[[], bool], *, blocking: bool = False) -> ConcurrentSave | None:
+             others_busy: Callable[[], bool]) -> ConcurrentSave | None:
         """Open the capture window of a save of ``flat`` into ``repo`` and start its copier;
-        None when the fast tier has no room and ``when_busy="skip"``.
-
-        A blocking save always compares with the previous checkpoint (when it has one): its
-        caller waits through the whole save anyway, so the copier waiting for the hashes
-        costs it one hash pass on the device, and what changed is then named by its device
-        hash, not hashed again on the host (``ConcurrentSave._device_named``): a migration's
-        handoff is one."""
+        None when the fast tier has no room and ``when_busy="skip"``."""
         config = self._planner.config
         previous, compare = self._planner.previous(repo)
-        compare = compare or (blocking and bool(previous))
         capture: ConcurrentSave | None = None
         fast_txn = None
         try:
