@@ -139,7 +139,7 @@ class Target:
             verify_on_device={"auto": None, "on": True, "off": False}[config.restore_verify_on_device],
             scratch_slots=config.restore_scratch_slots, device_check_min_bytes=config.device_check_min_bytes,
             reader_processes=config.restore_reader_processes, direct_copies=config.restore_direct_copies,
-            from_server="off")
+            from_server="off", pinned_upfront=True)  # (a round's delta, again and again)
         self._final: RestoreHandle | None = None  # a lazy handoff still loading
         self._received = False
         self._closed = False

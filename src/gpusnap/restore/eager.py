@@ -44,12 +44,14 @@ def load_spans(
     apply: Callable[[int, torch.Tensor], None] | None = None,
     progress: Callable[[int], None] | None = None,
     piece_bytes: int = 0,
+    pinned: bool = False,
 ) -> RestoreCounters:
     """Read, verify and apply every span of ``manifest`` through ``plan``: by
     ``apply_bytes.apply_span``, or ``apply(index, data)`` when given (``gpusnap.load`` keeps
     the buffers instead). ``progress``: called on this thread with the bytes of each read
     task as it completes (all of them: they sum to the spans' bytes). ``piece_bytes``: bytes
-    per read task (0: :data:`PIECE_BYTES`)."""
+    per read task (0: :data:`PIECE_BYTES`). ``pinned``: spans bound for one GPU are read into
+    page-locked memory."""
     counters = RestoreCounters()
     cs = manifest.chunk_size
     per = max(1, (piece_bytes or PIECE_BYTES) // cs)  # chunks per read task: one system call per run stored back to back
@@ -57,11 +59,11 @@ def load_spans(
     futures = []
     sizes: list[int] = []  # each read task's bytes
     for index, entry in enumerate(manifest.storages):
-        buf = host_buffer(entry.nbytes, pinned=False)
+        check_on = _gpu_of(plan, index)
+        buf = host_buffer(entry.nbytes, pinned=pinned and check_on is not None)
         buffers.append(buf)
         view = memoryview(buf.numpy()).cast("B")
         what = describe_span(plan, index)
-        check_on = _gpu_of(plan, index)
         for k in range(0, len(entry.chunks), per):
             piece = view[k * cs : (k + per) * cs]
             futures.append(pool.submit(repo.read_chunks_into, entry.chunks[k : k + per], piece, cs, what=what,

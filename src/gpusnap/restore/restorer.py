@@ -138,7 +138,13 @@ class Restorer:
         direct_copies: str = "auto",
         from_server: str = "auto",
         server_socket: str = "",
+        pinned_upfront: bool = False,
     ) -> None:
+        """``pinned_upfront``: a verify-first restore reads CUDA spans into page-locked memory
+        (torch's caching host allocator: paid once, then reused), so each copy to the device
+        is a DMA and not a staged pageable copy; for a caller restoring small checkpoints
+        again and again (a migration target's rounds), not a one-off restore."""
+        self.pinned_upfront = pinned_upfront
         self.threads = reader_threads(io_threads)
         self.server = ServerClient(from_server, server_socket)  # Config.restore_from_server
         self.reader_processes = reader_processes  # Config.restore_reader_processes
@@ -314,7 +320,7 @@ class Restorer:
         self, repo: Repository, manifest: Manifest, plan: RestorePlan, handle: RestoreHandle,
         done: RestoreCompletion, started: float,
     ) -> None:
-        counters = load_spans(repo, manifest, plan, pool=self._pool())
+        counters = load_spans(repo, manifest, plan, pool=self._pool(), pinned=self.pinned_upfront)
         plan.finish()
         for dev in {torch.device(e.device) for e in manifest.storages}:
             if dev.type == "cuda" and torch.cuda.is_available():
