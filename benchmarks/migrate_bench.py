@@ -518,6 +518,7 @@ def main() -> None:
         import torch
 
         torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = False  # (else every torch.empty is written: timings)
     if args.role == "serve-target":
         return serve_target(args)
     if args.role == "train-target":

@@ -28,6 +28,24 @@ def test_scratch_hashes_are_the_hosts(device: torch.device | None, nbytes: int) 
     assert hash_host_bytes(memoryview(data.numpy()), 65536, device) == want  # (scratch reused)
 
 
+@pytest.mark.parametrize("slice_bytes", [1, 65536, 65536 * 2, 1 << 30])
+@pytest.mark.parametrize("nbytes", [0, 16, 65536 * 3 + 48, 65536 * 5])
+def test_hashing_in_slices_gives_the_same_hashes(slice_bytes: int, nbytes: int) -> None:
+    # a restore's reader threads check device-named runs a few MiB at a time (a small scratch)
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes + 1))
+    want = hex_rows(chunk_hashes(data, 65536, impl="torch").numpy())
+    assert hash_host_bytes(memoryview(data.numpy()), 65536, torch.device("cpu"), slice_bytes=slice_bytes) == want
+
+
+def test_only_gpu_names_a_single_indexed_cuda_device() -> None:
+    from gpusnap.device import only_gpu
+
+    assert only_gpu([torch.device("cuda", 1), torch.device("cuda", 1)]) == torch.device("cuda", 1)
+    assert only_gpu([torch.device("cuda", 0), torch.device("cuda", 1)]) is None
+    assert only_gpu([torch.device("cpu")]) is None and only_gpu([]) is None
+    assert only_gpu([torch.device("cuda")]) is None  # (no index: the caller's current device is not the targets')
+
+
 def test_a_promotion_checked_on_a_scratch_device_refuses_a_corrupt_slab(tmp_path: Path) -> None:
     durable, fast = roots(tmp_path)
     state = {"w": torch.arange(100_000, dtype=torch.float32)}

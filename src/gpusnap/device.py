@@ -205,3 +205,14 @@ def clear_cuda_error() -> bool:
         return True
     except (OSError, AttributeError):
         return False
+
+
+def only_gpu(devices: Iterable[torch.device]) -> torch.device | None:
+    """The one CUDA device (with its index) among ``devices``, or None when they are not
+    exactly one CUDA device: where work for those targets goes (a pool thread's own current
+    device is not theirs)."""
+    found = set(devices)
+    if len(found) != 1:
+        return None
+    (device,) = found
+    return device if device.type == "cuda" and device.index is not None else None

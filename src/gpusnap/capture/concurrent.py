@@ -432,23 +432,24 @@ class ConcurrentSave:
         """Span ``index``'s consistent-point hashes, when its chunks are stored under them
         (``nh:`` names, storage/chunk_names.py: the host hashes nothing), else None (BLAKE2b).
 
-        For a CUDA span whose hashes are on the host before any copy (a compared save: the
-        copier waited for them) and are sure to describe the stored bytes (``_describes_stored``:
-        a snapshot, or validated copies), so that a later chunk of the same hash can never be
-        deduplicated against other bytes. A CPU span keeps BLAKE2b: its hash costs the host as
-        much either way, and a blocking save of host state (stop-the-world, BLAKE2b) would
-        otherwise store its unchanged chunks again under the other name."""
+        For a CUDA span copied at save() (a snapshot: no write can reach its bytes) whose hashes
+        are on the host before any copy (a compared save: the copier waited for them), so the
+        names describe the stored bytes, which :meth:`_check_staged` checks before storing. A
+        live span keeps BLAKE2b: an unseen write there is validation's to catch, and to retry,
+        after the copies. A CPU span keeps BLAKE2b too: its hash costs the host as much either
+        way, and a blocking save of host state (stop-the-world, BLAKE2b) would otherwise store
+        its unchanged chunks again under the other name."""
         span = self.flat.spans[index]
-        if (not self.compared or span.device.type != "cuda"
-                or not (self.after is not None or index in self.window.snapshotted)):
+        if not self.compared or span.device.type != "cuda" or index not in self.window.snapshotted:
             return None
         return self.before_hex()[index]
 
     def _check_staged(self, index: int, staged: memoryview, names: Sequence[str]) -> None:
-        """The staged bytes of span ``index`` hash to the names they are stored under, on the
-        span's GPU (one copy back and one launch per slice), before any is stored: a chunk
-        named by a device hash must hold those bytes, or every later chunk of that hash would
-        be deduplicated against wrong ones. A mismatch fails the save; nothing is committed."""
+        """The staged bytes of span ``index`` (a snapshot's) hash to the names they are stored
+        under, on the span's GPU (one copy back and one launch per slice), before any is
+        stored: a chunk named by a device hash must hold those bytes, or every later chunk of
+        that hash would be deduplicated against wrong ones. A mismatch (the copy itself went
+        wrong: nothing writes a snapshot) fails the save; nothing is committed."""
         got = hash_host_bytes(staged, self.chunk_size, self.flat.spans[index].device, slice_bytes=CHECK_SLICE_BYTES)
         bad = [k for k, (g, want) in enumerate(zip(got, names)) if g != want]
         if bad or len(got) != len(names):

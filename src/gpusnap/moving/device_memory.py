@@ -55,20 +55,24 @@ def own_pool(device: torch.device) -> contextlib.AbstractContextManager[None]:
     """
     if device.type != "cuda" or not hasattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool"):
         return contextlib.nullcontext()
-    try:
-        pool = torch.cuda.MemPool()
-        routed = torch.cuda.use_mem_pool(pool, device)
-        routed.__enter__()
-    except (RuntimeError, AttributeError, TypeError):
-        return contextlib.nullcontext()
-    return _Routed(routed)
+    return _Routed(device)
 
 
 class _Routed(contextlib.AbstractContextManager[None]):
-    """An entered ``use_mem_pool``, left on exit (the pool goes with it)."""
+    """This thread's allocations on ``device`` routed to a new pool while inside (none where
+    the pool cannot be made or entered); the pool goes with the routing on exit."""
 
-    def __init__(self, routed: contextlib.AbstractContextManager[None]) -> None:
-        self._routed: contextlib.AbstractContextManager[None] | None = routed
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._routed: contextlib.AbstractContextManager[None] | None = None
+
+    def __enter__(self) -> None:
+        try:
+            routed = torch.cuda.use_mem_pool(torch.cuda.MemPool(), self._device)
+            routed.__enter__()
+        except (RuntimeError, AttributeError, TypeError):
+            return  # (the shared pool, as before)
+        self._routed = routed
 
     def __exit__(self, *exc: object) -> None:
         routed, self._routed = self._routed, None

@@ -34,6 +34,7 @@ Call order, on the thread that called ``resume(lazy=True)`` (the *owner*)::
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -53,6 +54,8 @@ from gpusnap.restore import active
 from gpusnap.restore.lazy.gate import Gate, GateMode, python_key_included, rearm_dispatch_keys
 from gpusnap.restore.lazy.lazy_restore import pop_gate
 from gpusnap.restore.pipeline.schedule import LoadSpan, Schedule
+
+log = logging.getLogger("gpusnap")
 
 __all__ = ["LazyResume", "reap_finished"]
 
@@ -223,6 +226,10 @@ class LazyResume:
             self.on_done(list(self.back), error, time.perf_counter(), self.gate.waits)
         finally:
             self.buffers.clear()
-            if error is not None:  # (what was not brought back sits in the state's own pool: see copies.allocate)
-                give_back({m.device for m in self.members})
-            self._over.set()
+            try:
+                if error is not None:  # (what was not brought back sits in the state's own pool: see copies.allocate)
+                    give_back({m.device for m in self.members})
+            except Exception as exc:  # (a sticky CUDA error: over() must still turn true)
+                log.warning("gpusnap: after a failed lazy resume, giving its device memory back failed: %r", exc)
+            finally:
+                self._over.set()

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from gpusnap.device import host_buffer
+from gpusnap.device import host_buffer, only_gpu
 from gpusnap.restore.apply_bytes import apply_span
 from gpusnap.restore.pipeline.loader import describe_span
 from gpusnap.state.plan import RestorePlan
@@ -59,7 +59,7 @@ def load_spans(
     futures = []
     sizes: list[int] = []  # each read task's bytes
     for index, entry in enumerate(manifest.storages):
-        check_on = _gpu_of(plan, index)
+        check_on = only_gpu(plan.devices(index))  # (where device-named chunks are checked)
         buf = host_buffer(entry.nbytes, pinned=pinned and check_on is not None)
         buffers.append(buf)
         view = memoryview(buf.numpy()).cast("B")
@@ -80,16 +80,6 @@ def load_spans(
         else:
             apply(index, buf)
     return counters
-
-
-def _gpu_of(plan: RestorePlan, index: int) -> torch.device | None:
-    """Where span ``index``'s device-named chunks are checked: the one GPU its targets are
-    on (a reader thread's own current device is not theirs), else None (the host)."""
-    devices = plan.devices(index)
-    if len(devices) != 1:
-        return None
-    (device,) = devices
-    return device if device.type == "cuda" and device.index is not None else None
 
 
 def _wait(futures: list[Future[Any]], sizes: list[int], progress: Callable[[int], None] | None) -> None:

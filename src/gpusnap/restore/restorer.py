@@ -320,9 +320,14 @@ class Restorer:
         self, repo: Repository, manifest: Manifest, plan: RestorePlan, handle: RestoreHandle,
         done: RestoreCompletion, started: float,
     ) -> None:
-        counters = load_spans(repo, manifest, plan, pool=self._pool(), pinned=self.pinned_upfront)
+        # page-locked only for a delta's worth (a caller's verify="upfront" of a big checkpoint
+        # would keep that much page-locked in torch's host cache for the life of the process)
+        pinned = self.pinned_upfront and manifest.nbytes <= AUTO_UPFRONT_BYTES
+        counters = load_spans(repo, manifest, plan, pool=self._pool(), pinned=pinned)
         plan.finish()
-        for dev in {torch.device(e.device) for e in manifest.storages}:
+        # the targets' devices (copies from page-locked memory are asynchronous), and the
+        # manifest's as before
+        for dev in _cuda_devices(plan, len(manifest.storages)) | {torch.device(e.device) for e in manifest.storages}:
             if dev.type == "cuda" and torch.cuda.is_available():
                 synchronize(dev)
         elapsed = time.perf_counter() - started

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 import warnings
 from collections.abc import Iterable
 
@@ -49,24 +50,39 @@ def hash_host_bytes(data: bytes | memoryview, chunk_size: int, device: torch.dev
     with warnings.catch_warnings():  # (a read-only buffer: the hash only reads it)
         warnings.simplefilter("ignore", UserWarning)
         host = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
-    if device is not None:
+    if device is not None and not _resting(device):
         step = max(chunk_size, (slice_bytes // chunk_size) * chunk_size) if slice_bytes else max(1, host.numel())
         try:
             return [h for at in range(0, max(1, host.numel()), step)
                     for h in _on_device(host[at : at + step], chunk_size, device)]
-        except (torch.OutOfMemoryError, RuntimeError) as exc:  # (the bytes are still on the host)
-            _warn_host_fallback(device, exc)
+        except _DEVICE_ERRORS as exc:  # (the bytes are still on the host)
+            _rest(device, exc)
     return hex_rows(chunk_hashes(host, chunk_size).numpy())
 
 
-_fell_back: set[str] = set()
+# out of memory, or a CUDA error (torch's AcceleratorError where it has one); anything else
+# is a bug of ours and raises
+_DEVICE_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError,) + (
+    (torch.AcceleratorError,) if hasattr(torch, "AcceleratorError") else ())
+REST_S = 30.0  # after a failure, a device is left alone this long: each retry of a failing
+# allocation would make the caching allocator free the program's whole cache first
+_rested: dict[str, float] = {}
+_rest_lock = threading.Lock()
 
 
-def _warn_host_fallback(device: torch.device, exc: BaseException) -> None:
-    if str(device) not in _fell_back:
-        _fell_back.add(str(device))
-        log.warning("gpusnap: hashing chunks on %s failed (%s); they are hashed on the host instead (slower)",
-                    device, exc)
+def _resting(device: torch.device) -> bool:
+    with _rest_lock:
+        until = _rested.get(str(device))
+    return until is not None and time.monotonic() < until
+
+
+def _rest(device: torch.device, exc: BaseException) -> None:
+    with _rest_lock:
+        first = str(device) not in _rested
+        _rested[str(device)] = time.monotonic() + REST_S
+    if first:
+        log.warning("gpusnap: hashing chunks on %s failed (%s); they are hashed on the host for the next %.0f s "
+                    "(slower)", device, exc, REST_S)
 
 
 def _on_device(host: torch.Tensor, chunk_size: int, device: torch.device) -> list[str]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpusnap.device import only_gpu
 from gpusnap.restore.pipeline.schedule import Piece
 from gpusnap.restore.pipeline.sources.source import Batch, Region
 from gpusnap.restore.pipeline.staging import SlotPool
@@ -76,7 +77,7 @@ class HostReads:
         """Read ``piece``'s chunks into ``out`` on this thread, checked when ``host_verify``."""
         digests = self.manifest.storages[piece.span.index].chunks[piece.first : piece.first + piece.count]
         cost = self.repo.read_chunks_into(digests, out, self.chunk_size, what=self.describe(piece.span.index),
-                                          verify=host_verify)
+                                          verify=host_verify, check_on=only_gpu(piece.span.devices))
         self.count(piece, reads=cost.reads, read_s=cost.read_s, verify_s=cost.verify_s, host_verify=host_verify)
 
     def plan_runs(self, batch: Batch, base: int) -> tuple[dict[int, PieceRead], list[Run]] | None:
@@ -106,7 +107,7 @@ class HostReads:
         started = time.perf_counter()
         if host_verify:
             self.repo.check_runs(read.digests, view[read.offset : read.offset + p.nbytes], self.chunk_size,
-                                 read.runs, what=read.what)
+                                 read.runs, what=read.what, check_on=only_gpu(p.span.devices))
         self.count(p, reads=len(read.runs), read_s=0.0, verify_s=time.perf_counter() - started,
                    host_verify=host_verify)
 
@@ -129,3 +130,4 @@ class HostReads:
         if what is None:
             what = self._what[index] = self._describe(index)
         return what
+
