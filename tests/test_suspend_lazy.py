@@ -36,7 +36,10 @@ def test_the_first_forward_after_a_lazy_resume_is_bit_equal(device: torch.device
     assert torch.equal(got, expected)
     stats = s.wait()
     assert s.state == "resumed" and stats.lazy and stats.resumed_bytes == stats.bytes
-    assert stats.resume_return_s is not None and stats.resume_s is not None and stats.resume_return_s <= stats.resume_s
+    # both recorded; in either order: the copy thread may bring every byte back before
+    # resume() has returned (a small state, a busy machine), which is no error
+    assert stats.resume_return_s is not None and stats.resume_s is not None
+    assert stats.resume_return_s >= 0 and stats.resume_s >= 0
 
 
 @pytest.mark.parametrize("trial", range(4))  # (without the gate, most trials lose a write: measured 12 in 20)
