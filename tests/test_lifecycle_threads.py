@@ -222,12 +222,19 @@ def test_a_wait_on_another_thread_leaves_the_savers_tracker_to_it(tmp_path: Path
 
 
 # -- (c) Ctrl-C and close() -----------------------------------------------------------------------
-def test_ctrl_c_while_save_waits_for_a_queue_slot(tmp_path: Path, writer_gate: threading.Event) -> None:
+def test_ctrl_c_while_save_waits_for_a_queue_slot(tmp_path: Path, writer_gate: threading.Event,
+                                                  backend: FaultyBackend) -> None:
     root = tmp_path / "ck"
     ck = gpusnap.Checkpointer(root, config=_config(max_pending_saves=1))
     try:
         state = _state()
+        gated = threading.Event()
+        backend.before_rename = lambda path: (gated.set(), writer_gate.wait(WAIT_S)) if path.startswith(
+            "manifests/") else None
         first = ck.save(state)  # the writer holds it
+        # (in full CI runs the third save found its slot free 4 times, never in this file's own
+        # runs: whether the writer was held at all is asserted here, not inferred from that)
+        wait_until(gated.is_set, "the first save held at its commit")
         second = ck.save(state)  # queued: the queue is full
         main = threading.main_thread()
 
