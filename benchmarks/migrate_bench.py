@@ -232,7 +232,7 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
     weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     generate(app, cache, 1)
     out: dict[str, Any] = {"weights_bytes": weight_bytes, "kv_bytes": kv_bytes, "max_len": args.max_len}
-    with Source(app) as src:
+    with Source(app, fast_handoff=not args.general) as src:
         child = Child("serve-target", args, src.address)
         try:
             child.expect("ready")
@@ -267,6 +267,7 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
         differing=sorted(k for k in held if (result["digest"] or held).get(k) != held[k])[:8],
         downtime_first_token_s=result["first_token"] - last, downtime_resume_s=result["resumed"] - last,
         handoff_s=handed.handoff_s, target_handoff_s=result["handoff_s"], decode_s=result["decode_s"],
+        fast=handed.round.fast, general_why=handed.general_why,
         source_rounds=[r.__dict__ for r in handed.rounds], target_rounds=result["rounds"],
         last_delta_bytes=result["rounds"][-1]["bytes_moved"], state_bytes=handed.round.bytes_total,
         profile_source=profile, profile_target=result["profile"],
@@ -341,7 +342,7 @@ def training(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"config": wl.config, "state_bytes": wl.state_bytes()}
     shm = tempfile.mkdtemp(prefix="gpusnap-migrate-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     try:
-        with Source(wl.app_state) as src:
+        with Source(wl.app_state, fast_handoff=not args.general) as src:
             child = Child("train-target", args, src.address)
             try:
                 child.expect("ready")
@@ -389,6 +390,7 @@ def training(args: argparse.Namespace) -> dict[str, Any]:
         deterministic=args.deterministic,
         downtime_resume_s=result["resumed"] - last, downtime_first_step_s=result["first_step"] - last,
         profile_source=profile, handoff_s=handed.handoff_s, target_handoff_s=result["handoff_s"],
+        fast=handed.round.fast, general_why=handed.general_why,
         stop_the_world_s=save_s + restored["restore_s"], stw_save_s=save_s, stw_restore_s=restored["restore_s"],
         source_rounds=[r.__dict__ for r in handed.rounds], target_rounds=result["rounds"],
         last_delta_bytes=result["rounds"][-1]["bytes_moved"],
@@ -470,6 +472,8 @@ def table(results: dict[str, Any]) -> str:
             ("serving: downtime, last token -> receive() returned", f"{s['downtime_resume_s'] * 1e3:.1f} ms"),
             ("serving: one decode step", f"{s['decode_s'] * 1e3:.1f} ms"),
             ("serving: handoff() in the source", f"{s['handoff_s'] * 1e3:.1f} ms"),
+            ("serving: the target's last apply", f"{s['target_handoff_s'] * 1e3:.1f} ms"),
+            ("serving: handoff path", "fast" if s["fast"] else f"general ({s['general_why']})"),
             ("serving: last delta / state", f"{s['last_delta_bytes'] / 2**20:.1f} MiB / {s['state_bytes'] / 2**30:.2f} GiB"),
             ("serving: tokens equal to the unmoved run", f"{s['tokens_equal']} ({s['tokens']} tokens)"),
             ("serving: state equal at the handoff", f"{s['state_equal']} {' '.join(s['differing'])}".rstrip()),
@@ -480,6 +484,7 @@ def table(results: dict[str, Any]) -> str:
             ("training: downtime, last step -> receive() returned", f"{t['downtime_resume_s']:.3f} s"),
             ("training: stop-the-world save + restore", f"{t['stop_the_world_s']:.3f} s "
                                                         f"({t['stw_save_s']:.3f} + {t['stw_restore_s']:.3f})"),
+            ("training: handoff path", "fast" if t["fast"] else f"general ({t['general_why']})"),
             ("training: last delta / state", f"{t['last_delta_bytes'] / 2**30:.2f} / {t['state_bytes'] / 2**30:.2f} GiB"),
             ("training: state equal at the handoff", f"{t.get('state_equal')} {t.get('differing_at_handoff') or ''}"),
             ("training: bit-exact after the move", f"{t['bit_exact']} ({t['steps']} steps)"),
@@ -498,6 +503,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="tokens compared after the move (serving)")
     parser.add_argument("--warm-s", type=float, default=2.0, help="seconds of rounds before the handoff (serving)")
     parser.add_argument("--steps", type=int, default=3, help="steps compared after the move (training)")
+    parser.add_argument("--general", action="store_true", help="Source(fast_handoff=False): the last round as a checkpoint")
     parser.add_argument("--train-size", default="quick", help="gpusnap.bench llama size (quick: batch 4)")
     parser.add_argument("--verify", default="auto", help="the target's verify mode (Target(verify=...))")
     parser.add_argument("--lazy", action="store_true", help="the serving target receives with lazy=True")

@@ -209,13 +209,14 @@ def _generate(app: dict[str, Any], cache: Any, k: int) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
-@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
-def test_a_generating_model_continues_with_the_tokens_of_an_unmoved_run(lazy: bool) -> None:
+@pytest.mark.parametrize(("lazy", "fast"), [(False, True), (False, False), (True, False), (True, True)],
+                         ids=["eager-fast", "eager-general", "lazy-general", "lazy-fast"])
+def test_a_generating_model_continues_with_the_tokens_of_an_unmoved_run(lazy: bool, fast: bool) -> None:
     app, cache = _llama(seed=0)
     _generate(app, cache, 2)
     moved, moved_cache = _llama(seed=1)  # other weights, an empty cache: all must come over
     applied = Applied()
-    with Source(app, config=CFG) as src, Target(src.address, on_round=applied) as dst:
+    with Source(app, config=CFG, fast_handoff=fast) as src, Target(src.address, on_round=applied) as dst:
 
         def receive_and_go_on() -> Any:
             info = dst.receive(moved, lazy=lazy)  # (lazy: the gate holds on this thread)
@@ -238,13 +239,15 @@ def test_a_generating_model_continues_with_the_tokens_of_an_unmoved_run(lazy: bo
             src.precopy(wait=True)
             applied.wait_for(src.rounds[-1].seq)
         _generate(app, cache, 2)  # tokens the rounds did not see: the last delta carries them
-        src.handoff()
+        handed = src.handoff()
         info = _join(thread, out)
     _generate(app, cache, 10)  # the unmoved run
     assert moved["n"] == app["n"] == 5 + 2 + 4 + 2 + 10
     assert moved["tokens"].tolist() == app["tokens"].tolist()
-    assert info.lazy is lazy and applied.rounds[-1].final and [r.seq for r in info.rounds] == [1, 2, 3, 4, 5]
     final = info.rounds[-1]
+    # (a fast handoff's delta is put in place before receive() returns, whatever lazy asks)
+    assert final.fast is handed.round.fast is fast and (handed.general_why is None) is fast
+    assert info.lazy is (lazy and not fast) and final.final and [r.seq for r in info.rounds] == [1, 2, 3, 4, 5]
     assert 0 < final.bytes_moved < final.bytes_total / 4, "the last delta moved more than the tokens' cache rows"
     assert not final.full
 

@@ -28,6 +28,7 @@ def test_the_benchmark_moves_a_generating_model_and_a_training_run(tmp_path: Pat
     result = json.loads(out.read_text())
     serving, training = result["serving"], result["training"]
     assert serving["tokens_equal"] and serving["tokens"] == 8
+    assert serving["fast"] and training["fast"], (serving["general_why"], training["general_why"])
     assert serving["target_rounds"][-1]["final"] and serving["last_delta_bytes"] < serving["state_bytes"]
     assert training["bit_exact"], training["differing"]
     assert 0 < training["downtime_resume_s"] and 0 < training["stop_the_world_s"]

@@ -75,16 +75,18 @@ def _tell(proc: subprocess.Popen[bytes]) -> None:
     proc.stdin.flush()
 
 
-# A source whose transport's writes stop (for good) at the round named by argv[2]: "1", "2"
-# or "handoff" (after rounds 1 and 2). It says "blocked" there; the parent kills it. (A
-# source gone before any round: test_a_source_that_calls_the_migration_off_fails_its_target.)
+# A source whose transport's writes stop (for good) at the round named by argv[2]: "1", "2",
+# "handoff" (after rounds 1 and 2: a fast handoff, stopped at its header's commit) or
+# "handoff-general" (Source(fast_handoff=False): at the last round's writes). It says
+# "blocked" there; the parent kills it. (A source gone before any round:
+# test_a_source_that_calls_the_migration_off_fails_its_target.)
 SOURCE = textwrap.dedent(
     """
     import sys, threading, torch
     sys.path.insert(0, sys.argv[1])
     from faults import FaultyBackend
     from gpusnap.config import Config
-    from gpusnap.migrate import Source
+    from gpusnap.migrate import Source, source as source_module
     from gpusnap.storage.backend import open_backend
     from gpusnap.storage.repository import Repository
     kill_at, now = sys.argv[2], {"round": None}
@@ -94,12 +96,22 @@ SOURCE = textwrap.dedent(
             print("blocked", flush=True)
             threading.Event().wait()          # parked until the parent kills this process
 
+    def before_rename(path):
+        if path == "migrate/handoff.json":
+            before_write(path)
+
     real_open = Repository.open.__func__
     def faulty_open(cls, root, **kw):
         backend = FaultyBackend(open_backend(root))
         backend.before_write = before_write
         return real_open(cls, root, **{**kw, "backend": backend})
     Repository.open = classmethod(faulty_open)
+
+    def faulty_backend(root):   # the transport's own files (the fast handoff's header)
+        backend = FaultyBackend(open_backend(root))
+        backend.before_rename = before_rename
+        return backend
+    source_module.open_backend = faulty_backend
 
     N = 20_000
     def state_at(app, step):
@@ -108,7 +120,7 @@ SOURCE = textwrap.dedent(
 
     app = {"w": torch.zeros(N), "step": 0}
     state_at(app, 1)
-    src = Source(app, config=Config(chunk_size=4096, io_threads=1))
+    src = Source(app, config=Config(chunk_size=4096, io_threads=1), fast_handoff=kill_at != "handoff-general")
     print(src.address, flush=True)
     input()
     now["round"] = "1"
@@ -121,14 +133,14 @@ SOURCE = textwrap.dedent(
     print("round 2", flush=True)
     input()
     state_at(app, 3)
-    now["round"] = "handoff"
+    now["round"] = kill_at if kill_at.startswith("handoff") else "handoff"
     src.handoff()
     print("handed off", flush=True)
     """
 )
 
 
-@pytest.mark.parametrize("kill_at", ["2", "handoff"])
+@pytest.mark.parametrize("kill_at", ["2", "handoff", "handoff-general"])
 def test_a_source_killed_before_its_handoff_fails_the_target_cleanly(kill_at: str) -> None:
     copy = _blank()
     applied = Applied()
@@ -137,7 +149,7 @@ def test_a_source_killed_before_its_handoff_fails_the_target_cleanly(kill_at: st
         dst = Target(address, on_round=applied, poll_s=0.05)  # (how soon it looks at a silent source)
         thread, out = _receive_in_thread(dst, copy)
         _tell(proc)
-        rounds = {"1": 0, "2": 1, "handoff": 2}[kill_at]
+        rounds = {"1": 0, "2": 1, "handoff": 2, "handoff-general": 2}[kill_at]
         for seq in range(1, rounds + 1):
             assert _line(proc) == f"round {seq}"
             applied.wait_for(seq)  # (a consistent round in place before the next one starts)
@@ -258,7 +270,7 @@ def test_a_failed_handoff_hands_nothing_off_and_can_be_made_again(faulty: dict[s
     app = _state(1)
     copy = _blank()
     applied = Applied()
-    with Source(app, config=CFG) as src, Target(src.address, on_round=applied) as dst:
+    with Source(app, config=CFG, fast_handoff=False) as src, Target(src.address, on_round=applied) as dst:
         thread, out = _receive_in_thread(dst, copy)
         src.precopy(wait=True)
         applied.wait_for(1)

@@ -37,8 +37,13 @@ from gpusnap.errors import CheckpointError
 from gpusnap.handles import PendingSave
 from gpusnap.migrate import transport
 from gpusnap.migrate.bell import ring
+from gpusnap.migrate.delta_file import DELTA_HEADER, DeltaBuffer, buffer_name, capacity_for
+from gpusnap.migrate.delta_write import delta_bytes, write_delta
 from gpusnap.migrate.errors import MigrationError
 from gpusnap.migrate.results import HandoffInfo, RoundInfo
+from gpusnap.migrate.state_digests import Digests, changed_runs, take, with_whole_spans
+from gpusnap.state.flat import FlatPlan
+from gpusnap.state.flatten import flatten
 from gpusnap.storage.backend import open_backend
 from gpusnap.storage.repository import Repository
 
@@ -72,9 +77,11 @@ class Source:
     """
 
     def __init__(self, app_state: MutableMapping[str, Any], to: str | os.PathLike[str] | None = None, *,
-                 config: Config | None = None, allow_pickle: bool = False) -> None:
+                 config: Config | None = None, allow_pickle: bool = False, fast_handoff: bool = True) -> None:
         if not isinstance(app_state, MutableMapping):
             raise TypeError(f"app_state must be a mutable mapping (a dict), got {type(app_state).__name__}")
+        if not isinstance(fast_handoff, bool):
+            raise TypeError(f"fast_handoff must be a bool, got {type(fast_handoff).__name__}")
         if config is None:
             config = Config.from_env() if os.environ.get("GPUSNAP_CHUNK_SIZE") else Config.from_env(
                 chunk_size=CHUNK_SIZE)
@@ -110,6 +117,16 @@ class Source:
         self._committed: list[str] = []  # round ids still in the transport, oldest first
         self._rounds: list[RoundInfo] = []
         self._state = "running"  # -> "handed off" | "closed"
+        self._why_general: str | None = None
+        # the fast handoff (module docstring): the digests of the round in flight, of the
+        # newest committed one, and the bytes file the delta goes to (local transports)
+        self._allow_pickle = allow_pickle
+        self._fast = fast_handoff and transport.local_path(root) is not None
+        self._fast_asked = fast_handoff
+        self._plan: FlatPlan | None = None
+        self._buffer: DeltaBuffer | None = None
+        self._inflight_digests: Digests | None = None
+        self._base: tuple[str, Digests] | None = None
 
     # -- the rounds -------------------------------------------------------------------------
     def precopy(self, *, wait: bool = False) -> PendingSave | None:
@@ -127,9 +144,11 @@ class Source:
         self._reap(raising=True)
         if self._inflight is not None:
             return None
+        digests = self._take()  # (enqueued before the save's consistent point: both see one state)
         pending = self._ckpt.save(self.app_state, tag=transport.round_tag(self._seq + 1, final=False))
         self._seq += 1
         self._inflight, self._inflight_seq = pending, self._seq
+        self._inflight_digests = digests
         if wait:
             pending.exception()
             self._reap(raising=True)
@@ -148,6 +167,9 @@ class Source:
         if self._inflight is not None:
             self._inflight.exception()  # (its failure does not matter: the last round carries everything)
         self._reap(raising=False)
+        fast = self._fast_handoff(started)
+        if fast is not None:
+            return fast
         tag = transport.round_tag(self._seq + 1, final=True)
         try:
             info = self._ckpt.save(self.app_state, tag=tag, blocking=True).wait()
@@ -162,11 +184,16 @@ class Source:
         self._committed.append(info.id)
         self._ring()
         handoff_s = time.perf_counter() - started
+        self._after_handoff()
+        return HandoffInfo(final, handoff_s, tuple(self._rounds), general_why=self._why_general)
+
+    def _after_handoff(self) -> None:
+        if self._buffer is not None:
+            self._buffer.close()
         try:
             self._ckpt.close()  # (its threads and the writer lease: nothing more is written)
         except CheckpointError as exc:  # (an earlier round's failure nothing observed: the handoff stands)
             log.warning("gpusnap: migration %s: %s", self.address, exc)
-        return HandoffInfo(final, handoff_s, tuple(self._rounds))
 
     @property
     def rounds(self) -> tuple[RoundInfo, ...]:
@@ -194,6 +221,8 @@ class Source:
                     self._inflight = None
                 self._ckpt.close()
         finally:
+            if self._buffer is not None:
+                self._buffer.close()
             self._left.clean(handed_off=handed_off)
 
     def __enter__(self) -> Source:
@@ -204,6 +233,87 @@ class Source:
 
     def __repr__(self) -> str:
         return f"Source({self.address!r}, {self._state}, rounds={len(self._rounds)})"
+
+    # -- the fast handoff -----------------------------------------------------------------------
+    def _take(self) -> Digests | None:
+        """The digests of the state now, for the round about to start (None: no fast handoff
+        from this round; the first call also starts preparing the bytes file)."""
+        if not self._fast:
+            return None
+        try:
+            flat = flatten(self.app_state, allow_pickle=self._allow_pickle, plan=self._plan)
+            self._plan = flat.plan
+            if self._buffer is None:
+                local = transport.local_path(self.address)
+                assert local is not None
+                cuda = any(sp.device.type == "cuda" for sp in flat.spans)
+                self._buffer = DeltaBuffer(os.path.join(local, transport.MIGRATE, buffer_name(self._token)),
+                                           capacity_for(sum(sp.nbytes for sp in flat.spans)), page_lock=cuda)
+            return take(flat, self.config.chunk_size)
+        except Exception as exc:  # noqa: BLE001  (the round's save says what is wrong with the state)
+            log.debug("gpusnap: migration %s: no fast handoff from this round: %s", self.address, exc)
+            return None
+
+    def _fast_handoff(self, started: float) -> HandoffInfo | None:
+        """The handoff as a delta on the newest round (module docstring), or None (the
+        general way; ``_why_general`` says why)."""
+        why, claim = self._fast_refusal()
+        self._why_general = why
+        if why is not None:
+            return None
+        assert self._base is not None and self._buffer is not None and claim is not None
+        base_id, base = self._base
+        try:
+            flat = flatten(self.app_state, allow_pickle=self._allow_pickle, plan=self._plan)
+            now = take(flat, self.config.chunk_size)
+            if now is None:
+                self._why_general = "the state's CPU tensors are too large to digest"
+                return None
+            runs = changed_runs(base, now)
+            whole = claim.get("whole")
+            if runs is None or not isinstance(whole, list) or not all(
+                    type(i) is int and 0 <= i < len(flat.spans) for i in whole):
+                self._why_general = "the state was laid out otherwise than at the last round"
+                return None
+            runs = with_whole_spans(runs, whole, [sp.nbytes for sp in flat.spans])
+            need = delta_bytes(runs)
+            if need > self._buffer.capacity:
+                self._why_general = (f"the delta ({need} bytes) is larger than the fast handoff's buffer "
+                                     f"({self._buffer.capacity} bytes)")
+                return None
+            header = write_delta(self._buffer, flat, runs, now, token=self._token, base=base_id, seq=self._seq + 1)
+            transport.write_json(self._backend, DELTA_HEADER, header.to_doc())
+        except Exception as exc:  # noqa: BLE001  (the general way still hands off; said here)
+            log.warning("gpusnap: migration %s: the fast handoff failed (%s); handing off the general way",
+                        self.address, exc)
+            self._why_general = f"the fast handoff failed: {exc}"
+            return None
+        self._seq += 1
+        self._state = "handed off"
+        self._left.handed_off = True
+        handoff_s = time.perf_counter() - started
+        final = RoundInfo(id=base_id, seq=self._seq, final=True, bytes_total=sum(header.spans),
+                          bytes_moved=sum(r.stop - r.start for r in header.runs), stall_s=handoff_s,
+                          duration_s=handoff_s, fast=True)
+        self._rounds.append(final)
+        self._ring()
+        self._after_handoff()
+        return HandoffInfo(final, time.perf_counter() - started, tuple(self._rounds))
+
+    def _fast_refusal(self) -> tuple[str | None, dict[str, Any] | None]:
+        """Why this handoff cannot be a fast one (None: it can), and the target's claim."""
+        if not self._fast:
+            return ("Source(fast_handoff=False)" if not self._fast_asked else
+                    "the transport is not a local directory"), None
+        if self._base is None or self._buffer is None or not self._committed or self._committed[-1] != self._base[0]:
+            return "no round whose digests were taken is the newest (none yet, or the last one was retried)", None
+        if not self._buffer.wait_ready():
+            return f"the fast handoff's buffer could not be made: {self._buffer.error}", None
+        claim = self._claim()
+        if claim is None or claim.get("fast") is not True:
+            return ("no live target has applied a round over another yet (or its targets cannot be written "
+                    "piecewise)"), None
+        return None, claim
 
     # -- inside -------------------------------------------------------------------------------
     def _check_running(self, what: str) -> None:
@@ -217,6 +327,7 @@ class Source:
         if pending is None or not pending.done():
             return
         self._inflight = None
+        digests, self._inflight_digests = self._inflight_digests, None
         error = pending.exception(0)
         if error is not None:
             if raising:
@@ -224,6 +335,9 @@ class Source:
                                      "(the source goes on; the next round carries what it would have)") from error
             return
         info = pending.wait(0)
+        # a round that failed validation and was retried holds a later state than its digests
+        retried = info.stats.get("consistent_point") == "retry"
+        self._base = (info.id, digests) if digests is not None and not retried else None
         self._rounds.append(self._round_info(info.id, self._inflight_seq, False, info.stats))
         self._committed.append(info.id)
         self._retain()

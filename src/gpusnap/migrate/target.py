@@ -45,6 +45,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, MutableMapping
+from dataclasses import replace
 from typing import Any, NoReturn
 
 from gpusnap.config import Config
@@ -52,6 +53,8 @@ from gpusnap.errors import CheckpointError, CheckpointNotFoundError, RestoreMism
 from gpusnap.handles import RestoreHandle
 from gpusnap.migrate import transport
 from gpusnap.migrate.bell import Bell
+from gpusnap.migrate.delta_apply import DeltaApply
+from gpusnap.migrate.delta_file import DELTA_HEADER, DeltaHeader
 from gpusnap.migrate.errors import MigrationError
 from gpusnap.migrate.results import AppliedRound, ReceiveInfo
 from gpusnap.migrate.source import Source
@@ -109,6 +112,8 @@ class Target:
         self._lock: transport.Flock | None = None
         self._bell: Bell | None = None
         self._token = secrets.token_hex(8)
+        self._piecewise = False  # the rounds applied land in targets a fast handoff can write
+        self._whole: tuple[int, ...] = ()  # spans laid out afresh at each round here
         try:  # (a step that fails lets go of what the ones before took: the lock, the bell, the repo)
             self._backend = open_backend(root)
             doc = transport.read_json(self._backend, transport.SOURCE_FILE)
@@ -175,6 +180,10 @@ class Target:
                 newest = self._claim_newest(applied)
             except _Broken as exc:
                 self._fail(str(exc), applied, None)
+            if newest is None and applied is not None:
+                header = self._delta_header(applied)
+                if header is not None:
+                    return self._apply_delta(header, applied, baseline, app_state, rounds, started)
             if newest is None:
                 if not self._source_alive():
                     try:
@@ -204,6 +213,10 @@ class Target:
                 self._fail(f"round {_tag(newest).seq} ({newest.id}) could not be applied: {exc}", applied,
                            self._written(delta, lazy and final), cause=exc)
             if not (lazy and final):
+                # a fast handoff can land once a round applied over another has shown which
+                # spans this side lays out afresh each time: those the source sends whole
+                self._piecewise = self._local is not None and not baseline.empty and delta.writable_piecewise()
+                self._whole = delta.relaid_out
                 baseline = delta.applied()
             done = time.perf_counter()
             s = delta.stats
@@ -223,6 +236,52 @@ class Target:
                 else:
                     self._finish()
                 return info
+
+    def _delta_header(self, applied: Manifest) -> DeltaHeader | None:
+        """The fast handoff's header, when the source wrote one (based on ``applied``, the
+        newest round: anything else cannot be completed)."""
+        if self._local is None:
+            return None
+        doc = transport.read_json(self._backend, DELTA_HEADER)
+        if doc is None:
+            return None
+        try:
+            header = DeltaHeader.from_doc(doc)
+        except CheckpointError as exc:
+            self._fail(str(exc), applied, False, cause=exc)
+        if header.base != applied.id:
+            self._fail(f"the handoff is a delta on round {header.base}, which is not the newest round "
+                       f"({applied.id})", applied, False)
+        return header
+
+    def _apply_delta(self, header: DeltaHeader, applied: Manifest, baseline: Baseline,
+                     app_state: MutableMapping[str, Any], rounds: list[AppliedRound], started: float) -> ReceiveInfo:
+        """Put a fast handoff's delta in place (delta_apply.py) and end the receive."""
+        found = time.perf_counter()
+        assert self._local is not None
+        whole = frozenset(r.span for r in header.runs if r.start == 0 and r.stop == header.spans[r.span])
+        apply = DeltaApply(header, os.path.join(self._local, transport.MIGRATE, header.data),
+                           Delta(baseline, supplied=whole))
+        manifest = replace(applied, tree=header.tree, tag=transport.round_tag(header.seq, final=True))
+        try:
+            self._restorer.restore(self._repo, manifest, app_state, allow_pickle=self.allow_pickle, lazy=False,
+                                   verify="off", started=found, replan=apply.replan)
+        except RestoreMismatchError as exc:
+            self._fail(f"app_state does not fit the source's state: {exc}", applied, None, cause=exc)
+        except (CheckpointError, OSError) as exc:
+            self._fail(f"the handoff delta on round {applied.id} could not be applied: {exc}", applied,
+                       apply.written, cause=exc)
+        done = time.perf_counter()
+        round_ = AppliedRound(applied.id, header.seq, True, sum(header.spans), apply.bytes_moved, apply.chunks_moved,
+                              False, done - found, fast=True)
+        rounds.append(round_)
+        if self.on_round is not None:
+            self.on_round(round_)
+        self._received = True
+        info = ReceiveInfo(applied.id, tuple(rounds), done - found,
+                           done - started - sum(r.apply_s for r in rounds), False)
+        self._finish()
+        return info
 
     def wait(self, timeout: float | None = None) -> None:
         """After ``receive(lazy=True)``: until the last delta is in place (raises its
@@ -285,7 +344,7 @@ class Target:
     def _claim(self, reading: str | None) -> None:
         transport.write_json(self._backend, transport.TARGET_FILE, {
             "token": self._token, "reading": reading, "bell": None if self._bell is None else os.path.basename(
-                self._bell.path), **transport.whoami()})
+                self._bell.path), "fast": self._piecewise, "whole": list(self._whole), **transport.whoami()})
 
     def _wait(self) -> None:
         if self._bell is not None:
@@ -324,7 +383,8 @@ class Target:
         else:
             holds = (f"holds round {_tag(applied).seq} ({applied.id}) of the source's state, complete and "
                      "consistent, but not its last: do not resume from it")
-        gone = self._source_alive() is False and not any(_tag(m).final for m in self._safe_rounds())
+        gone = self._source_alive() is False and not any(_tag(m).final for m in self._safe_rounds()) and (
+            self._local is None or transport.read_json(self._backend, DELTA_HEADER) is None)
         self._release()
         if gone and self._source.get("made"):  # (nothing can complete this migration: free the host memory)
             transport.remove_root(self.address)

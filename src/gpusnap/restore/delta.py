@@ -82,9 +82,15 @@ class Delta:
     >>> baseline = delta.applied()                                          # doctest: +SKIP
     """
 
-    def __init__(self, baseline: Baseline) -> None:
+    def __init__(self, baseline: Baseline, *, supplied: frozenset[int] = frozenset()) -> None:
+        """``supplied``: spans the caller writes into the targets itself (a migration's fast
+        handoff): never moved from the checkpoint, whatever their layout."""
         self.baseline = baseline
+        self.supplied = supplied
         self.stats = DeltaStats()
+        self.relaid_out: tuple[int, ...] = ()
+        """Spans whose targets are laid out otherwise than in the baseline (new storages: a
+        ``load_state_dict`` that makes fresh tensors, RNG state): moved whole each time."""
         self._full: tuple[Manifest, RestorePlan] | None = None
 
     def replan(self, manifest: Manifest, plan: RestorePlan) -> tuple[Manifest, RestorePlan]:
@@ -98,10 +104,13 @@ class Delta:
         paths: dict[int, list[str]] = {}
         pieces: dict[int, list[int]] = {}  # original span -> its pieces in the new manifest
         moved_chunks = moved_bytes = spans_moved = 0
+        relaid: list[int] = []
         for i, entry in enumerate(manifest.storages):
             names = tuple(entry.chunks)
             old = base.names.get(_layout(plan, i, entry)) if usable else None
-            if old == names:
+            if usable and old is None:
+                relaid.append(i)
+            if old == names or i in self.supplied:
                 continue
             changed = [j for j in range(len(names)) if old is None or j >= len(old) or old[j] != names[j]]
             spans_moved += 1
@@ -126,6 +135,7 @@ class Delta:
                 pieces.setdefault(i, []).append(k)
                 moved_chunks += j1 - j0
                 moved_bytes += stop - start
+        self.relaid_out = tuple(relaid)
         self.stats = DeltaStats(
             spans=len(manifest.storages), spans_moved=spans_moved,
             chunks=sum(len(e.chunks) for e in manifest.storages), chunks_moved=moved_chunks,
@@ -142,6 +152,14 @@ class Delta:
             {k for i in plan.read_at_finish for k in pieces.get(i, ())},
         )
         return sub, sub_plan
+
+    def writable_piecewise(self) -> bool:
+        """Whether every span of the last plan may be written in byte ranges (streamable, not
+        resharded): what a migration's fast handoff needs of the targets."""
+        if self._full is None:
+            return False
+        manifest, plan = self._full
+        return not plan.sharded and all(plan.streamable(i) for i in range(len(manifest.storages)))
 
     def applied(self) -> Baseline:
         """The baseline after this restore completed: every span's chunk names in its targets."""

@@ -1,0 +1,199 @@
+"""The fast handoff's two files in a local transport: the changed chunks' bytes, in a file
+the source prepared while it ran, and their header, which commits them.
+
+Layout (beside transport.py's files)::
+
+    ROOT/migrate/handoff-<token>.bin    the bytes: one run of changed chunks after another
+    ROOT/migrate/handoff.json           the header (:class:`DeltaHeader`), renamed into place
+
+The bytes file is made at the first ``precopy()`` on a thread of its own (allocated, mapped
+and, where CUDA is up, page-locked for the device), so that at the handoff the device copies
+the changed chunks straight into memory the target can map: no file write, no staging. The
+header names the round the delta applies to (``base``), every run's span, bytes and place in
+the file, a digest per chunk (the device hash for a CUDA span, BLAKE2b-128 for a CPU one:
+the target checks every chunk before it writes a byte) and the state's tree (plain values).
+A header that cannot be parsed, or names a file or ranges outside the transport, is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpusnap.errors import CheckpointError
+from gpusnap.storage.private_dir import open_private
+
+__all__ = ["ALIGN", "DELTA_HEADER", "DeltaBuffer", "DeltaHeader", "DeltaRun", "buffer_name", "capacity_for"]
+
+log = logging.getLogger("gpusnap")
+
+DELTA_HEADER = "migrate/handoff.json"
+ALIGN = 512  # each run's place in the file (the device hash reads 16-byte aligned starts)
+_NAME = re.compile(r"^handoff-[0-9a-f]{16}\.bin$")
+_KINDS = ("nh", "b2")  # the device hash, BLAKE2b-128
+FORMAT = "gpusnap-migrate-delta"
+
+# How many bytes a fast handoff may move: a share of the state (a serving step dirties the
+# KV cache's tail and nothing else), within bounds; a larger delta takes the general way
+CAPACITY_SHARE = 32
+CAPACITY_MIN = 64 << 20
+CAPACITY_MAX = 1 << 30
+
+
+def capacity_for(state_bytes: int) -> int:
+    """The bytes file's size for a state of ``state_bytes``."""
+    return max(CAPACITY_MIN, min(CAPACITY_MAX, state_bytes // CAPACITY_SHARE))
+
+
+def buffer_name(token: str) -> str:
+    return f"handoff-{token}.bin"
+
+
+@dataclass(frozen=True)
+class DeltaRun:
+    """Bytes ``[start, stop)`` of span ``span`` at ``offset`` of the bytes file; ``kind`` of
+    digest (``"nh"`` device hash, ``"b2"`` BLAKE2b-128), one per chunk in ``digests``."""
+
+    span: int
+    start: int
+    stop: int
+    offset: int
+    kind: str
+    digests: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class DeltaHeader:
+    """What a fast handoff moved: see the module docstring."""
+
+    token: str
+    base: str
+    seq: int
+    chunk_size: int
+    spans: tuple[int, ...]
+    runs: tuple[DeltaRun, ...]
+    tree: dict[str, Any]
+    data: str
+    nbytes: int
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"format": FORMAT, "version": 1, "token": self.token, "base": self.base, "seq": self.seq,
+                "chunk_size": self.chunk_size, "spans": list(self.spans), "data": self.data, "nbytes": self.nbytes,
+                "runs": [[r.span, r.start, r.stop, r.offset, r.kind, list(r.digests)] for r in self.runs],
+                "tree": self.tree}
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> DeltaHeader:
+        """The header in ``doc``; CheckpointError saying what is wrong with it."""
+        try:
+            if doc.get("format") != FORMAT or doc.get("version") != 1:
+                raise ValueError(f"not a version 1 {FORMAT} header")
+            spans = tuple(_nat(n) for n in doc["spans"])
+            cs = _nat(doc["chunk_size"])
+            nbytes = _nat(doc["nbytes"])
+            data = doc["data"]
+            if not isinstance(data, str) or not _NAME.match(data):
+                raise ValueError(f"data file {data!r} is not a handoff-<token>.bin of the transport")
+            runs = []
+            for row in doc["runs"]:
+                span, start, stop, offset, kind, digests = row
+                span, start, stop, offset = _nat(span), _nat(start), _nat(stop), _nat(offset)
+                if cs == 0 or span >= len(spans) or not start < stop <= spans[span] or start % cs:
+                    raise ValueError(f"run {row[:4]} lies outside its span")
+                if offset + (stop - start) > nbytes:
+                    raise ValueError(f"run {row[:4]} lies outside the data ({nbytes} bytes)")
+                if kind not in _KINDS or not isinstance(digests, list) or len(digests) != -(-(stop - start) // cs) \
+                        or not all(isinstance(d, str) and len(d) == 32 for d in digests):
+                    raise ValueError(f"run {row[:4]}: its digests do not match its chunks")
+                runs.append(DeltaRun(span, start, stop, offset, kind, tuple(digests)))
+            tree = doc["tree"]
+            if not isinstance(tree, dict):
+                raise ValueError("tree is not an object")
+            token, base, seq = doc["token"], doc["base"], _nat(doc["seq"])
+            if not isinstance(token, str) or not isinstance(base, str):
+                raise ValueError("token and base must be strings")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"the handoff header {DELTA_HEADER} is damaged: {exc}") from None
+        return cls(token, base, seq, cs, spans, tuple(runs), tree, data, nbytes)
+
+
+def _nat(value: Any) -> int:
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{value!r} is not a natural number")
+    return value
+
+
+class DeltaBuffer:
+    """The source's bytes file (see the module docstring), ``capacity`` bytes at ``path``,
+    prepared on a thread (:meth:`wait_ready`); ``view`` is a uint8 CPU tensor over it.
+    ``page_locked``: registered with CUDA (device copies into it run at full speed)."""
+
+    def __init__(self, path: str, capacity: int, *, page_lock: bool) -> None:
+        self.path = path
+        self.capacity = capacity
+        self.page_locked = False
+        self.view: torch.Tensor | None = None
+        self.error: BaseException | None = None
+        self._map: mmap.mmap | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._prepare, args=(page_lock,), name="gpusnap-migrate-buffer",
+                                        daemon=True)
+        self._thread.start()
+
+    def wait_ready(self) -> bool:
+        """Whether the file is ready to take the delta (waits for its preparation)."""
+        self._thread.join()
+        return self.view is not None and self.error is None
+
+    def close(self) -> None:
+        """Unmap (the file stays for the target: the transport's removal takes it)."""
+        self._thread.join()
+        with self._lock:
+            self._closed = True
+            view, self.view = self.view, None
+            if view is not None and self.page_locked:
+                try:
+                    torch.cuda.cudart().cudaHostUnregister(view.data_ptr())
+                except Exception:  # noqa: BLE001  (a context already torn down: the process is ending)
+                    pass
+            del view
+            mapped, self._map = self._map, None
+        if mapped is not None:
+            try:
+                mapped.close()
+            except BufferError:  # (a view of it still lives somewhere: the mapping goes with it)
+                pass
+
+    def _prepare(self, page_lock: bool) -> None:
+        try:
+            fd = open_private(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+            try:
+                os.posix_fallocate(fd, 0, self.capacity)  # (tmpfs: the pages now, not at the handoff)
+                mapped = mmap.mmap(fd, self.capacity, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            finally:
+                os.close(fd)
+            view = torch.frombuffer(mapped, dtype=torch.uint8)
+            locked = False
+            if page_lock:
+                locked = int(torch.cuda.cudart().cudaHostRegister(view.data_ptr(), self.capacity, 0)) == 0
+                if not locked:
+                    log.info("gpusnap: migration: the handoff buffer could not be page-locked: device copies "
+                             "into it run at pageable speed")
+            with self._lock:
+                if self._closed:  # (closed while preparing)
+                    if locked:
+                        torch.cuda.cudart().cudaHostUnregister(view.data_ptr())
+                    del view
+                    mapped.close()
+                    return
+                self._map, self.view, self.page_locked = mapped, view, locked
+        except Exception as exc:  # noqa: BLE001  (the handoff goes the general way; said there)
+            self.error = exc

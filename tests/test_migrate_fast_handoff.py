@@ -1,0 +1,208 @@
+"""The fast handoff (gpusnap.migrate): the last delta as the chunks that changed since the
+newest round, found by comparing digests taken at that round's consistent point with the
+state's now, copied into a file the source prepared and checked chunk by chunk by the target
+before it writes a byte.
+
+It is taken only when it can be exact; otherwise the handoff goes the general way (a last
+round saved as a checkpoint) and says why: a state laid out otherwise, a delta larger than
+the buffer, a header that cannot be committed. A damaged bytes file fails the target with
+the round before in place; a hostile header is refused. Every test runs on CPU tensors
+(BLAKE2b digests) and, on a GPU machine, on CUDA tensors (device hashes).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from faults import FaultyBackend
+from test_migrate import CFG, HANG_S, Applied, _join, _receive_in_thread
+
+from gpusnap.errors import CheckpointError
+from gpusnap.migrate import MigrationError, Source, Target
+from gpusnap.migrate import delta_file
+from gpusnap.migrate import source as source_module
+from gpusnap.migrate.delta_file import DELTA_HEADER, DeltaHeader
+from gpusnap.storage.backend import open_backend
+
+CHUNK = CFG.chunk_size
+
+
+def _app(device: torch.device) -> dict[str, Any]:
+    data = torch.randn(64 * CHUNK // 4, generator=torch.Generator().manual_seed(0)).to(device)  # 64 distinct chunks
+    return {"big": data, "small": torch.arange(100, dtype=torch.int16, device=device), "step": 0}
+
+
+def _blank(device: torch.device) -> dict[str, Any]:
+    return {"big": torch.zeros(64 * CHUNK // 4, device=device), "small": torch.zeros(100, dtype=torch.int16,
+                                                                                    device=device), "step": -1}
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a["step"] == b["step"] and torch.equal(a["big"].cpu(), b["big"].cpu()) and torch.equal(
+        a["small"].cpu(), b["small"].cpu())
+
+
+def _two_rounds(src: Source, app: dict[str, Any], applied: Applied) -> None:
+    """Rounds 1 and 2 applied (a fast handoff needs a target that applied one over another)."""
+    src.precopy(wait=True)
+    applied.wait_for(1)
+    app["big"][7] += 1.0
+    app["step"] = 1
+    src.precopy(wait=True)
+    applied.wait_for(2)
+
+
+def test_a_fast_handoff_moves_the_changed_chunks_and_the_plain_values(device: torch.device) -> None:
+    app, copy, applied = _app(device), _blank(device), Applied()
+    with Source(app, config=CFG) as src, Target(src.address, on_round=applied) as dst:
+        thread, out = _receive_in_thread(dst, copy)
+        _two_rounds(src, app, applied)
+        app["big"][3 * CHUNK // 4] = 5.0  # chunk 3
+        app["big"][40 * CHUNK // 4 : 42 * CHUNK // 4] = 2.0  # chunks 40 and 41, side by side
+        app["step"] = 2
+        handed = src.handoff()
+        info = _join(thread, out)
+    assert handed.general_why is None and handed.round.fast and handed.round.final
+    assert handed.round.bytes_moved == 3 * CHUNK and handed.round.id == src.rounds[1].id  # a delta on round 2
+    last = info.rounds[-1]
+    assert last.fast and last.final and last.bytes_moved == 3 * CHUNK and last.chunks_moved == 3
+    assert [r.seq for r in applied.rounds] == [1, 2, 3]
+    assert _same(copy, app)
+    assert not os.path.exists(src.address), "the transport outlived the receive"
+
+
+def test_a_tensor_the_program_replaced_moves_whole(device: torch.device) -> None:
+    app, copy, applied = _app(device), _blank(device), Applied()
+    with Source(app, config=CFG) as src, Target(src.address, on_round=applied) as dst:
+        thread, out = _receive_in_thread(dst, copy)
+        _two_rounds(src, app, applied)
+        app["small"] = app["small"] * 3  # another tensor (another storage), laid out alike
+        handed = src.handoff()
+        _join(thread, out)
+    assert handed.round.fast and handed.round.bytes_moved == 200  # all of "small", nothing of "big"
+    assert _same(copy, app)
+
+
+def test_a_state_laid_out_otherwise_hands_off_the_general_way() -> None:
+    device = torch.device("cpu")
+    app, copy, applied = _app(device), _blank(device), Applied()
+    with Source(app, config=CFG) as src, Target(src.address, on_round=applied) as dst:
+        thread, out = _receive_in_thread(dst, copy)
+        _two_rounds(src, app, applied)
+        app["small"] = torch.arange(50, dtype=torch.int16)  # fewer bytes: the spans differ
+        copy["small"] = torch.zeros(50, dtype=torch.int16)
+        handed = src.handoff()
+        _join(thread, out)
+    assert not handed.round.fast and "laid out otherwise" in (handed.general_why or "")
+    assert _same(copy, app)
+
+
+def test_a_delta_larger_than_the_buffer_hands_off_the_general_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(delta_file, "CAPACITY_MIN", 2 * CHUNK)  # (a buffer of two chunks)
+    monkeypatch.setattr(delta_file, "CAPACITY_MAX", 2 * CHUNK)
+    device = torch.device("cpu")
+    app, copy, applied = _app(device), _blank(device), Applied()
+    with Source(app, config=CFG) as src, Target(src.address, on_round=applied) as dst:
+        thread, out = _receive_in_thread(dst, copy)
+        _two_rounds(src, app, applied)
+        app["big"][: 10 * CHUNK // 4] = -1.0  # ten chunks
+        handed = src.handoff()
+        _join(thread, out)
+    assert not handed.round.fast and "larger than the fast handoff's buffer" in (handed.general_why or "")
+    assert _same(copy, app)
+
+
+def _transport_backend(monkeypatch: pytest.MonkeyPatch) -> FaultyBackend:
+    """The source's own files (the handoff's header) go through one FaultyBackend."""
+    holder: dict[str, FaultyBackend] = {}
+
+    def opening(root: str) -> FaultyBackend:
+        holder["backend"] = FaultyBackend(open_backend(root))
+        return holder["backend"]
+
+    monkeypatch.setattr(source_module, "open_backend", opening)
+    return holder  # type: ignore[return-value]
+
+
+def test_a_header_that_cannot_be_committed_hands_off_the_general_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    holder: Any = _transport_backend(monkeypatch)
+    device = torch.device("cpu")
+    app, copy, applied = _app(device), _blank(device), Applied()
+    with Source(app, config=CFG) as src, Target(src.address, on_round=applied) as dst:
+        holder["backend"].fail_rename = lambda path: path == DELTA_HEADER
+        thread, out = _receive_in_thread(dst, copy)
+        _two_rounds(src, app, applied)
+        app["big"][0] = 9.0
+        app["step"] = 2
+        handed = src.handoff()
+        _join(thread, out)
+    assert not handed.round.fast and "the fast handoff failed" in (handed.general_why or "")
+    assert _same(copy, app)
+
+
+def test_a_damaged_bytes_file_fails_the_target_with_the_round_before_in_place(
+        device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    holder: Any = _transport_backend(monkeypatch)
+    app, copy, applied = _app(device), _blank(device), Applied()
+    with Source(app, config=CFG) as src, Target(src.address, on_round=applied) as dst:
+        local = src.address
+
+        def damage(path: str) -> None:  # the bytes are in; one flips before the header commits them
+            if path == DELTA_HEADER:
+                (data,) = [n for n in os.listdir(os.path.join(local, "migrate")) if n.endswith(".bin")]
+                with open(os.path.join(local, "migrate", data), "r+b") as f:
+                    first = f.read(1)
+                    f.seek(0)
+                    f.write(bytes([first[0] ^ 0xFF]))
+
+        holder["backend"].before_rename = damage
+        thread, out = _receive_in_thread(dst, copy)
+        _two_rounds(src, app, applied)
+        round2 = {"big": app["big"].clone(), "small": app["small"].clone(), "step": app["step"]}
+        app["big"][5 * CHUNK // 4] = 7.0
+        app["step"] = 2
+        handed = src.handoff()
+        thread.join(HANG_S)
+    assert handed.round.fast and not thread.is_alive()
+    error = out.get("error")
+    assert isinstance(error, MigrationError) and "damaged" in str(error), out
+    assert "holds round 2" in str(error) and "partly written" not in str(error)
+    assert _same(copy, round2), "a byte of the damaged delta was written"
+
+
+@pytest.mark.parametrize(("field", "value", "why"), [
+    ("data", "../../etc/passwd", "is not a handoff-<token>.bin"),
+    ("data", "handoff-0123456789abcdef.bin/x", "is not a handoff-<token>.bin"),
+    ("runs", [[0, 0, 1 << 40, 0, "nh", ["0" * 32]]], "outside its span"),
+    ("runs", [[5, 0, 16, 0, "nh", ["0" * 32]]], "outside its span"),
+    ("runs", [[0, 0, 16, 1 << 30, "nh", ["0" * 32]]], "outside the data"),
+    ("runs", [[0, 0, 16, 0, "nh", []]], "digests do not match"),
+    ("runs", [[0, 0, 16, 0, "md5", ["0" * 32]]], "digests do not match"),
+    ("runs", [[0, -16, 16, 0, "nh", ["0" * 32]]], "not a natural number"),
+    ("tree", [], "tree is not an object"),
+    ("format", "something else", "not a version 1"),
+])
+def test_a_hostile_header_is_refused(field: str, value: Any, why: str) -> None:
+    doc = {"format": "gpusnap-migrate-delta", "version": 1, "token": "t", "base": "b", "seq": 3, "chunk_size": 16,
+           "spans": [64], "data": "handoff-0123456789abcdef.bin", "nbytes": 64,
+           "runs": [[0, 0, 16, 0, "nh", ["0" * 32]]], "tree": {"t": "dict"}}
+    assert DeltaHeader.from_doc(doc).runs[0].stop == 16
+    with pytest.raises(CheckpointError, match=why):
+        DeltaHeader.from_doc({**doc, field: value})
+
+
+def test_a_source_asked_for_no_fast_handoff_says_so() -> None:
+    device = torch.device("cpu")
+    app, copy, applied = _app(device), _blank(device), Applied()
+    with Source(app, config=CFG, fast_handoff=False) as src, Target(src.address, on_round=applied) as dst:
+        thread, out = _receive_in_thread(dst, copy)
+        _two_rounds(src, app, applied)
+        handed = src.handoff()
+        _join(thread, out)
+    assert not handed.round.fast and handed.general_why == "Source(fast_handoff=False)"
+    assert _same(copy, app)
+    with pytest.raises(TypeError, match="fast_handoff must be a bool"):
+        Source(app, config=CFG, fast_handoff="yes")  # type: ignore[arg-type]
