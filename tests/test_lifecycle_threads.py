@@ -222,26 +222,26 @@ def test_a_wait_on_another_thread_leaves_the_savers_tracker_to_it(tmp_path: Path
 
 
 # -- (c) Ctrl-C and close() -----------------------------------------------------------------------
+@pytest.fixture
+def ctrl_c_raises() -> Any:
+    """Ctrl-C raises KeyboardInterrupt, as in a program started from a terminal: a job a shell
+    starts in the background (``cmd &``) inherits SIGINT ignored, and Python then installs
+    no handler, so the signal this test sends would be dropped and the save wait on."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 def test_ctrl_c_while_save_waits_for_a_queue_slot(tmp_path: Path, writer_gate: threading.Event,
-                                                  backend: FaultyBackend) -> None:
+                                                  backend: FaultyBackend, ctrl_c_raises: None) -> None:
     root = tmp_path / "ck"
     ck = gpusnap.Checkpointer(root, config=_config(max_pending_saves=1))
     try:
         state = _state()
         gated = threading.Event()
-        seen: list[str] = []
-
-        def at_commit(path: str) -> None:
-            if path.startswith("manifests/"):
-                import traceback
-                seen.append(f"{threading.current_thread().name} {path}\n" + "".join(traceback.format_stack(limit=12)))
-                gated.set()
-                writer_gate.wait(WAIT_S)
-
-        backend.before_rename = at_commit
+        backend.before_rename = lambda path: (gated.set(), writer_gate.wait(WAIT_S)) if path.startswith(
+            "manifests/") else None
         first = ck.save(state)  # the writer holds it
-        # (in full CI runs the third save found its slot free 4 times, never in this file's own
-        # runs: whether the writer was held at all is asserted here, not inferred from that)
         wait_until(gated.is_set, "the first save held at its commit")
         second = ck.save(state)  # queued: the queue is full
         main = threading.main_thread()
@@ -251,23 +251,9 @@ def test_ctrl_c_while_save_waits_for_a_queue_slot(tmp_path: Path, writer_gate: t
             signal.pthread_kill(main.ident, signal.SIGINT)  # type: ignore[arg-type]
 
         interrupter = threading.Thread(target=ctrl_c_while_waiting_for_a_slot)
-        engine = ck._saves.engine
-        before = (f"slots={engine._slots._value} queued={engine.jobs.qsize()} writer={engine._thread!r} "
-                  f"first={first.done()} second={second.done()} pending={[c.id for c in ck._saves.pending()]}")
         interrupter.start()
-        try:
-            third = ck.save(state)
-        except KeyboardInterrupt:
-            pass
-        else:
-            import traceback
-            stacks = {t.name: "".join(traceback.format_stack(sys._current_frames()[t.ident]))  # type: ignore[index]
-                      for t in threading.enumerate() if t.ident in sys._current_frames()}
-            raise AssertionError(
-                f"DID NOT RAISE: before third: {before}\nafter: slots={engine._slots._value} "
-                f"queued={engine.jobs.qsize()} third={third.id} done={third.done()} "
-                f"first={first.done()} second={second.done()} ids={first.id},{second.id}\n"
-                f"gate seen: {seen}\nstacks: {stacks}")
+        with pytest.raises(KeyboardInterrupt):
+            ck.save(state)
         interrupter.join()
         assert [c.id for c in ck._saves.pending()] == [first.id, second.id], "the interrupted save is forgotten"
         assert _get_current_dispatch_mode_stack() == [], "its tracker was popped"
