@@ -74,12 +74,13 @@ def test_a_fast_handoff_moves_the_changed_chunks_and_the_plain_values(device: to
     assert not os.path.exists(src.address), "the transport outlived the receive"
 
 
-def test_a_tensor_the_program_replaced_moves_whole(device: torch.device) -> None:
+def test_a_tensor_the_program_replaced_moves_what_differs(device: torch.device) -> None:
     app, copy, applied = _app(device), _blank(device), Applied()
     with Source(app, config=CFG) as src, Target(src.address, on_round=applied) as dst:
         thread, out = _receive_in_thread(dst, copy)
         _two_rounds(src, app, applied)
         app["small"] = app["small"] * 3  # another tensor (another storage), laid out alike
+        app["big"] = app["big"].clone()  # another one, the same bytes
         handed = src.handoff()
         _join(thread, out)
     assert handed.round.fast and handed.round.bytes_moved == 200  # all of "small", nothing of "big"
@@ -206,3 +207,11 @@ def test_a_source_asked_for_no_fast_handoff_says_so() -> None:
     assert _same(copy, app)
     with pytest.raises(TypeError, match="fast_handoff must be a bool"):
         Source(app, config=CFG, fast_handoff="yes")  # type: ignore[arg-type]
+
+
+def test_a_source_called_off_leaves_no_bytes_file_in_a_root_it_was_given(tmp_path: Any) -> None:
+    root = tmp_path / "root"
+    app = _app(torch.device("cpu"))
+    with Source(app, to=root, config=CFG) as src:
+        src.precopy(wait=True)  # (the bytes file is made at the first round)
+    assert not any(n.startswith("handoff-") for n in os.listdir(root / "migrate")), "host memory held after close()"

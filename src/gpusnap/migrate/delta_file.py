@@ -135,7 +135,8 @@ class DeltaBuffer:
     prepared on a thread (:meth:`wait_ready`); ``view`` is a uint8 CPU tensor over it.
     ``page_locked``: registered with CUDA (device copies into it run at full speed)."""
 
-    def __init__(self, path: str, capacity: int, *, page_lock: bool) -> None:
+    def __init__(self, path: str, capacity: int, *, page_lock: torch.device | None) -> None:
+        """``page_lock``: the CUDA device whose copies fill it (None: not page-locked)."""
         self.path = path
         self.capacity = capacity
         self.page_locked = False
@@ -153,8 +154,9 @@ class DeltaBuffer:
         self._thread.join()
         return self.view is not None and self.error is None
 
-    def close(self) -> None:
-        """Unmap (the file stays for the target: the transport's removal takes it)."""
+    def close(self, *, remove: bool = False) -> None:
+        """Unmap; ``remove``: delete the file too (no delta in it for a target: it would hold
+        host memory until the transport goes)."""
         self._thread.join()
         with self._lock:
             self._closed = True
@@ -171,8 +173,13 @@ class DeltaBuffer:
                 mapped.close()
             except BufferError:  # (a view of it still lives somewhere: the mapping goes with it)
                 pass
+        if remove:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
 
-    def _prepare(self, page_lock: bool) -> None:
+    def _prepare(self, page_lock: torch.device | None) -> None:
         try:
             fd = open_private(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
             try:
@@ -182,8 +189,10 @@ class DeltaBuffer:
                 os.close(fd)
             view = torch.frombuffer(mapped, dtype=torch.uint8)
             locked = False
-            if page_lock:
-                locked = int(torch.cuda.cudart().cudaHostRegister(view.data_ptr(), self.capacity, 0)) == 0
+            if page_lock is not None:
+                torch.cuda.set_device(page_lock)  # (this thread's: no context made on another device)
+                # portable: page-locked for every device's context, whichever copies into it
+                locked = int(torch.cuda.cudart().cudaHostRegister(view.data_ptr(), self.capacity, 1)) == 0
                 if not locked:
                     log.info("gpusnap: migration: the handoff buffer could not be page-locked: device copies "
                              "into it run at pageable speed")

@@ -10,9 +10,14 @@ and the copy runs while the program goes on. Chunks unchanged since the round be
 neither copied nor written again (incremental saves, by the device hashes), so once the
 first round has moved the whole state, rounds move only what changed. One round is in
 flight at a time: a ``precopy()`` while one is still being written starts nothing and
-returns None. ``handoff()`` waits for the round in flight, then saves once more,
-synchronously (``blocking=True``): that last delta is the program's whole share of the
-downtime. Its round is tagged as the handoff, which is how the target knows it is final.
+returns None. ``handoff()`` waits for the round in flight, then moves the last delta: that
+is the program's whole share of the downtime. On a local transport it is a *fast handoff*
+where it can be exact: ``precopy()`` took per-chunk digests of the state just before its
+round's save (state_digests.py); ``handoff()`` takes them again, copies the chunks that
+differ into a file prepared at the first round and commits their header (delta_file.py,
+delta_write.py; the target's side is delta_apply.py). Otherwise (``general_why`` says why)
+it saves once more, synchronously (``blocking=True``), a round tagged as the handoff, which
+is how the target knows it is final.
 
 Between rounds, the source keeps the newest round and the one the target says it is
 reading (``migrate/target.json``) and deletes the others; a committed round rings the
@@ -119,7 +124,7 @@ class Source:
         self._state = "running"  # -> "handed off" | "closed"
         self._why_general: str | None = None
         # the fast handoff (module docstring): the digests of the round in flight, of the
-        # newest committed one, and the bytes file the delta goes to (local transports)
+        # newest committed one (its id), and the bytes file the delta goes to (local transports)
         self._allow_pickle = allow_pickle
         self._fast = fast_handoff and transport.local_path(root) is not None
         self._fast_asked = fast_handoff
@@ -184,12 +189,12 @@ class Source:
         self._committed.append(info.id)
         self._ring()
         handoff_s = time.perf_counter() - started
-        self._after_handoff()
+        self._after_handoff(fast=False)
         return HandoffInfo(final, handoff_s, tuple(self._rounds), general_why=self._why_general)
 
-    def _after_handoff(self) -> None:
+    def _after_handoff(self, *, fast: bool) -> None:
         if self._buffer is not None:
-            self._buffer.close()
+            self._buffer.close(remove=not fast)  # (the target reads a fast handoff's delta there)
         try:
             self._ckpt.close()  # (its threads and the writer lease: nothing more is written)
         except CheckpointError as exc:  # (an earlier round's failure nothing observed: the handoff stands)
@@ -221,8 +226,8 @@ class Source:
                     self._inflight = None
                 self._ckpt.close()
         finally:
-            if self._buffer is not None:
-                self._buffer.close()
+            if self._buffer is not None and not handed_off:
+                self._buffer.close(remove=True)
             self._left.clean(handed_off=handed_off)
 
     def __enter__(self) -> Source:
@@ -246,7 +251,7 @@ class Source:
             if self._buffer is None:
                 local = transport.local_path(self.address)
                 assert local is not None
-                cuda = any(sp.device.type == "cuda" for sp in flat.spans)
+                cuda = next((sp.device for sp in flat.spans if sp.device.type == "cuda"), None)
                 self._buffer = DeltaBuffer(os.path.join(local, transport.MIGRATE, buffer_name(self._token)),
                                            capacity_for(sum(sp.nbytes for sp in flat.spans)), page_lock=cuda)
             return take(flat, self.config.chunk_size)
@@ -297,7 +302,7 @@ class Source:
                           duration_s=handoff_s, fast=True)
         self._rounds.append(final)
         self._ring()
-        self._after_handoff()
+        self._after_handoff(fast=True)
         return HandoffInfo(final, time.perf_counter() - started, tuple(self._rounds))
 
     def _fast_refusal(self) -> tuple[str | None, dict[str, Any] | None]:

@@ -5,10 +5,11 @@ the chunks that changed between two such takes: what the fast handoff moves.
 see the state at one point: a CUDA span is hashed by the device hash (``kernels.chunk_hash``,
 enqueued on the current stream, the host does not wait; the round's save is enqueued after
 it), a CPU span by BLAKE2b-128 now. ``handoff()`` takes them again and compares: a chunk
-whose digest differs changed since that round; a span whose storage is not the one it was
-(a tensor re-allocated, a ``state_dict()`` that builds fresh tensors, as RNG state does)
-moves whole. Two takes are comparable only when the state is laid out alike: the same
-spans, in order, of the same lengths and devices on the same paths (:attr:`layout`).
+whose digest differs changed since that round. The digests are of the bytes, so a tensor the
+program re-allocated meanwhile (or a ``state_dict()`` that builds fresh tensors, as RNG state
+does) moves what differs, like any other. Two takes are comparable only when the state is
+laid out alike: the same spans, in order, of the same lengths and devices on the same paths
+(:attr:`Digests.layout`), which is what maps a span to the target's tensors.
 
 >>> import torch
 >>> from gpusnap.state.flatten import flatten
@@ -50,19 +51,15 @@ class Run:
 
 @dataclass(frozen=True, eq=False)
 class Digests:
-    """One take: ``layout`` (comparable between takes), each span's storage identity, chunk
-    size, and the digest rows (int64 ``(chunks, 2)``) of each device's spans in one block
-    (``blocks``: the device, its span indices, their rows in order: device hashes on a CUDA
-    device, BLAKE2b-128 words on the host). ``rows[i]`` is span ``i``'s part of its block.
-    ``keep`` holds the spans' storages, so that no other tensor can take an address an
-    identity names while the take is kept."""
+    """One take: ``layout`` (comparable between takes), the chunk size, and the digest rows
+    (int64 ``(chunks, 2)``) of each device's spans in one block (``blocks``: the device, its
+    span indices, their rows in order: device hashes on a CUDA device, BLAKE2b-128 words on
+    the host). ``rows[i]`` is span ``i``'s part of its block. Holds no storage of the state."""
 
     layout: Hashable
-    identity: tuple[tuple[str, int, int, int], ...]
     chunk_size: int
     blocks: tuple[tuple[torch.device, tuple[int, ...], torch.Tensor], ...]
     rows: tuple[torch.Tensor, ...]
-    keep: tuple[torch.UntypedStorage, ...]
 
 
 def take(flat: FlatState, chunk_size: int) -> Digests | None:
@@ -94,16 +91,13 @@ def take(flat: FlatState, chunk_size: int) -> Digests | None:
             row += count
         blocks.append((device, tuple(indices), out))
     layout = tuple((str(sp.device), sp.nbytes, tuple(sp.paths)) for sp in spans)
-    identity = tuple((str(sp.device), sp.storage.data_ptr(), sp.start, sp.end) for sp in spans)
-    return Digests(layout, identity, chunk_size, tuple(blocks), tuple(r for r in rows if r is not None),
-                   tuple(sp.storage for sp in spans))
+    return Digests(layout, chunk_size, tuple(blocks), tuple(r for r in rows if r is not None))
 
 
 def changed_runs(base: Digests, now: Digests) -> list[Run] | None:
-    """The runs of chunks that differ from ``base`` to ``now`` (a span whose storage is
-    another one: whole), in span order; None when the two are not comparable (laid out
-    otherwise, or another chunk size). One comparison and one copy to the host per device
-    (the host waits for ``now``'s device hashes there)."""
+    """The runs of chunks that differ from ``base`` to ``now``, in span order; None when the
+    two are not comparable (laid out otherwise, or another chunk size). One comparison and
+    one copy to the host per device (the host waits for ``now``'s device hashes there)."""
     if base.layout != now.layout or base.chunk_size != now.chunk_size:
         return None
     cs = now.chunk_size
@@ -118,10 +112,6 @@ def changed_runs(base: Digests, now: Digests) -> list[Run] | None:
     runs: list[Run] = []
     for i in range(len(now.rows)):
         nbytes = now.layout[i][1]  # type: ignore[index]
-        if base.identity[i] != now.identity[i]:  # (another storage: all of it)
-            if nbytes:
-                runs.append(Run(i, 0, nbytes))
-            continue
         for j0, j1 in _true_runs(flags[i]):
             runs.append(Run(i, j0 * cs, min(j1 * cs, nbytes)))
     return runs
