@@ -13,6 +13,10 @@ the round before in place; a hostile header is refused. Every test runs on CPU t
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
+import threading
 from typing import Any
 
 import pytest
@@ -215,3 +219,154 @@ def test_a_source_called_off_leaves_no_bytes_file_in_a_root_it_was_given(tmp_pat
     with Source(app, to=root, config=CFG) as src:
         src.precopy(wait=True)  # (the bytes file is made at the first round)
     assert not any(n.startswith("handoff-") for n in os.listdir(root / "migrate")), "host memory held after close()"
+
+
+def test_a_target_not_caught_up_gets_the_general_way_whatever_its_claim_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The target's claim describes the round it applied last; a handoff based on a newer
+    one (spans added meanwhile: an optimizer's first step) must not trust it."""
+    import gpusnap
+    from gpusnap.storage.repository import Repository
+
+    reading = threading.Event()  # set: the target's reads of packs wait for `go`
+    go = threading.Event()
+    real_open = Repository.open.__func__  # type: ignore[attr-defined]
+
+    class Held(FaultyBackend):
+        def readinto_range(self, path: str, offset: int, out: Any) -> Any:
+            if reading.is_set() and threading.current_thread().name == "test-target":
+                go.wait(HANG_S)
+            return super().readinto_range(path, offset, out)
+
+        def read_range(self, path: str, *a: Any, **k: Any) -> Any:
+            if reading.is_set() and path.startswith("packs/") and threading.current_thread().name == "test-target":
+                go.wait(HANG_S)
+            return super().read_range(path, *a, **k)
+
+    monkeypatch.setattr(Repository, "open", classmethod(
+        lambda cls, root, **kw: real_open(cls, root, **{**kw, "backend": Held(open_backend(root))})))
+
+    def build(seed: int) -> dict[str, Any]:
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(64, 64)
+        return {"model": model, "optim": torch.optim.AdamW(model.parameters()), "rng": gpusnap.RNGState(), "step": 0}
+
+    app, copy, applied = build(0), build(1), Applied()
+    with Source(app, config=CFG) as src, Target(src.address, on_round=applied) as dst:
+        thread, out = _receive_in_thread(dst, copy)
+        src.precopy(wait=True)
+        applied.wait_for(1)
+        torch.rand(3)  # (the RNG state moves)
+        src.precopy(wait=True)
+        applied.wait_for(2)
+        app["model"](torch.randn(4, 64)).pow(2).mean().backward()
+        app["optim"].step()  # the optimizer's state appears: spans before "rng"
+        app["step"] = 1
+        reading.set()  # the target will not have applied round 3 when the source hands off
+        src.precopy(wait=True)
+        handed = src.handoff()
+        go.set()
+        _join(thread, out)
+    assert not handed.round.fast and "applied the newest round" in (handed.general_why or "")
+    assert all(torch.equal(a, b) for a, b in zip(app["model"].parameters(), copy["model"].parameters()))
+    assert copy["step"] == 1 and copy["optim"].state_dict()["state"][0]["step"] == 1
+
+
+def test_a_fast_handoff_whose_target_died_stays_for_a_new_target(tmp_path: Any) -> None:
+    """Both sides gone after a fast handoff: the next Source of the user must not sweep the
+    transport away (a target can still complete it), and a new Target does."""
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys, threading, torch
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_migrate import CFG, Applied
+        from gpusnap.migrate import Source, Target
+        torch.manual_seed(0)
+        app = {{"big": torch.randn(64 * CFG.chunk_size // 4), "step": 0}}
+        copy = {{"big": torch.zeros(64 * CFG.chunk_size // 4), "step": -1}}
+        applied, never = Applied(), threading.Event()
+
+        def on_round(r):
+            applied(r)
+            if r.seq == 2:
+                never.wait()          # the target stops here: round 2 applied and claimed
+        src = Source(app, config=CFG)
+        dst = Target(src.address, on_round=on_round)
+        threading.Thread(target=dst.receive, args=(copy,), daemon=True).start()
+        src.precopy(wait=True); applied.wait_for(1)
+        app["big"][0] += 1; src.precopy(wait=True); applied.wait_for(2)
+        app["big"][3] += 1; app["step"] = 7
+        handed = src.handoff()
+        torch.save(app, {str(tmp_path / "expected.pt")!r})
+        print(src.address, handed.round.fast, flush=True)
+        os._exit(0)                   # both sides die: the transport holds round 2 and the delta
+    """))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=HANG_S, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    address, fast = run.stdout.split()
+    assert fast == "True"
+    Source({"x": torch.zeros(4)}, config=CFG).close()  # the user's next migration sweeps dead transports
+    assert os.path.exists(address), "a fast handoff a target can still complete was swept away"
+    copy = {"big": torch.zeros(64 * CHUNK // 4), "step": -1}
+    with Target(address) as dst:
+        info = dst.receive(copy)
+    expected = torch.load(tmp_path / "expected.pt")
+    assert info.rounds[-1].fast and copy["step"] == 7 and torch.equal(copy["big"], expected["big"])
+
+
+SMALL_SHM = textwrap.dedent("""
+    import dataclasses, subprocess, sys, threading
+    mount = sys.argv[1]
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", mount], check=True)
+    sys.path.insert(0, sys.argv[2])
+    import torch
+    from test_migrate import CFG, Applied, _receive_in_thread, _join
+    from gpusnap.migrate import Source, Target
+    cfg = dataclasses.replace(CFG, memory_tier_dir=mount)
+    app, copy, applied = {"w": torch.randn(2 << 20), "step": 0}, {"w": torch.zeros(2 << 20), "step": -1}, Applied()
+    with Source(app, config=cfg) as src, Target(src.address, on_round=applied) as dst:
+        thread, out = _receive_in_thread(dst, copy)
+        for k in range(1, 4):
+            app["w"][k] += 1; app["step"] = k
+            src.precopy(wait=True); applied.wait_for(k)
+        app["w"][0] += 1
+        handed = src.handoff()
+        _join(thread, out)
+    print(handed.round.fast, torch.equal(copy["w"], app["w"]) and copy["step"] == 3)
+""")
+
+
+def test_a_64_mib_shm_migrates_an_8_mib_state_the_fast_way(tmp_path: Any) -> None:
+    """A container's default /dev/shm: the bytes file is sized to the state and the room left
+    beside the rounds, not a fixed share (which took the rounds' space)."""
+    from fast_support import run_on_small_tmpfs
+
+    run = run_on_small_tmpfs(tmp_path, SMALL_SHM, os.path.dirname(__file__))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["True", "True"]
+
+
+def test_a_view_of_a_mapped_bytes_file_keeps_it_mapped(tmp_path: Any) -> None:
+    import mmap
+
+    from gpusnap.migrate.delta_file import mapped_bytes
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(range(256)) * 16)
+    with open(path, "r+b") as f:
+        mapped = mmap.mmap(f.fileno(), 4096)
+    view = mapped_bytes(mapped)[100:200]
+    with pytest.raises(BufferError):
+        mapped.close()  # (refused while a view lives: no view reads unmapped memory)
+    del mapped
+    assert view[0].item() == 100
+
+
+def test_a_source_dropped_without_close_lets_go_of_its_bytes_file(tmp_path: Any) -> None:
+    import gc
+
+    root = tmp_path / "root"
+    src = Source(_app(torch.device("cpu")), to=root, config=CFG)
+    src.precopy(wait=True)
+    del src
+    gc.collect()
+    assert not any(n.startswith("handoff-") for n in os.listdir(root / "migrate")), "host memory held"

@@ -27,7 +27,7 @@ import torch
 from gpusnap.errors import CheckpointError
 from gpusnap.kernels.chunk_hash import HASH_WORDS, hex_rows, num_chunks
 from gpusnap.kernels.chunk_hash_many import chunk_hashes_many
-from gpusnap.migrate.delta_file import DeltaHeader, DeltaRun
+from gpusnap.migrate.delta_file import DeltaHeader, DeltaRun, mapped_bytes
 from gpusnap.migrate.state_digests import blake_hex
 from gpusnap.restore.apply_bytes import apply_ranges
 from gpusnap.restore.delta import Delta
@@ -101,7 +101,7 @@ def _map(path: str, nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:
                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-    return torch.frombuffer(mapped, dtype=torch.uint8)[:nbytes], mapped
+    return mapped_bytes(mapped)[:nbytes], mapped
 
 
 def _groups(runs: Sequence[DeltaRun], plan: RestorePlan) -> dict[torch.device, list[DeltaRun]]:

@@ -25,16 +25,18 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from gpusnap.errors import CheckpointError
+from gpusnap.migrate.transport import DELTA_HEADER
 from gpusnap.storage.private_dir import open_private
 
-__all__ = ["ALIGN", "DELTA_HEADER", "DeltaBuffer", "DeltaHeader", "DeltaRun", "buffer_name", "capacity_for"]
+__all__ = ["ALIGN", "DELTA_HEADER", "DeltaBuffer", "DeltaHeader", "DeltaRun", "buffer_name", "capacity_for",
+           "mapped_bytes"]
 
 log = logging.getLogger("gpusnap")
 
-DELTA_HEADER = "migrate/handoff.json"
 ALIGN = 512  # each run's place in the file (the device hash reads 16-byte aligned starts)
 _NAME = re.compile(r"^handoff-[0-9a-f]{16}\.bin$")
 _KINDS = ("nh", "b2")  # the device hash, BLAKE2b-128
@@ -47,9 +49,23 @@ CAPACITY_MIN = 64 << 20
 CAPACITY_MAX = 1 << 30
 
 
-def capacity_for(state_bytes: int) -> int:
-    """The bytes file's size for a state of ``state_bytes``."""
-    return max(CAPACITY_MIN, min(CAPACITY_MAX, state_bytes // CAPACITY_SHARE))
+def capacity_for(span_bytes: list[int], chunk_size: int, free_bytes: int) -> int:
+    """The bytes file's size for a state of spans of ``span_bytes``: a share of the state
+    within bounds, never more than its largest delta (every chunk, each run aligned), and
+    never more than what leaves the rounds room in the transport's file system
+    (``free_bytes``: up to three rounds, a state's worth each, live there). 0: no room."""
+    total = sum(span_bytes)
+    largest = sum(n + ALIGN * -(-n // chunk_size) for n in span_bytes)
+    share = max(CAPACITY_MIN, min(CAPACITY_MAX, total // CAPACITY_SHARE))
+    return max(0, min(share, largest, free_bytes - 3 * total))
+
+
+def mapped_bytes(mapped: mmap.mmap) -> torch.Tensor:
+    """A uint8 CPU tensor over ``mapped`` that keeps the mapping alive (through NumPy, which
+    holds the buffer: ``mapped.close()`` then refuses while a view lives, and the memory is
+    unmapped only once none does; ``torch.frombuffer`` holds nothing, so a view could
+    outlive the mapping)."""
+    return torch.from_numpy(np.frombuffer(mapped, dtype=np.uint8))
 
 
 def buffer_name(token: str) -> str:
@@ -154,6 +170,13 @@ class DeltaBuffer:
         self._thread.join()
         return self.view is not None and self.error is None
 
+    def flush(self, nbytes: int) -> None:
+        """Write the first ``nbytes`` back to the file (a no-op on tmpfs; another host reading
+        a shared file system sees them then)."""
+        mapped = self._map
+        if mapped is not None and nbytes:
+            mapped.flush(0, min(self.capacity, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE))
+
     def close(self, *, remove: bool = False) -> None:
         """Unmap; ``remove``: delete the file too (no delta in it for a target: it would hold
         host memory until the transport goes)."""
@@ -187,7 +210,7 @@ class DeltaBuffer:
                 mapped = mmap.mmap(fd, self.capacity, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
             finally:
                 os.close(fd)
-            view = torch.frombuffer(mapped, dtype=torch.uint8)
+            view = mapped_bytes(mapped)
             locked = False
             if page_lock is not None:
                 torch.cuda.set_device(page_lock)  # (this thread's: no context made on another device)
@@ -201,7 +224,10 @@ class DeltaBuffer:
                     if locked:
                         torch.cuda.cudart().cudaHostUnregister(view.data_ptr())
                     del view
-                    mapped.close()
+                    try:
+                        mapped.close()
+                    except BufferError:
+                        pass
                     return
                 self._map, self.view, self.page_locked = mapped, view, locked
         except Exception as exc:  # noqa: BLE001  (the handoff goes the general way; said there)

@@ -54,6 +54,7 @@ def write_delta(buffer: DeltaBuffer, flat: FlatState, runs: Sequence[Run], now: 
     digests = _run_digests(runs, now)
     for device in devices:  # (the device hashes above waited for nothing the copies need)
         torch.cuda.current_stream(device).synchronize()
+    buffer.flush(total)
     spans = tuple(sp.nbytes for sp in flat.spans)
     out = tuple(DeltaRun(r.span, r.start, r.stop, at, kind, d) for r, at, (kind, d) in zip(runs, offsets, digests))
     return DeltaHeader(token, base, seq, now.chunk_size, spans, out, flat.tree, os.path.basename(buffer.path), total)

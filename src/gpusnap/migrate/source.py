@@ -47,7 +47,7 @@ from gpusnap.migrate.delta_write import delta_bytes, write_delta
 from gpusnap.migrate.errors import MigrationError
 from gpusnap.migrate.results import HandoffInfo, RoundInfo
 from gpusnap.migrate.state_digests import Digests, changed_runs, take, with_whole_spans
-from gpusnap.state.flat import FlatPlan
+from gpusnap.state.flat import FlatPlan, FlatState
 from gpusnap.state.flatten import flatten
 from gpusnap.storage.backend import open_backend
 from gpusnap.storage.repository import Repository
@@ -132,6 +132,7 @@ class Source:
         self._buffer: DeltaBuffer | None = None
         self._inflight_digests: Digests | None = None
         self._base: tuple[str, Digests] | None = None
+        self._no_buffer: str | None = None
 
     # -- the rounds -------------------------------------------------------------------------
     def precopy(self, *, wait: bool = False) -> PendingSave | None:
@@ -193,6 +194,7 @@ class Source:
         return HandoffInfo(final, handoff_s, tuple(self._rounds), general_why=self._why_general)
 
     def _after_handoff(self, *, fast: bool) -> None:
+        self._left.fast = fast
         if self._buffer is not None:
             self._buffer.close(remove=not fast)  # (the target reads a fast handoff's delta there)
         try:
@@ -226,8 +228,6 @@ class Source:
                     self._inflight = None
                 self._ckpt.close()
         finally:
-            if self._buffer is not None and not handed_off:
-                self._buffer.close(remove=True)
             self._left.clean(handed_off=handed_off)
 
     def __enter__(self) -> Source:
@@ -248,16 +248,29 @@ class Source:
         try:
             flat = flatten(self.app_state, allow_pickle=self._allow_pickle, plan=self._plan)
             self._plan = flat.plan
-            if self._buffer is None:
-                local = transport.local_path(self.address)
-                assert local is not None
-                cuda = next((sp.device for sp in flat.spans if sp.device.type == "cuda"), None)
-                self._buffer = DeltaBuffer(os.path.join(local, transport.MIGRATE, buffer_name(self._token)),
-                                           capacity_for(sum(sp.nbytes for sp in flat.spans)), page_lock=cuda)
-            return take(flat, self.config.chunk_size)
+            digests = take(flat, self.config.chunk_size)
+            if digests is not None and self._buffer is None and self._no_buffer is None:
+                self._make_buffer(flat)
+            return digests
         except Exception as exc:  # noqa: BLE001  (the round's save says what is wrong with the state)
             log.debug("gpusnap: migration %s: no fast handoff from this round: %s", self.address, exc)
             return None
+
+    def _make_buffer(self, flat: FlatState) -> None:
+        """Start preparing the bytes file, sized for this state and the room left beside the
+        rounds (none: ``_no_buffer`` says so, and every handoff goes the general way)."""
+        local = transport.local_path(self.address)
+        assert local is not None
+        where = os.path.join(local, transport.MIGRATE)
+        vfs = os.statvfs(where)
+        capacity = capacity_for([sp.nbytes for sp in flat.spans], self.config.chunk_size,
+                                vfs.f_bavail * vfs.f_frsize)
+        if capacity == 0:
+            self._no_buffer = f"no room beside the rounds in {where} for the fast handoff's buffer"
+            return
+        cuda = next((sp.device for sp in flat.spans if sp.device.type == "cuda"), None)
+        self._buffer = self._left.buffer = DeltaBuffer(os.path.join(where, buffer_name(self._token)), capacity,
+                                                       page_lock=cuda)
 
     def _fast_handoff(self, started: float) -> HandoffInfo | None:
         """The handoff as a delta on the newest round (module docstring), or None (the
@@ -310,14 +323,18 @@ class Source:
         if not self._fast:
             return ("Source(fast_handoff=False)" if not self._fast_asked else
                     "the transport is not a local directory"), None
+        if self._no_buffer is not None:
+            return self._no_buffer, None
         if self._base is None or self._buffer is None or not self._committed or self._committed[-1] != self._base[0]:
             return "no round whose digests were taken is the newest (none yet, or the last one was retried)", None
         if not self._buffer.wait_ready():
             return f"the fast handoff's buffer could not be made: {self._buffer.error}", None
         claim = self._claim()
-        if claim is None or claim.get("fast") is not True:
-            return ("no live target has applied a round over another yet (or its targets cannot be written "
-                    "piecewise)"), None
+        # (what the claim says of the target's tensors holds for the round it names: the newest)
+        if claim is None or claim.get("applied") != self._base[0]:
+            return "no live target has applied the newest round (hand off once it has: Target(on_round=...))", None
+        if claim.get("fast") is not True:
+            return "the target's tensors cannot take a delta in place (laid out otherwise, or resharded)", None
         return None, claim
 
     # -- inside -------------------------------------------------------------------------------
@@ -402,7 +419,9 @@ class _Leftovers:
     def __init__(self, made_root: str | None) -> None:
         self.made_root = made_root
         self.lock: transport.Flock | None = None
+        self.buffer: DeltaBuffer | None = None  # (unmapped, unlocked, and gone unless a fast handoff's)
         self.handed_off = False
+        self.fast = False
         self.pid = os.getpid()
 
     def clean(self, *, handed_off: bool | None) -> None:
@@ -412,6 +431,9 @@ class _Leftovers:
             self.lock.release()
             self.lock = None
         handed = self.handed_off if handed_off is None else handed_off
+        buffer, self.buffer = self.buffer, None
+        if buffer is not None:
+            buffer.close(remove=not (handed and self.fast))
         root, self.made_root = self.made_root, None
         if root is not None and not handed:
             transport.remove_root(root)

@@ -114,6 +114,7 @@ class Target:
         self._token = secrets.token_hex(8)
         self._piecewise = False  # the rounds applied land in targets a fast handoff can write
         self._whole: tuple[int, ...] = ()  # spans laid out afresh at each round here
+        self._applied_id: str | None = None  # the round the two above describe
         try:  # (a step that fails lets go of what the ones before took: the lock, the bell, the repo)
             self._backend = open_backend(root)
             doc = transport.read_json(self._backend, transport.SOURCE_FILE)
@@ -217,6 +218,7 @@ class Target:
                 # spans this side lays out afresh each time: those the source sends whole
                 self._piecewise = self._local is not None and not baseline.empty and delta.writable_piecewise()
                 self._whole = delta.relaid_out
+                self._applied_id = newest.id
                 baseline = delta.applied()
             done = time.perf_counter()
             s = delta.stats
@@ -250,8 +252,12 @@ class Target:
         except CheckpointError as exc:
             self._fail(str(exc), applied, False, cause=exc)
         if header.base != applied.id:
-            self._fail(f"the handoff is a delta on round {header.base}, which is not the newest round "
-                       f"({applied.id})", applied, False)
+            # a round committed after this target last listed them, the delta based on it:
+            # apply that round first (the next listing finds it)
+            if any(m.id == header.base and _tag(m).seq > _tag(applied).seq for m in self._safe_rounds()):
+                return None
+            self._fail(f"the handoff is a delta on round {header.base}, which is not in the transport (the "
+                       f"newest is {applied.id})", applied, False)
         return header
 
     def _apply_delta(self, header: DeltaHeader, applied: Manifest, baseline: Baseline,
@@ -344,7 +350,7 @@ class Target:
     def _claim(self, reading: str | None) -> None:
         transport.write_json(self._backend, transport.TARGET_FILE, {
             "token": self._token, "reading": reading, "bell": None if self._bell is None else os.path.basename(
-                self._bell.path), "fast": self._piecewise, "whole": list(self._whole), **transport.whoami()})
+                self._bell.path), "fast": self._piecewise, "whole": list(self._whole), "applied": self._applied_id, **transport.whoami()})
 
     def _wait(self) -> None:
         if self._bell is not None:

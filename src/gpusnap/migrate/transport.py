@@ -10,6 +10,8 @@ Layout (``ROOT`` is an ordinary checkpoint root: ``gpusnap ls ROOT`` lists the r
     ROOT/migrate/target.json         the target's claim: the round it is reading, its bell
     ROOT/migrate/target.lock         flock held by the live target (local roots)
     ROOT/migrate/bell-<token>.sock   the target's doorbell (local roots, see bell.py)
+    ROOT/migrate/handoff.json        a fast handoff's header, and its bytes file
+    ROOT/migrate/handoff-<token>.bin (local roots, see delta_file.py)
 
 A transport the source makes itself (``Source(app_state)`` with no ``to``) is a private
 directory (0700) under ``Config.memory_tier_dir`` (``/dev/shm``):
@@ -45,7 +47,7 @@ from gpusnap.storage.private_dir import ensure_private_dir, open_private
 from gpusnap.storage.repository import Repository
 
 __all__ = [
-    "FORMAT", "MIGRATE", "SOURCE_FILE", "SOURCE_LOCK", "TARGET_FILE", "TARGET_LOCK", "Flock", "RoundTag",
+    "DELTA_HEADER", "FORMAT", "MIGRATE", "SOURCE_FILE", "SOURCE_LOCK", "TARGET_FILE", "TARGET_LOCK", "Flock", "RoundTag",
     "default_base", "detach_root", "flock_held", "local_path", "make_root", "parse_tag", "pid_namespace",
     "process_alive", "process_start", "read_json", "remove_root", "round_tag", "sweep", "whoami", "write_json",
 ]
@@ -57,6 +59,7 @@ SOURCE_FILE = f"{MIGRATE}/source.json"
 SOURCE_LOCK = f"{MIGRATE}/source.lock"
 TARGET_FILE = f"{MIGRATE}/target.json"
 TARGET_LOCK = f"{MIGRATE}/target.lock"
+DELTA_HEADER = f"{MIGRATE}/handoff.json"  # a fast handoff's header (delta_file.py)
 FORMAT = "gpusnap-migrate"
 _TAG = re.compile(r"^migrate-(\d{6,})(-handoff)?$")
 
@@ -161,6 +164,8 @@ def _abandoned(root: str, config: Config) -> bool:
     # (source.json is written once the source holds its lock: probing it cannot stop a source starting)
     if flock_held(os.path.join(root, SOURCE_LOCK)) or process_alive(doc) or \
             flock_held(os.path.join(root, TARGET_LOCK)):
+        return False
+    if read_json(open_backend(root), DELTA_HEADER) is not None:  # (a fast handoff: a target can complete it)
         return False
     good, bad = Repository.open(root, config=config).scan()
     return not bad and not any(getattr(parse_tag(m.tag), "final", False) for m in good)
