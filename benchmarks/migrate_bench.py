@@ -67,10 +67,13 @@ def sync(device: Any) -> None:
 
 
 # -- (a) serving ---------------------------------------------------------------------------------
-def llama_config(tiny: bool, max_len: int) -> Any:
+def llama_config(tiny: bool, max_len: int, layers: int | None = None) -> Any:
     from transformers import LlamaConfig
 
-    return LlamaConfig(**(TINY if tiny else FULL), max_position_embeddings=max(max_len, 2048))
+    shape = dict(TINY if tiny else FULL)
+    if layers:
+        shape["num_hidden_layers"] = layers
+    return LlamaConfig(**shape, max_position_embeddings=max(max_len, 2048))
 
 
 def build_model(cfg: Any, device: Any, *, empty: bool) -> Any:
@@ -151,8 +154,9 @@ def digests(named: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-def generate(app: dict[str, Any], cache: Any, k: int) -> None:
-    """``k`` greedy tokens; the first call of a fresh state reads the prompt."""
+def generate(app: dict[str, Any], cache: Any, k: int, rows: list[Any] | None = None) -> None:
+    """``k`` greedy tokens; the first call of a fresh state reads the prompt. ``rows``
+    collects each step's logits (compared across the processes after the timing)."""
     import torch
 
     model, tokens = app["model"], app["tokens"]
@@ -167,7 +171,52 @@ def generate(app: dict[str, Any], cache: Any, k: int) -> None:
                 ids, pos = tokens[n - 1 : n].view(1, 1), torch.arange(n - 1, n, device=tokens.device)
             logits = model(input_ids=ids, past_key_values=cache, cache_position=pos, use_cache=True).logits
             tokens[n] = logits[0, -1].argmax()
+            if rows is not None:
+                rows.append(logits[0, -1].clone())
             app["n"] = n + 1
+
+
+def row_digests(rows: list[Any]) -> list[str]:
+    """A short digest of each logits row's bytes."""
+    import hashlib
+
+    import torch
+
+    return [hashlib.sha256(r.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:16] for r in rows]
+
+
+def traced_step(app: dict[str, Any], cache: Any, rows: list[Any]) -> list[tuple[str, str]]:
+    """One token with every module's output digested in the order they ran (where two
+    processes part from the same bytes; costs the step its speed)."""
+    import hashlib
+
+    import torch
+
+    out: list[tuple[str, str]] = []
+
+    def hook(name: str) -> Any:
+        def record(_module: Any, _inputs: Any, output: Any) -> None:
+            t = output[0] if isinstance(output, tuple) else getattr(output, "logits", output)
+            if isinstance(t, torch.Tensor):
+                flat = t.detach().contiguous().view(-1).view(torch.uint8)
+                out.append((name, hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest()[:16]))
+        return record
+
+    handles = [m.register_forward_hook(hook(name or "model")) for name, m in app["model"].named_modules()]
+    try:
+        generate(app, cache, 1, rows)
+    finally:
+        for h in handles:
+            h.remove()
+    return out
+
+
+def first_difference(a: list[Any], b: list[Any]) -> Any:
+    """The first index where ``a`` and ``b`` differ (None: equal)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def serve_target(args: argparse.Namespace) -> None:
@@ -177,7 +226,7 @@ def serve_target(args: argparse.Namespace) -> None:
     from gpusnap.migrate import Target
 
     device = torch.device(args.device)
-    cfg = llama_config(args.tiny, args.max_len)
+    cfg = llama_config(args.tiny, args.max_len, args.layers)
     model = build_model(cfg, device, empty=True)
     app, cache = serving_state(cfg, device, args.max_len, model)
     generate(app, cache, 2)  # warm: a serving process loads its kernels before it takes traffic
@@ -195,16 +244,17 @@ def serve_target(args: argparse.Namespace) -> None:
             digest = serving_digest(app)
             sync(device)
             digest_s = clock() - resumed
-        start = app["n"]
-        generate(app, cache, 1)
+        start, rows = app["n"], []
+        trace = traced_step(app, cache, rows) if args.trace else generate(app, cache, 1, rows)
         sync(device)
         first = clock() - digest_s
-        generate(app, cache, args.tokens - 1)
+        generate(app, cache, args.tokens - 1, rows)
         sync(device)
         done = clock()
         dst.wait()
     say({"done": True, "resumed": resumed, "first_token": first, "decode_s": (done - first - digest_s) / max(1, args.tokens - 1),
          "digest": digest, "tokens": app["tokens"][start : app["n"]].tolist(), "handoff_s": info.handoff_s,
+         "logits": row_digests(rows), "trace": trace,
          "rounds": [r.__dict__ for r in info.rounds], "profile": profile})
 
 
@@ -224,7 +274,7 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
     from gpusnap.migrate import Source
 
     device = torch.device(args.device)
-    cfg = llama_config(args.tiny, args.max_len)
+    cfg = llama_config(args.tiny, args.max_len, args.layers)
     torch.manual_seed(0)
     model = build_model(cfg, device, empty=False)
     app, cache = serving_state(cfg, device, args.max_len, model)
@@ -258,11 +308,17 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
             result = child.expect("done")
         finally:
             child.close()
-    start = app["n"]
-    generate(app, cache, args.tokens)  # the unmoved run: the same tokens must follow
+    start, rows = app["n"], []  # the unmoved run: the same tokens must follow
+    trace = traced_step(app, cache, rows) if args.trace else None
+    generate(app, cache, args.tokens - len(rows), rows)
     unmoved = app["tokens"][start : app["n"]].tolist()
+    logits = row_digests(rows)
+    parted = None if trace is None else first_difference([list(x) for x in trace], result["trace"])  # (JSON: lists)
     out.update(
         verify=args.verify, lazy=args.lazy, tokens=len(unmoved), tokens_equal=result["tokens"] == unmoved,
+        first_token_differing=first_difference(result["tokens"], unmoved),
+        first_logits_differing=first_difference(result["logits"], logits),
+        first_module_differing=None if parted is None else trace[parted][0] if parted < len(trace) else "(count)",
         moved_tokens=result["tokens"], unmoved_tokens=unmoved, state_equal=None if result["digest"] is None else result["digest"] == held,
         differing=sorted(k for k in held if (result["digest"] or held).get(k) != held[k])[:8],
         downtime_first_token_s=result["first_token"] - last, downtime_resume_s=result["resumed"] - last,
@@ -409,8 +465,9 @@ class Child:
     def __init__(self, role: str, args: argparse.Namespace, address: str) -> None:
         cmd = [sys.executable, os.path.abspath(__file__), "--role", role, "--address", address, "--device",
                args.device, "--max-len", str(args.max_len), "--tokens", str(args.tokens), "--steps", str(args.steps),
-               "--train-size", args.train_size, "--verify", args.verify] + (["--tiny"] if args.tiny else []) + (
+               "--train-size", args.train_size, "--verify", args.verify, "--layers", str(args.layers or 0)] + (["--tiny"] if args.tiny else []) + (
                    ["--lazy"] if args.lazy else []) + (["--sample"] if args.sample else []) + (
+                   ["--trace"] if args.trace else []) + (
                    [] if args.deterministic else ["--nondeterministic"])
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.applied = 0
@@ -476,6 +533,8 @@ def table(results: dict[str, Any]) -> str:
             ("serving: handoff path", "fast" if s["fast"] else f"general ({s['general_why']})"),
             ("serving: last delta / state", f"{s['last_delta_bytes'] / 2**20:.1f} MiB / {s['state_bytes'] / 2**30:.2f} GiB"),
             ("serving: tokens equal to the unmoved run", f"{s['tokens_equal']} ({s['tokens']} tokens)"),
+            ("serving: first token / logits row that differ", f"{s['first_token_differing']} / {s['first_logits_differing']}"
+                                                              + (f" (module {s['first_module_differing']})" if s["first_module_differing"] else "")),
             ("serving: state equal at the handoff", f"{s['state_equal']} {' '.join(s['differing'])}".rstrip()),
         ]
     t = results.get("training")
@@ -500,6 +559,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny models (a quick check, CPU too)")
     parser.add_argument("--parts", default="serve,train")
     parser.add_argument("--max-len", type=int, default=10240, help="KV cache positions (serving)")
+    parser.add_argument("--layers", type=int, default=0,
+                        help="the serving model's layers (0: its own; --tiny --layers 26 has the full model's tensor count)")
     parser.add_argument("--tokens", type=int, default=32, help="tokens compared after the move (serving)")
     parser.add_argument("--warm-s", type=float, default=2.0, help="seconds of rounds before the handoff (serving)")
     parser.add_argument("--steps", type=int, default=3, help="steps compared after the move (training)")
@@ -507,6 +568,9 @@ def main() -> None:
     parser.add_argument("--train-size", default="quick", help="gpusnap.bench llama size (quick: batch 4)")
     parser.add_argument("--verify", default="auto", help="the target's verify mode (Target(verify=...))")
     parser.add_argument("--lazy", action="store_true", help="the serving target receives with lazy=True")
+    parser.add_argument("--trace", action="store_true",
+                        help="digest every module's output in the first step after the move on both sides "
+                             "(where an unmoved and a moved run part; slows that step)")
     parser.add_argument("--sample", action="store_true",
                         help="sample every thread's stack during the handoffs (and the serving target's last apply)")
     parser.add_argument("--nondeterministic", dest="deterministic", action="store_false",

@@ -73,7 +73,7 @@ class DeltaApply:
             groups = _groups(header.runs, plan)
             staged.update((device, _stage(host, runs, device)) for device, runs in groups.items())
             for device, runs in groups.items():
-                _check(runs, staged[device], host, header.chunk_size)
+                _check(runs, staged[device], header.chunk_size)
             self.written = True
             for device, runs in groups.items():
                 data, base = staged[device]
@@ -91,14 +91,16 @@ class DeltaApply:
 
 
 def _map(path: str, nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:
-    """The first ``nbytes`` of the bytes file, mapped privately (the target writes nothing)."""
+    """The first ``nbytes`` of the bytes file, mapped read-only. Shared, not private: a
+    private writable mapping populated up front copies every page (its copy-on-write broken
+    at once), and nothing is checked in the mapping itself (``_stage`` copies first)."""
     fd = open_private(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
         if size < nbytes:
             raise CheckpointError(f"the handoff's bytes file holds {size} bytes, its header names {nbytes}")
-        mapped = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0),
-                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mapped = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                           prot=mmap.PROT_READ)
     finally:
         os.close(fd)
     return mapped_bytes(mapped)[:nbytes], mapped
@@ -118,20 +120,21 @@ def _groups(runs: Sequence[DeltaRun], plan: RestorePlan) -> dict[torch.device, l
 
 def _stage(host: torch.Tensor, runs: Sequence[DeltaRun], device: torch.device) -> tuple[torch.Tensor, int]:
     """The bytes of ``runs`` where they are checked and copied from, and the file offset its
-    index 0 stands for: the host mapping itself, or one copy of their extent to ``device``."""
-    if device.type != "cuda":
-        return host, 0
+    index 0 stands for: one copy of their extent on ``device`` or in private host memory, so
+    that the bytes checked are the bytes written whatever happens to the file meanwhile."""
     lo = min(r.offset for r in runs)
     hi = max(r.offset + (r.stop - r.start) for r in runs)
+    if device.type != "cuda":
+        return host[lo:hi].clone(), lo
     with torch.cuda.device(device):
         data = torch.empty(hi - lo, dtype=torch.uint8, device=device)
         data.copy_(host[lo:hi])
     return data, lo
 
 
-def _check(runs: Sequence[DeltaRun], staged: tuple[torch.Tensor, int], host: torch.Tensor, chunk_size: int) -> None:
+def _check(runs: Sequence[DeltaRun], staged: tuple[torch.Tensor, int], chunk_size: int) -> None:
     """Every chunk of ``runs`` against its digest: device hashes where they are staged (one
-    launch), BLAKE2b on the host. CheckpointError naming the first that differs."""
+    launch), BLAKE2b on the host (of the staged copy). CheckpointError naming the first that differs."""
     data, base = staged
     hashed = [r for r in runs if r.kind == "nh"]
     if hashed:
@@ -145,7 +148,8 @@ def _check(runs: Sequence[DeltaRun], staged: tuple[torch.Tensor, int], host: tor
         _compare(hashed, got, want)
     blaked = [r for r in runs if r.kind == "b2"]
     for r in blaked:
-        _compare([r], blake_hex(host[r.offset : r.offset + (r.stop - r.start)], chunk_size), list(r.digests))
+        part = data[r.offset - base : r.offset - base + (r.stop - r.start)]
+        _compare([r], blake_hex(part.cpu() if part.is_cuda else part, chunk_size), list(r.digests))
 
 
 def _compare(runs: Sequence[DeltaRun], got: list[str], want: list[str]) -> None:

@@ -22,6 +22,7 @@ import mmap
 import os
 import re
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,8 +65,13 @@ def mapped_bytes(mapped: mmap.mmap) -> torch.Tensor:
     """A uint8 CPU tensor over ``mapped`` that keeps the mapping alive (through NumPy, which
     holds the buffer: ``mapped.close()`` then refuses while a view lives, and the memory is
     unmapped only once none does; ``torch.frombuffer`` holds nothing, so a view could
-    outlive the mapping)."""
-    return torch.from_numpy(np.frombuffer(mapped, dtype=np.uint8))
+    outlive the mapping). A read-only mapping gives a tensor nothing may write."""
+    array = np.frombuffer(mapped, dtype=np.uint8)
+    if array.flags.writeable:
+        return torch.from_numpy(array)
+    with warnings.catch_warnings():  # (torch warns of read-only arrays: nothing writes this one)
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
 
 
 def buffer_name(token: str) -> str:
