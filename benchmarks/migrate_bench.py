@@ -304,8 +304,8 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
             last = clock()
             handed = src.handoff()
             profile = [] if sampler is None else sampler.stop().report(last, clock())
-            held = serving_digest(app)  # (the source's state as handed off: nothing writes it now)
             result = child.expect("done")
+            held = serving_digest(app)  # (as handed off: nothing wrote it since; not before: the GPU is the target's)
         finally:
             child.close()
     start, rows = app["n"], []  # the unmoved run: the same tokens must follow
@@ -417,8 +417,8 @@ def training(args: argparse.Namespace) -> dict[str, Any]:
                 last = clock()
                 handed = src.handoff()
                 profile = [] if sampler is None else sampler.stop().report(last, clock())
-                held = state_digest(wl)  # (the source's state as handed off: nothing writes it now)
                 result = child.expect("done")
+                held = state_digest(wl)  # (as handed off: nothing wrote it since; not before: the GPU is the target's)
                 for _ in range(args.steps):  # the unmoved run
                     wl.step(None)
                 sync(device)
