@@ -309,15 +309,24 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             child.close()
     start, rows = app["n"], []  # the unmoved run: the same tokens must follow
+    kept = [t.clone() for t in app["kv"] + app["lengths"] + [app["tokens"]]]
     trace = traced_step(app, cache, rows) if args.trace else None
     generate(app, cache, args.tokens - len(rows), rows)
     unmoved = app["tokens"][start : app["n"]].tolist()
     logits = row_digests(rows)
+    # the control: the unmoved run again from the same bytes, in the same process
+    for t, k in zip(app["kv"] + app["lengths"] + [app["tokens"]], kept):
+        t.copy_(k)
+    del kept
+    app["n"], again = start, []
+    generate(app, cache, args.tokens, again)
+    again_differing = first_difference(row_digests(again), logits)
     parted = None if trace is None else first_difference([list(x) for x in trace], result["trace"])  # (JSON: lists)
     out.update(
         verify=args.verify, lazy=args.lazy, tokens=len(unmoved), tokens_equal=result["tokens"] == unmoved,
         first_token_differing=first_difference(result["tokens"], unmoved),
         first_logits_differing=first_difference(result["logits"], logits),
+        unmoved_again_first_logits_differing=again_differing,
         first_module_differing=None if parted is None else trace[parted][0] if parted < len(trace) else "(count)",
         moved_tokens=result["tokens"], unmoved_tokens=unmoved, state_equal=None if result["digest"] is None else result["digest"] == held,
         differing=sorted(k for k in held if (result["digest"] or held).get(k) != held[k])[:8],
@@ -535,6 +544,8 @@ def table(results: dict[str, Any]) -> str:
             ("serving: tokens equal to the unmoved run", f"{s['tokens_equal']} ({s['tokens']} tokens)"),
             ("serving: first token / logits row that differ", f"{s['first_token_differing']} / {s['first_logits_differing']}"
                                                               + (f" (module {s['first_module_differing']})" if s["first_module_differing"] else "")),
+            ("serving: the unmoved run again, same process: first logits row that differs",
+             f"{s['unmoved_again_first_logits_differing']}"),
             ("serving: state equal at the handoff", f"{s['state_equal']} {' '.join(s['differing'])}".rstrip()),
         ]
     t = results.get("training")
