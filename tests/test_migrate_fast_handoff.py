@@ -361,6 +361,34 @@ def test_a_view_of_a_mapped_bytes_file_keeps_it_mapped(tmp_path: Any) -> None:
     assert view[0].item() == 100
 
 
+def test_a_bytes_file_mapped_ahead_gives_its_bytes_only_for_its_name_and_size(tmp_path: Any) -> None:
+    from gpusnap.migrate.delta_premap import Premap
+
+    path = tmp_path / "handoff-0123456789abcdef.bin"
+    path.write_bytes(bytes(range(256)) * 16)
+    path.chmod(0o600)
+    premap = Premap(str(path), None)
+    assert premap.wait_ready(HANG_S) and premap.error is None and not premap.empty
+    view, locked = premap.view_for(path.name, 300)
+    assert bytes(view.numpy()) == (bytes(range(256)) * 2)[:300] and not locked
+    assert premap.view_for("handoff-ffffffffffffffff.bin", 300) is None  # (another file)
+    assert premap.view_for(path.name, 4097) is None  # (a header naming more than the file holds)
+    premap.close()
+    assert premap.view_for(path.name, 300) is None
+    assert view[5].item() == 5  # (a view taken before keeps the mapping alive)
+
+
+def test_a_bytes_file_not_yet_sized_is_mapped_later(tmp_path: Any) -> None:
+    from gpusnap.migrate.delta_premap import Premap
+
+    path = tmp_path / "handoff-0123456789abcdef.bin"
+    path.write_bytes(b"")
+    path.chmod(0o600)
+    premap = Premap(str(path), None)
+    assert premap.wait_ready(HANG_S) and premap.empty and premap.view_for(path.name, 0) is None
+    premap.close()
+
+
 def test_a_source_dropped_without_close_lets_go_of_its_bytes_file(tmp_path: Any) -> None:
     import gc
 

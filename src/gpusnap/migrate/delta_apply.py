@@ -43,10 +43,14 @@ class DeltaApply:
     ``written``: whether any byte may have been written (for the error a failure gives);
     ``bytes_moved``/``chunks_moved`` once applied."""
 
-    def __init__(self, header: DeltaHeader, data_path: str, delta: Delta) -> None:
+    def __init__(self, header: DeltaHeader, data_path: str, delta: Delta,
+                 premapped: tuple[torch.Tensor, bool] | None = None) -> None:
+        """``premapped``: the bytes file's first ``header.nbytes`` already mapped (delta_premap.py)
+        and whether that mapping is page-locked; None: mapped here."""
         self.header = header
         self.data_path = data_path
         self.delta = delta
+        self.premapped = premapped
         self.written = False
         self.bytes_moved = sum(r.stop - r.start for r in header.runs)
         self.chunks_moved = sum(len(r.digests) for r in header.runs)
@@ -67,11 +71,14 @@ class DeltaApply:
             if not plan.streamable(r.span):
                 raise CheckpointError(f"span {r.span} ({', '.join(plan.span_paths.get(r.span, [])[:2])}) is not "
                                       "row-major contiguous here: the handoff delta cannot be written piecewise")
-        host, mapped = _map(self.data_path, header.nbytes)
+        if self.premapped is not None:
+            (host, locked), mapped = self.premapped, None
+        else:
+            (host, mapped), locked = _map(self.data_path, header.nbytes), False
         staged: dict[torch.device, tuple[torch.Tensor, int]] = {}
         try:
             groups = _groups(header.runs, plan)
-            staged.update((device, _stage(host, runs, device)) for device, runs in groups.items())
+            staged.update((device, _stage(host, runs, device, locked)) for device, runs in groups.items())
             for device, runs in groups.items():
                 _check(runs, staged[device], header.chunk_size)
             self.written = True
@@ -85,8 +92,9 @@ class DeltaApply:
         finally:
             staged.clear()
             del host
-            with contextlib.suppress(BufferError):  # (a view still held: the mapping goes with it)
-                mapped.close()
+            if mapped is not None:
+                with contextlib.suppress(BufferError):  # (a view still held: the mapping goes with it)
+                    mapped.close()
         return sub
 
 
@@ -118,17 +126,19 @@ def _groups(runs: Sequence[DeltaRun], plan: RestorePlan) -> dict[torch.device, l
     return out
 
 
-def _stage(host: torch.Tensor, runs: Sequence[DeltaRun], device: torch.device) -> tuple[torch.Tensor, int]:
+def _stage(host: torch.Tensor, runs: Sequence[DeltaRun], device: torch.device,
+           page_locked: bool) -> tuple[torch.Tensor, int]:
     """The bytes of ``runs`` where they are checked and copied from, and the file offset its
-    index 0 stands for: one copy of their extent on ``device`` or in private host memory, so
-    that the bytes checked are the bytes written whatever happens to the file meanwhile."""
+    index 0 stands for: one copy of their extent on ``device`` (asynchronous from page-locked
+    memory: the check on the same stream waits for it) or in private host memory, so that
+    the bytes checked are the bytes written whatever happens to the file meanwhile."""
     lo = min(r.offset for r in runs)
     hi = max(r.offset + (r.stop - r.start) for r in runs)
     if device.type != "cuda":
         return host[lo:hi].clone(), lo
     with torch.cuda.device(device):
         data = torch.empty(hi - lo, dtype=torch.uint8, device=device)
-        data.copy_(host[lo:hi])
+        data.copy_(host[lo:hi], non_blocking=page_locked)
     return data, lo
 
 

@@ -34,7 +34,7 @@ from gpusnap.migrate.transport import DELTA_HEADER
 from gpusnap.storage.private_dir import open_private
 
 __all__ = ["ALIGN", "DELTA_HEADER", "DeltaBuffer", "DeltaHeader", "DeltaRun", "buffer_name", "capacity_for",
-           "mapped_bytes"]
+           "is_buffer_name", "mapped_bytes"]
 
 log = logging.getLogger("gpusnap")
 
@@ -76,6 +76,11 @@ def mapped_bytes(mapped: mmap.mmap) -> torch.Tensor:
 
 def buffer_name(token: str) -> str:
     return f"handoff-{token}.bin"
+
+
+def is_buffer_name(name: str) -> bool:
+    """Whether ``name`` is a bytes file's name (a token from a file is checked with it)."""
+    return _NAME.match(name) is not None
 
 
 @dataclass(frozen=True)

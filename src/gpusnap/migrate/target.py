@@ -48,13 +48,16 @@ from collections.abc import Callable, MutableMapping
 from dataclasses import replace
 from typing import Any, NoReturn
 
+import torch
+
 from gpusnap.config import Config
 from gpusnap.errors import CheckpointError, CheckpointNotFoundError, RestoreMismatchError
 from gpusnap.handles import RestoreHandle
 from gpusnap.migrate import transport
 from gpusnap.migrate.bell import Bell
 from gpusnap.migrate.delta_apply import DeltaApply
-from gpusnap.migrate.delta_file import DELTA_HEADER, DeltaHeader
+from gpusnap.migrate.delta_file import DELTA_HEADER, DeltaHeader, buffer_name, is_buffer_name
+from gpusnap.migrate.delta_premap import Premap
 from gpusnap.migrate.errors import MigrationError
 from gpusnap.migrate.results import AppliedRound, ReceiveInfo
 from gpusnap.migrate.source import Source
@@ -115,6 +118,7 @@ class Target:
         self._piecewise = False  # the rounds applied land in targets a fast handoff can write
         self._whole: tuple[int, ...] = ()  # spans laid out afresh at each round here
         self._applied_id: str | None = None  # the round the two above describe
+        self._premap: Premap | None = None  # the source's bytes file, mapped ahead of the handoff
         try:  # (a step that fails lets go of what the ones before took: the lock, the bell, the repo)
             self._backend = open_backend(root)
             doc = transport.read_json(self._backend, transport.SOURCE_FILE)
@@ -197,6 +201,7 @@ class Target:
                 else:
                     if self.timeout is not None and time.monotonic() - last_news > self.timeout:
                         self._fail(f"no new round from the source for {self.timeout} s", applied, None)
+                    self._map_ahead()
                     self._wait()
                     continue
             assert newest is not None
@@ -267,7 +272,8 @@ class Target:
         assert self._local is not None
         whole = frozenset(r.span for r in header.runs if r.start == 0 and r.stop == header.spans[r.span])
         apply = DeltaApply(header, os.path.join(self._local, transport.MIGRATE, header.data),
-                           Delta(baseline, supplied=whole))
+                           Delta(baseline, supplied=whole),
+                           premapped=None if self._premap is None else self._premap.view_for(header.data, header.nbytes))
         manifest = replace(applied, tree=header.tree, tag=transport.round_tag(header.seq, final=True))
         try:
             self._restorer.restore(self._repo, manifest, app_state, allow_pickle=self.allow_pickle, lazy=False,
@@ -352,6 +358,23 @@ class Target:
             "token": self._token, "reading": reading, "bell": None if self._bell is None else os.path.basename(
                 self._bell.path), "fast": self._piecewise, "whole": list(self._whole), "applied": self._applied_id, **transport.whoami()})
 
+    def _map_ahead(self) -> None:
+        """Between rounds, once a fast handoff can land here: map the source's bytes file
+        (delta_premap.py); again after a round if it was not there yet."""
+        if not self._piecewise or self._local is None:
+            return
+        if self._premap is not None:
+            if not self._premap.empty:  # (mapped, being mapped, or refused: then read the plain way)
+                return
+            self._premap.close()
+            self._premap = None
+        name = buffer_name(str(self._source.get("token", "")))
+        path = os.path.join(self._local, transport.MIGRATE, name)
+        if not is_buffer_name(name) or not os.path.isfile(path):
+            return
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else None
+        self._premap = Premap(path, device)
+
     def _wait(self) -> None:
         if self._bell is not None:
             self._bell.wait(self.poll_s)
@@ -407,19 +430,29 @@ class Target:
         way first (its path free at once for the next migration), then removed on a thread
         of its own, so that ``receive()`` returns without waiting (freeing a state's worth of
         host memory would be downtime); not a daemon thread, so the interpreter waits for it
-        at exit, and ``close()`` does too."""
+        at exit, and ``close()`` does too. The bytes file's map goes on that thread too
+        (unlocking pages takes time)."""
+        premap, self._premap = self._premap, None
         self._release()
         if self._removal is not None:
+            if premap is not None:
+                premap.close()
             return
         detached = transport.detach_root(self.address)
         if detached is None:  # (a URL, or it could not be renamed: removed here, as it was)
+            if premap is not None:
+                premap.close()
             transport.remove_root(self.address)
             return
-        removal = threading.Thread(target=_remove, args=(detached, self.address), name="gpusnap-migrate-remove")
+        removal = threading.Thread(target=_remove, args=(detached, self.address, premap),
+                                   name="gpusnap-migrate-remove")
         removal.start()
         self._removal = removal
 
     def _release(self) -> None:
+        if self._premap is not None:
+            self._premap.close()
+            self._premap = None
         if self._bell is not None:
             self._bell.close()
             self._bell = None
@@ -428,8 +461,10 @@ class Target:
             self._lock = None
 
 
-def _remove(path: str, address: str) -> None:
+def _remove(path: str, address: str, premap: Premap | None) -> None:
     try:
+        if premap is not None:
+            premap.close()
         transport.remove_root(path)
     except Exception as exc:  # noqa: BLE001  (a thread's error would only reach stderr)
         log.warning("gpusnap: the spent transport of %s could not be removed from %s: %s", address, path, exc)
