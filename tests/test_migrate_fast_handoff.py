@@ -378,6 +378,13 @@ def test_a_bytes_file_mapped_ahead_gives_its_bytes_only_for_its_name_and_size(tm
     assert view[5].item() == 5  # (a view taken before keeps the mapping alive)
 
 
+@pytest.mark.parametrize("name", ["handoff-0123456789abcdef.bin\n", "../handoff-0123456789abcdef.bin",
+                                  "handoff-0123456789ABCDEF.bin", "handoff-.bin", "handoff-None.bin"])
+def test_only_a_bytes_file_name_of_the_transport_is_taken(name: str) -> None:
+    assert not delta_file.is_buffer_name(name)
+    assert delta_file.is_buffer_name("handoff-0123456789abcdef.bin")
+
+
 def test_a_bytes_file_not_yet_sized_is_mapped_later(tmp_path: Any) -> None:
     from gpusnap.migrate.delta_premap import Premap
 

@@ -90,6 +90,9 @@ class DeltaApply:
                 if device.type == "cuda":
                     torch.cuda.current_stream(device).synchronize()  # (before the staging goes)
         finally:
+            for device, (data, _) in staged.items():
+                if data.is_cuda:  # (a failure left a copy from the mapping in flight: it ends first)
+                    torch.cuda.current_stream(device).synchronize()
             staged.clear()
             del host
             if mapped is not None:

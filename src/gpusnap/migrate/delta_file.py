@@ -80,7 +80,7 @@ def buffer_name(token: str) -> str:
 
 def is_buffer_name(name: str) -> bool:
     """Whether ``name`` is a bytes file's name (a token from a file is checked with it)."""
-    return _NAME.match(name) is not None
+    return _NAME.fullmatch(name) is not None
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ class DeltaHeader:
             cs = _nat(doc["chunk_size"])
             nbytes = _nat(doc["nbytes"])
             data = doc["data"]
-            if not isinstance(data, str) or not _NAME.match(data):
+            if not isinstance(data, str) or not _NAME.fullmatch(data):
                 raise ValueError(f"data file {data!r} is not a handoff-<token>.bin of the transport")
             runs = []
             for row in doc["runs"]:

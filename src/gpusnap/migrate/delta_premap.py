@@ -6,7 +6,11 @@ on a thread of its own between rounds, so that at the handoff the changed chunks
 device in one copy at the link's speed: no mapping, no pageable copy, in the downtime. It is
 only an acceleration: a file not there yet, a mapping or page-locking refused, or one not
 ready when the header comes, and the delta is read the plain way (``delta_apply._map``).
-What is mapped is never trusted: the chunks are copied off it, then checked.
+What is mapped is never trusted: the chunks are copied off it, then checked. The mapping is
+read-only where the device page-locks read-only memory, else writable (CUDA page-locks only
+that); nothing here writes it. A file another user made, or a link, is refused
+(``open_private``); one the same user truncates under the mapping can still fault the
+process (SIGBUS), as any mapped file can: the size is checked at each use, not after.
 
 >>> premap = Premap(path, torch.device("cuda", 0))   # doctest: +SKIP
 >>> view = premap.view_for(header.data, header.nbytes)  # None: not ready, or another file
@@ -42,6 +46,7 @@ class Premap:
         self.page_locked = False
         self.empty = False  # (the source had not sized it yet: map it again later)
         self.error: BaseException | None = None
+        self._fd: int | None = None
         self._view: torch.Tensor | None = None
         self._map: mmap.mmap | None = None
         self._ready = threading.Event()
@@ -57,65 +62,100 @@ class Premap:
 
     def view_for(self, name: str, nbytes: int) -> tuple[torch.Tensor, bool] | None:
         """The first ``nbytes`` of the mapping and whether it is page-locked, if it is ready,
-        of the file ``name`` and that large; else None (read the file the plain way)."""
+        of the file ``name`` (the one at the path now) and that large now; else None (read
+        the file the plain way)."""
         if not self._ready.is_set() or name != self.name:
             return None
         with self._lock:
-            view = self._view
-            if self._closed or view is None or view.numel() < nbytes:
+            view, fd = self._view, self._fd
+            if self._closed or view is None or fd is None or view.numel() < nbytes:
+                return None
+            try:
+                now, there = os.fstat(fd), os.stat(self.path, follow_symlinks=False)
+            except OSError:
+                return None
+            if now.st_size < nbytes or (now.st_dev, now.st_ino) != (there.st_dev, there.st_ino):
                 return None
             return view[:nbytes], self.page_locked
 
     def close(self) -> None:
         """Unlock and unmap (a view still held keeps the mapping, not the page-lock: take
-        none past the delta's apply)."""
+        none past the delta's apply, and no copy from it may be in flight)."""
         self._thread.join()
         with self._lock:
             self._closed = True
             view, self._view = self._view, None
-            if view is not None and self.page_locked:
-                try:
-                    torch.cuda.cudart().cudaHostUnregister(view.data_ptr())
-                except Exception:  # noqa: BLE001  (a context already torn down: the process is ending)
-                    pass
-            del view
             mapped, self._map = self._map, None
-        if mapped is not None:
-            try:
-                mapped.close()
-            except BufferError:  # (a view of it still lives: the mapping goes with it)
-                pass
+            fd, self._fd = self._fd, None
+            if view is not None and self.page_locked:
+                _unlock(view)
+        del view
+        _unmap(mapped)
+        if fd is not None:
+            os.close(fd)
 
     def _prepare(self, device: torch.device | None) -> None:
+        fd, mapped, view, locked = None, None, None, False
         try:
-            # read and write: a mapping CUDA page-locks must be writable (nothing here writes it)
+            # read and write: where read-only memory cannot be page-locked, a writable mapping is
             fd = open_private(self.path, os.O_RDWR)
-            try:
-                size = os.fstat(fd).st_size
-                if size == 0:  # (still being made by the source: try again at the next round)
-                    self.empty = True
-                    return
-                mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-            finally:
-                os.close(fd)
+            size = os.fstat(fd).st_size
+            if size == 0:  # (still being made by the source: try again after another round)
+                self.empty = True
+                return
+            mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
             view = mapped_bytes(mapped)
-            locked = False
             if device is not None and device.type == "cuda":
                 torch.cuda.set_device(device)  # (this thread's: no context made on another device)
-                locked = int(torch.cuda.cudart().cudaHostRegister(view.data_ptr(), size, 1)) == 0
+                locked = _lock_pages(view, size, _PORTABLE | _READ_ONLY)
+                if not locked:  # (read-only page-locking unsupported here: a writable mapping)
+                    writable = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+                    wview = mapped_bytes(writable)
+                    if _lock_pages(wview, size, _PORTABLE):
+                        del view
+                        _unmap(mapped)
+                        mapped, view, locked = writable, wview, True
+                    else:
+                        del wview
+                        _unmap(writable)
+                        log.info("gpusnap: migration: the handoff's bytes file could not be page-locked here: "
+                                 "the delta goes to the device at pageable speed")
             with self._lock:
-                if self._closed:
-                    if locked:
-                        torch.cuda.cudart().cudaHostUnregister(view.data_ptr())
-                    del view
-                    try:
-                        mapped.close()
-                    except BufferError:
-                        pass
-                    return
-                self._map, self._view, self.page_locked = mapped, view, locked
-        except Exception as exc:  # noqa: BLE001  (the plain read is the fallback; said at debug level)
-            self.error = exc
-            log.debug("gpusnap: migration: the handoff's bytes file could not be mapped ahead: %s", exc)
+                if not self._closed:
+                    self._fd, self._map, self._view, self.page_locked = fd, mapped, view, locked
+                    fd, mapped, view, locked = None, None, None, False
+        except Exception as exc:  # noqa: BLE001  (the plain read is the fallback, and says what fails)
+            self.error = exc.with_traceback(None)  # (a traceback would keep this frame's mapping alive)
+            log.info("gpusnap: migration: the handoff's bytes file could not be mapped ahead (%s): it is read "
+                     "when the handoff comes", exc)
         finally:
+            if view is not None and locked:  # (not kept: closed meanwhile, or failed)
+                _unlock(view)
+            del view
+            _unmap(mapped)
+            if fd is not None:
+                os.close(fd)
             self._ready.set()
+
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_PORTABLE, _READ_ONLY = 1, 8  # cudaHostRegisterPortable, cudaHostRegisterReadOnly
+
+
+def _lock_pages(view: torch.Tensor, size: int, flags: int) -> bool:
+    return int(torch.cuda.cudart().cudaHostRegister(view.data_ptr(), size, flags)) == 0
+
+
+def _unlock(view: torch.Tensor) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(view.data_ptr())
+    except Exception:  # noqa: BLE001  (a context already torn down: the process is ending)
+        pass
+
+
+def _unmap(mapped: mmap.mmap | None) -> None:
+    if mapped is not None:
+        try:
+            mapped.close()
+        except BufferError:  # (a view of it still lives: the mapping goes with it)
+            pass

@@ -119,6 +119,7 @@ class Target:
         self._whole: tuple[int, ...] = ()  # spans laid out afresh at each round here
         self._applied_id: str | None = None  # the round the two above describe
         self._premap: Premap | None = None  # the source's bytes file, mapped ahead of the handoff
+        self._premap_round: str | None = None  # the newest round applied when it was made
         try:  # (a step that fails lets go of what the ones before took: the lock, the bell, the repo)
             self._backend = open_backend(root)
             doc = transport.read_json(self._backend, transport.SOURCE_FILE)
@@ -171,6 +172,11 @@ class Target:
             if self._closed or self._received:
                 raise MigrationError("this Target has received already (or is closed): make a new one")
             return self._receive(app_state, lazy)
+        except BaseException:
+            if self._premap is not None:  # (a failure or an interrupt: no memory held for a handoff)
+                self._premap.close()
+                self._premap = None
+            raise
         finally:
             self._receiving.release()
 
@@ -362,10 +368,13 @@ class Target:
         """Between rounds, once a fast handoff can land here: map the source's bytes file
         (delta_premap.py); again after a round if it was not there yet."""
         if not self._piecewise or self._local is None:
+            if self._premap is not None:  # (no fast handoff can land now: no memory held for one)
+                self._premap.close()
+                self._premap = None
             return
         if self._premap is not None:
-            if not self._premap.empty:  # (mapped, being mapped, or refused: then read the plain way)
-                return
+            if not self._premap.empty or self._premap_round == self._applied_id:
+                return  # (mapped, being mapped, refused: then read the plain way; or no round since)
             self._premap.close()
             self._premap = None
         name = buffer_name(str(self._source.get("token", "")))
@@ -374,6 +383,7 @@ class Target:
             return
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else None
         self._premap = Premap(path, device)
+        self._premap_round = self._applied_id
 
     def _wait(self) -> None:
         if self._bell is not None:
