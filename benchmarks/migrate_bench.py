@@ -185,32 +185,6 @@ def row_digests(rows: list[Any]) -> list[str]:
     return [hashlib.sha256(r.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:16] for r in rows]
 
 
-def traced_step(app: dict[str, Any], cache: Any, rows: list[Any]) -> list[tuple[str, str]]:
-    """One token with every module's output digested in the order they ran (where two
-    processes part from the same bytes; costs the step its speed)."""
-    import hashlib
-
-    import torch
-
-    out: list[tuple[str, str]] = []
-
-    def hook(name: str) -> Any:
-        def record(_module: Any, _inputs: Any, output: Any) -> None:
-            t = output[0] if isinstance(output, tuple) else getattr(output, "logits", output)
-            if isinstance(t, torch.Tensor):
-                flat = t.detach().contiguous().view(-1).view(torch.uint8)
-                out.append((name, hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest()[:16]))
-        return record
-
-    handles = [m.register_forward_hook(hook(name or "model")) for name, m in app["model"].named_modules()]
-    try:
-        generate(app, cache, 1, rows)
-    finally:
-        for h in handles:
-            h.remove()
-    return out
-
-
 def first_difference(a: list[Any], b: list[Any]) -> Any:
     """The first index where ``a`` and ``b`` differ (None: equal)."""
     for i, (x, y) in enumerate(zip(a, b)):
@@ -245,7 +219,7 @@ def serve_target(args: argparse.Namespace) -> None:
             sync(device)
             digest_s = clock() - resumed
         start, rows = app["n"], []
-        trace = traced_step(app, cache, rows) if args.trace else generate(app, cache, 1, rows)
+        generate(app, cache, 1, rows)
         sync(device)
         first = clock() - digest_s
         generate(app, cache, args.tokens - 1, rows)
@@ -254,7 +228,7 @@ def serve_target(args: argparse.Namespace) -> None:
         dst.wait()
     say({"done": True, "resumed": resumed, "first_token": first, "decode_s": (done - first - digest_s) / max(1, args.tokens - 1),
          "digest": digest, "tokens": app["tokens"][start : app["n"]].tolist(), "handoff_s": info.handoff_s,
-         "logits": row_digests(rows), "trace": trace,
+         "logits": row_digests(rows),
          "rounds": [r.__dict__ for r in info.rounds], "profile": profile})
 
 
@@ -310,8 +284,7 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
             child.close()
     start, rows = app["n"], []  # the unmoved run: the same tokens must follow
     kept = [t.clone() for t in app["kv"] + app["lengths"] + [app["tokens"]]]
-    trace = traced_step(app, cache, rows) if args.trace else None
-    generate(app, cache, args.tokens - len(rows), rows)
+    generate(app, cache, args.tokens, rows)
     unmoved = app["tokens"][start : app["n"]].tolist()
     logits = row_digests(rows)
     # the control: the unmoved run again from the same bytes, in the same process
@@ -321,13 +294,11 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
     app["n"], again = start, []
     generate(app, cache, args.tokens, again)
     again_differing = first_difference(row_digests(again), logits)
-    parted = None if trace is None else first_difference([list(x) for x in trace], result["trace"])  # (JSON: lists)
     out.update(
         verify=args.verify, lazy=args.lazy, tokens=len(unmoved), tokens_equal=result["tokens"] == unmoved,
         first_token_differing=first_difference(result["tokens"], unmoved),
         first_logits_differing=first_difference(result["logits"], logits),
         unmoved_again_first_logits_differing=again_differing,
-        first_module_differing=None if parted is None else trace[parted][0] if parted < len(trace) else "(count)",
         moved_tokens=result["tokens"], unmoved_tokens=unmoved, state_equal=None if result["digest"] is None else result["digest"] == held,
         differing=sorted(k for k in held if (result["digest"] or held).get(k) != held[k])[:8],
         downtime_first_token_s=result["first_token"] - last, downtime_resume_s=result["resumed"] - last,
@@ -476,7 +447,6 @@ class Child:
                args.device, "--max-len", str(args.max_len), "--tokens", str(args.tokens), "--steps", str(args.steps),
                "--train-size", args.train_size, "--verify", args.verify, "--layers", str(args.layers or 0)] + (["--tiny"] if args.tiny else []) + (
                    ["--lazy"] if args.lazy else []) + (["--sample"] if args.sample else []) + (
-                   ["--trace"] if args.trace else []) + (
                    [] if args.deterministic else ["--nondeterministic"])
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.applied = 0
@@ -542,8 +512,7 @@ def table(results: dict[str, Any]) -> str:
             ("serving: handoff path", "fast" if s["fast"] else f"general ({s['general_why']})"),
             ("serving: last delta / state", f"{s['last_delta_bytes'] / 2**20:.1f} MiB / {s['state_bytes'] / 2**30:.2f} GiB"),
             ("serving: tokens equal to the unmoved run", f"{s['tokens_equal']} ({s['tokens']} tokens)"),
-            ("serving: first token / logits row that differ", f"{s['first_token_differing']} / {s['first_logits_differing']}"
-                                                              + (f" (module {s['first_module_differing']})" if s["first_module_differing"] else "")),
+            ("serving: first token / logits row that differ", f"{s['first_token_differing']} / {s['first_logits_differing']}"),
             ("serving: the unmoved run again, same process: first logits row that differs",
              f"{s['unmoved_again_first_logits_differing']}"),
             ("serving: state equal at the handoff", f"{s['state_equal']} {' '.join(s['differing'])}".rstrip()),
@@ -579,9 +548,6 @@ def main() -> None:
     parser.add_argument("--train-size", default="quick", help="gpusnap.bench llama size (quick: batch 4)")
     parser.add_argument("--verify", default="auto", help="the target's verify mode (Target(verify=...))")
     parser.add_argument("--lazy", action="store_true", help="the serving target receives with lazy=True")
-    parser.add_argument("--trace", action="store_true",
-                        help="digest every module's output in the first step after the move on both sides "
-                             "(where an unmoved and a moved run part; slows that step)")
     parser.add_argument("--sample", action="store_true",
                         help="sample every thread's stack during the handoffs (and the serving target's last apply)")
     parser.add_argument("--nondeterministic", dest="deterministic", action="store_false",
