@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks and measurements, each step time-boxed, logs under
 # $OUT (default ./gpu-out), packed into $OUT/suite.tgz. Usage: benchmarks/gpu_suite.sh [demo] [tests]
-# [rdiag] [fresh] [serve] [quick] [suspend] [migrate] [migrate_serve] [pool] [cost] [cost_slab] [compiled] (default: demo
+# [rdiag] [fresh] [serve] [quick] [suspend] [migrate] [migrate_serve] [migrate_general] [migrate_sample] [pool] [cost] [cost_slab] [compiled] (default: demo
 # tests). Run from the repository root on the GPU machine. SUITE_S (default 570) bounds the whole call: a
 # step gets at most the time left, and one with under 30 s left is skipped, so the logs of the
 # steps before it always come back.
@@ -52,9 +52,13 @@ for s in "${steps[@]}"; do
              tail -14 "$L/suspend.log" ;;
     migrate) t 240 python3 benchmarks/migrate_bench.py ${MIGRATE_ARGS:-} --out "$L/migrate.json" > "$L/migrate.log" 2>&1
              tail -14 "$L/migrate.log" ;;
-    # the serving part again, without --sample's profiler: the downtime to report
-    migrate_serve) t 200 python3 benchmarks/migrate_bench.py --parts serve --out "$L/migrate-serve.json" > "$L/migrate-serve.log" 2>&1
-             tail -9 "$L/migrate-serve.log" ;;
+    # the serving part alone (fast handoff), the general way in the same call, and sampled (where the time goes)
+    migrate_serve) t 100 python3 benchmarks/migrate_bench.py --parts serve --out "$L/migrate-serve.json" > "$L/migrate-serve.log" 2>&1
+             grep -E '^serving' "$L/migrate-serve.log" ;;
+    migrate_general) t 100 python3 benchmarks/migrate_bench.py --parts serve --general --out "$L/migrate-general.json" > "$L/migrate-general.log" 2>&1
+             grep -E '^serving' "$L/migrate-general.log" ;;
+    migrate_sample) t 100 python3 benchmarks/migrate_bench.py --parts serve --sample --out "$L/migrate-sample.json" > "$L/migrate-sample.log" 2>&1
+             grep -A40 'where the' "$L/migrate-sample.log" | cut -c1-100 | head -80 ;;
     pool) t 240 python3 benchmarks/pool_start.py --out "$L/pool.json" > "$L/pool.log" 2>&1
           tail -14 "$L/pool.log" ;;
     # the default Checkpointer(root) against the pinned copy, root on the local disk (COST_ROOT)
