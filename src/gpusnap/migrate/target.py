@@ -44,6 +44,7 @@ import os
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Callable, MutableMapping
 from dataclasses import replace
 from typing import Any, NoReturn
@@ -384,6 +385,7 @@ class Target:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else None
         self._premap = Premap(path, device)
         self._premap_round = self._applied_id
+        weakref.finalize(self, self._premap.close)  # (a Target dropped without close(): its pages unlocked)
 
     def _wait(self) -> None:
         if self._bell is not None:
