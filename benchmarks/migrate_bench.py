@@ -283,12 +283,13 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             child.close()
     start, rows = app["n"], []  # the unmoved run: the same tokens must follow
-    kept = [t.clone() for t in app["kv"] + app["lengths"] + [app["tokens"]]]
+    mutable = app["kv"] + app["lengths"] + [app["tokens"]]  # (what decoding writes; the weights it does not)
+    kept = [t.clone() for t in mutable]
     generate(app, cache, args.tokens, rows)
     unmoved = app["tokens"][start : app["n"]].tolist()
     logits = row_digests(rows)
     # the control: the unmoved run again from the same bytes, in the same process
-    for t, k in zip(app["kv"] + app["lengths"] + [app["tokens"]], kept):
+    for t, k in zip(mutable, kept):
         t.copy_(k)
     del kept
     app["n"], again = start, []

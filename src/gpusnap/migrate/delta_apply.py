@@ -27,7 +27,7 @@ import torch
 from gpusnap.errors import CheckpointError
 from gpusnap.kernels.chunk_hash import HASH_WORDS, hex_rows, num_chunks
 from gpusnap.kernels.chunk_hash_many import chunk_hashes_many
-from gpusnap.migrate.delta_file import DeltaHeader, DeltaRun, mapped_bytes
+from gpusnap.migrate.delta_file import POPULATE, DeltaHeader, DeltaRun, mapped_bytes, unmap
 from gpusnap.migrate.state_digests import blake_hex
 from gpusnap.restore.apply_bytes import apply_ranges
 from gpusnap.restore.delta import Delta
@@ -86,18 +86,13 @@ class DeltaApply:
                 data, base = staged[device]
                 apply_ranges(plan, [(r.span, r.start, r.offset - base, r.stop - r.start) for r in runs], data,
                              non_blocking=False)
-            for device in groups:
-                if device.type == "cuda":
-                    torch.cuda.current_stream(device).synchronize()  # (before the staging goes)
         finally:
             for device, (data, _) in staged.items():
-                if data.is_cuda:  # (a failure left a copy from the mapping in flight: it ends first)
+                if data.is_cuda:  # (before the staging goes; after a failure, a copy from the mapping may be in flight)
                     torch.cuda.current_stream(device).synchronize()
             staged.clear()
             del host
-            if mapped is not None:
-                with contextlib.suppress(BufferError):  # (a view still held: the mapping goes with it)
-                    mapped.close()
+            unmap(mapped)
         return sub
 
 
@@ -110,8 +105,7 @@ def _map(path: str, nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:
         size = os.fstat(fd).st_size
         if size < nbytes:
             raise CheckpointError(f"the handoff's bytes file holds {size} bytes, its header names {nbytes}")
-        mapped = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                           prot=mmap.PROT_READ)
+        mapped = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED | POPULATE, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
     return mapped_bytes(mapped)[:nbytes], mapped

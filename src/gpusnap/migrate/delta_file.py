@@ -34,7 +34,7 @@ from gpusnap.migrate.transport import DELTA_HEADER
 from gpusnap.storage.private_dir import open_private
 
 __all__ = ["ALIGN", "DELTA_HEADER", "DeltaBuffer", "DeltaHeader", "DeltaRun", "buffer_name", "capacity_for",
-           "is_buffer_name", "mapped_bytes"]
+           "is_buffer_name", "lock_pages", "mapped_bytes", "unlock_pages", "unmap"]
 
 log = logging.getLogger("gpusnap")
 
@@ -72,6 +72,32 @@ def mapped_bytes(mapped: mmap.mmap) -> torch.Tensor:
     with warnings.catch_warnings():  # (torch warns of read-only arrays: nothing writes this one)
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(array)
+
+
+POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+PORTABLE, READ_ONLY = 1, 8  # cudaHostRegisterPortable (locked for every device's context), ...ReadOnly
+
+
+def lock_pages(view: torch.Tensor, nbytes: int, flags: int = PORTABLE) -> bool:
+    """Page-lock the first ``nbytes`` of a mapping's ``view`` for CUDA; whether it took."""
+    return int(torch.cuda.cudart().cudaHostRegister(view.data_ptr(), nbytes, flags)) == 0
+
+
+def unlock_pages(view: torch.Tensor) -> None:
+    """Undo :func:`lock_pages` (a context already torn down at exit: nothing to undo)."""
+    try:
+        torch.cuda.cudart().cudaHostUnregister(view.data_ptr())
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def unmap(mapped: mmap.mmap | None) -> None:
+    """Close ``mapped``; while a view of it lives the mapping goes with the last one."""
+    if mapped is not None:
+        try:
+            mapped.close()
+        except BufferError:
+            pass
 
 
 def buffer_name(token: str) -> str:
@@ -196,17 +222,10 @@ class DeltaBuffer:
             self._closed = True
             view, self.view = self.view, None
             if view is not None and self.page_locked:
-                try:
-                    torch.cuda.cudart().cudaHostUnregister(view.data_ptr())
-                except Exception:  # noqa: BLE001  (a context already torn down: the process is ending)
-                    pass
+                unlock_pages(view)
             del view
             mapped, self._map = self._map, None
-        if mapped is not None:
-            try:
-                mapped.close()
-            except BufferError:  # (a view of it still lives somewhere: the mapping goes with it)
-                pass
+        unmap(mapped)
         if remove:
             try:
                 os.unlink(self.path)
@@ -218,27 +237,23 @@ class DeltaBuffer:
             fd = open_private(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
             try:
                 os.posix_fallocate(fd, 0, self.capacity)  # (tmpfs: the pages now, not at the handoff)
-                mapped = mmap.mmap(fd, self.capacity, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+                mapped = mmap.mmap(fd, self.capacity, flags=mmap.MAP_SHARED | POPULATE)
             finally:
                 os.close(fd)
             view = mapped_bytes(mapped)
             locked = False
             if page_lock is not None:
                 torch.cuda.set_device(page_lock)  # (this thread's: no context made on another device)
-                # portable: page-locked for every device's context, whichever copies into it
-                locked = int(torch.cuda.cudart().cudaHostRegister(view.data_ptr(), self.capacity, 1)) == 0
+                locked = lock_pages(view, self.capacity)  # (portable: whichever device copies into it)
                 if not locked:
                     log.info("gpusnap: migration: the handoff buffer could not be page-locked: device copies "
                              "into it run at pageable speed")
             with self._lock:
                 if self._closed:  # (closed while preparing)
                     if locked:
-                        torch.cuda.cudart().cudaHostUnregister(view.data_ptr())
+                        unlock_pages(view)
                     del view
-                    try:
-                        mapped.close()
-                    except BufferError:
-                        pass
+                    unmap(mapped)
                     return
                 self._map, self.view, self.page_locked = mapped, view, locked
         except Exception as exc:  # noqa: BLE001  (the handoff goes the general way; said there)

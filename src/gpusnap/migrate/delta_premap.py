@@ -26,7 +26,7 @@ import threading
 
 import torch
 
-from gpusnap.migrate.delta_file import mapped_bytes
+from gpusnap.migrate.delta_file import POPULATE, PORTABLE, READ_ONLY, lock_pages, mapped_bytes, unlock_pages, unmap
 from gpusnap.storage.private_dir import open_private
 
 __all__ = ["Premap"]
@@ -88,9 +88,9 @@ class Premap:
             mapped, self._map = self._map, None
             fd, self._fd = self._fd, None
             if view is not None and self.page_locked:
-                _unlock(view)
+                unlock_pages(view)
         del view
-        _unmap(mapped)
+        unmap(mapped)
         if fd is not None:
             os.close(fd)
 
@@ -103,21 +103,21 @@ class Premap:
             if size == 0:  # (still being made by the source: try again after another round)
                 self.empty = True
                 return
-            mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+            mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | POPULATE, prot=mmap.PROT_READ)
             view = mapped_bytes(mapped)
             if device is not None and device.type == "cuda":
                 torch.cuda.set_device(device)  # (this thread's: no context made on another device)
-                locked = _lock_pages(view, size, _PORTABLE | _READ_ONLY)
+                locked = lock_pages(view, size, PORTABLE | READ_ONLY)
                 if not locked:  # (read-only page-locking unsupported here: a writable mapping)
-                    writable = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+                    writable = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | POPULATE)
                     wview = mapped_bytes(writable)
-                    if _lock_pages(wview, size, _PORTABLE):
+                    if lock_pages(wview, size, PORTABLE):
                         del view
-                        _unmap(mapped)
+                        unmap(mapped)
                         mapped, view, locked = writable, wview, True
                     else:
                         del wview
-                        _unmap(writable)
+                        unmap(writable)
                         log.info("gpusnap: migration: the handoff's bytes file could not be page-locked here: "
                                  "the delta goes to the device at pageable speed")
             with self._lock:
@@ -130,32 +130,10 @@ class Premap:
                      "when the handoff comes", exc)
         finally:
             if view is not None and locked:  # (not kept: closed meanwhile, or failed)
-                _unlock(view)
+                unlock_pages(view)
             del view
-            _unmap(mapped)
+            unmap(mapped)
             if fd is not None:
                 os.close(fd)
             self._ready.set()
 
-
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-_PORTABLE, _READ_ONLY = 1, 8  # cudaHostRegisterPortable, cudaHostRegisterReadOnly
-
-
-def _lock_pages(view: torch.Tensor, size: int, flags: int) -> bool:
-    return int(torch.cuda.cudart().cudaHostRegister(view.data_ptr(), size, flags)) == 0
-
-
-def _unlock(view: torch.Tensor) -> None:
-    try:
-        torch.cuda.cudart().cudaHostUnregister(view.data_ptr())
-    except Exception:  # noqa: BLE001  (a context already torn down: the process is ending)
-        pass
-
-
-def _unmap(mapped: mmap.mmap | None) -> None:
-    if mapped is not None:
-        try:
-            mapped.close()
-        except BufferError:  # (a view of it still lives: the mapping goes with it)
-            pass

@@ -174,9 +174,7 @@ class Target:
                 raise MigrationError("this Target has received already (or is closed): make a new one")
             return self._receive(app_state, lazy)
         except BaseException:
-            if self._premap is not None:  # (a failure or an interrupt: no memory held for a handoff)
-                self._premap.close()
-                self._premap = None
+            self._close_premap()  # (a failure or an interrupt: no memory held for a handoff)
             raise
         finally:
             self._receiving.release()
@@ -369,15 +367,12 @@ class Target:
         """Between rounds, once a fast handoff can land here: map the source's bytes file
         (delta_premap.py); again after a round if it was not there yet."""
         if not self._piecewise or self._local is None:
-            if self._premap is not None:  # (no fast handoff can land now: no memory held for one)
-                self._premap.close()
-                self._premap = None
+            self._close_premap()  # (no fast handoff can land now: no memory held for one)
             return
         if self._premap is not None:
             if not self._premap.empty or self._premap_round == self._applied_id:
                 return  # (mapped, being mapped, refused: then read the plain way; or no round since)
-            self._premap.close()
-            self._premap = None
+            self._close_premap()
         name = buffer_name(str(self._source.get("token", "")))
         path = os.path.join(self._local, transport.MIGRATE, name)
         if not is_buffer_name(name) or not os.path.isfile(path):
@@ -386,6 +381,11 @@ class Target:
         self._premap = Premap(path, device)
         self._premap_round = self._applied_id
         weakref.finalize(self, self._premap.close)  # (a Target dropped without close(): its pages unlocked)
+
+    def _close_premap(self) -> None:
+        premap, self._premap = self._premap, None
+        if premap is not None:
+            premap.close()
 
     def _wait(self) -> None:
         if self._bell is not None:
@@ -446,15 +446,12 @@ class Target:
         (unlocking pages takes time)."""
         premap, self._premap = self._premap, None
         self._release()
-        if self._removal is not None:
+        detached = None if self._removal is not None else transport.detach_root(self.address)
+        if detached is None:
             if premap is not None:
                 premap.close()
-            return
-        detached = transport.detach_root(self.address)
-        if detached is None:  # (a URL, or it could not be renamed: removed here, as it was)
-            if premap is not None:
-                premap.close()
-            transport.remove_root(self.address)
+            if self._removal is None:  # (a URL, or it could not be renamed: removed here, as it was)
+                transport.remove_root(self.address)
             return
         removal = threading.Thread(target=_remove, args=(detached, self.address, premap),
                                    name="gpusnap-migrate-remove")
@@ -462,9 +459,7 @@ class Target:
         self._removal = removal
 
     def _release(self) -> None:
-        if self._premap is not None:
-            self._premap.close()
-            self._premap = None
+        self._close_premap()
         if self._bell is not None:
             self._bell.close()
             self._bell = None
