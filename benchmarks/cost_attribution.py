@@ -19,6 +19,13 @@ time taken from it, a wait-bound one has slack to absorb it.
 ``--variants``: ``base`` (defaults), ``switchN`` (``sys.setswitchinterval(N ms)`` for the
 whole round), ``nohash`` (validate=False, incremental=False), ``torchcopy`` (snapshot pieces
 copied through torch, not by address: ``capture/address_copy.py``). SIZE=tiny DEVICE=cpu: a CPU check.
+
+``--default-root DIR`` measures the default ``Checkpointer(root)`` instead (issue 39): a save's
+middle window runs until it is durable in ``DIR`` (promoted from the memory tier), and each
+variant has a Checkpointer of its own: ``default``, ``inmemory`` (``promote_every`` never: the
+capture alone), ``threads1`` (``io_threads=1``: one promotion thread), ``nocheck`` (probe only:
+the promotion's device check of the slab bytes skipped, to see its share), ``nice0`` (probe
+only: the promotion's threads left at the program's priority, not lowered).
 """
 from __future__ import annotations
 
@@ -68,13 +75,20 @@ def thread_cpu() -> collections.Counter:
     return out
 
 
-def one_round(ck, wl, window: int, save: bool) -> dict:
+def one_round(ck, wl, window: int, save: bool, durable: bool = False) -> dict:
     before = [step(wl) for _ in range(window)]
     cpu0, t0 = thread_cpu(), time.perf_counter()
     pending = ck.save(wl.app_state) if save else None
     call = time.perf_counter() - t0
+    settled = threading.Event()
+    if pending is not None and durable:  # (wait() returns once the promotion is done too)
+        threading.Thread(target=lambda: (ck.wait(), settled.set()), daemon=True).start()
+    elif pending is not None:
+        threading.Thread(target=lambda: (pending.wait(), settled.set()), daemon=True).start()
+    else:
+        settled.set()
     mid = []
-    while len(mid) < window or (pending is not None and not pending.done()):
+    while len(mid) < window or not settled.is_set():
         mid.append(step(wl))
     wall = time.perf_counter() - t0
     cpu1 = thread_cpu()
@@ -101,6 +115,19 @@ def one_round(ck, wl, window: int, save: bool) -> dict:
     }
 
 
+def rounds(ck, wl, args, name: str, durable: bool = False) -> dict[str, list[dict]]:
+    """``args.rounds`` save rounds and half as many null ones, interleaved, each printed."""
+    rows: dict[str, list[dict]] = {"save": [], "null": []}
+    for i in range(args.rounds + args.rounds // 2):
+        kind = "null" if i % 3 == 2 else "save"
+        rows[kind].append(one_round(ck, wl, args.window, kind == "save", durable=durable))
+        r = rows[kind][-1]
+        print(f"{name} {kind}: cost {r['cost_ms']:6.1f} ms, steps {r['steps']}, call {r['call_ms']:.1f} ms, "
+              f"drift {r['drift_ms']:+.1f}, main CPU {r['main_cpu_ms']:.0f} ms, ex {r['excess_ms'][:10]}, "
+              f"launch ex {r['launch_excess_ms'][:10]}, others {r['other_cpu_ms']}", flush=True)
+    return rows
+
+
 def summary(rows: list[dict]) -> dict:
     costs = [r["cost_ms"] for r in rows]
     others = collections.Counter()
@@ -122,7 +149,10 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=12)
     ap.add_argument("--variants", default="base,switch0.5,switch20")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--default-root", default=None)
     args = ap.parse_args()
+    if args.default_root:
+        return main_default(args)
     os.makedirs(args.out, exist_ok=True)
     shutil.rmtree(args.root, ignore_errors=True)
     wl = build_workload(args.workload, torch.device(os.environ.get("DEVICE", "cuda")), size=os.environ.get("SIZE", "quick"))
@@ -138,14 +168,7 @@ def main() -> None:
             ck.config = dataclasses.replace(base, validate=False, incremental=False) if name == "nohash" else base
             sys.setswitchinterval(float(name[6:]) / 1e3 if name.startswith("switch") else switch0)
             address_copy.ENABLED = name != "torchcopy"
-            rows = {"save": [], "null": []}
-            for i in range(args.rounds + args.rounds // 2):
-                kind = "null" if i % 3 == 2 else "save"
-                rows[kind].append(one_round(ck, wl, args.window, kind == "save"))
-                r = rows[kind][-1]
-                print(f"{name} {kind}: cost {r['cost_ms']:6.1f} ms, steps {r['steps']}, call {r['call_ms']:.1f} ms, "
-                      f"drift {r['drift_ms']:+.1f}, main CPU {r['main_cpu_ms']:.0f} ms, ex {r['excess_ms'][:6]}, "
-                      f"launch ex {r['launch_excess_ms'][:6]}, others {r['other_cpu_ms']}", flush=True)
+            rows = rounds(ck, wl, args, name)
             report["variants"][name] = {"rows": rows, "save": summary(rows["save"]), "null": summary(rows["null"])}
     finally:
         sys.setswitchinterval(switch0)
@@ -160,6 +183,50 @@ def main() -> None:
         s, n = v["save"], v["null"]
         print(f"| {name} | {s['median_ms']:.1f} ({s['mean_ms']:.1f} ± {s['sd_ms']:.1f}) | {n['median_ms']:.1f} "
               f"({n['mean_ms']:.1f} ± {n['sd_ms']:.1f}) | {s['call_ms']:.1f} | {s['launch_share']:.2f} |")
+    for name, v in report["variants"].items():
+        print(f"{name}: other threads' CPU per save window (ms): {v['save']['other_cpu_ms_mean']}")
+
+
+def main_default(args) -> None:
+    from gpusnap.save import promotion
+    from gpusnap.storage.fast_tier import FastTier
+    os.makedirs(args.out, exist_ok=True)
+    wl = build_workload(args.workload, torch.device(os.environ.get("DEVICE", "cuda")), size=os.environ.get("SIZE", "quick"))
+    report: dict = {"workload": args.workload, "variants": {}}
+    check, lower = FastTier.check_bytes, promotion.lower_this_thread
+    variants = args.variants if args.variants != "base,switch0.5,switch20" else "default,inmemory,nocheck,threads1"
+    try:
+        for name in variants.split(","):
+            root = os.path.join(args.default_root, f"attr-{name}")
+            shutil.rmtree(root, ignore_errors=True)
+            config = gpusnap.Config.from_env()
+            if name == "threads1":
+                config = dataclasses.replace(config, io_threads=1)
+            FastTier.check_bytes = (lambda *a, **k: None) if name == "nocheck" else check
+            promotion.lower_this_thread = (lambda: False) if name == "nice0" else lower
+            ck = gpusnap.Checkpointer(root, keep_last=1, config=config,
+                                      promote_every=10**6 if name == "inmemory" else None)
+            try:
+                first = one_round(ck, wl, args.window, True, durable=True)
+                print(f"{name} first: cost {first['cost_ms']:.1f} ms, steps {first['steps']}", flush=True)
+                one_round(ck, wl, args.window, True, durable=True)
+                rows = rounds(ck, wl, args, name, durable=True)
+                rows["first"] = [first]
+                report["variants"][name] = {"rows": rows, "save": summary(rows["save"]), "null": summary(rows["null"])}
+            finally:
+                ck.close()
+                shutil.rmtree(root, ignore_errors=True)
+    finally:
+        FastTier.check_bytes, promotion.lower_this_thread = check, lower
+        with open(os.path.join(args.out, "attribution.json"), "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    print("\n| variant | save: median (mean ± sd) ms | null: median ms | steps in a save window | first save ms |")
+    print("|---|---:|---:|---:|---:|")
+    for name, v in report["variants"].items():
+        s, n = v["save"], v["null"]
+        steps = statistics.median(r["steps"] for r in v["rows"]["save"])
+        print(f"| {name} | {s['median_ms']:.1f} ({s['mean_ms']:.1f} ± {s['sd_ms']:.1f}) | {n['median_ms']:.1f} | {steps} "
+              f"| {v['rows']['first'][0]['cost_ms']:.0f} |")
     for name, v in report["variants"].items():
         print(f"{name}: other threads' CPU per save window (ms): {v['save']['other_cpu_ms_mean']}")
 

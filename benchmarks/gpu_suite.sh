@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks and measurements, each step time-boxed, logs under
 # $OUT (default ./gpu-out), packed into $OUT/suite.tgz. Usage: benchmarks/gpu_suite.sh [demo] [tests]
-# [rdiag] [fresh] [serve] [quick] [suspend] [migrate] [migrate_serve] [migrate_general] [migrate_sample] [pool] [cost] [cost_slab] [compiled] (default: demo
+# [rdiag] [fresh] [serve] [quick] [suspend] [migrate] [migrate_serve] [migrate_general] [migrate_sample] [attr_default] [pool] [cost] [cost_slab] [compiled] (default: demo
 # tests). Run from the repository root on the GPU machine. SUITE_S (default 570) bounds the whole call: a
 # step gets at most the time left, and one with under 30 s left is skipped, so the logs of the
 # steps before it always come back.
@@ -59,6 +59,11 @@ for s in "${steps[@]}"; do
              grep -E '^serving' "$L/migrate-general.log" ;;
     migrate_sample) t 100 python3 benchmarks/migrate_bench.py --parts serve --sample --out "$L/migrate-sample.json" > "$L/migrate-sample.log" 2>&1
              grep -A40 'where the' "$L/migrate-sample.log" | cut -c1-100 | head -80 ;;
+    # where the default path's promoted save costs the training (cost_attribution.py --default-root)
+    attr_default) mkdir -p "${COST_ROOT:-/root/gpusnap-disk}"
+          t 280 python3 benchmarks/cost_attribution.py --default-root "${COST_ROOT:-/root/gpusnap-disk}" --rounds 3 \
+            --window 12 --variants default,nocheck,inmemory --out "$L/attr" > "$L/attr.log" 2>&1
+          rm -rf "${COST_ROOT:-/root/gpusnap-disk}"; tail -8 "$L/attr.log" ;;
     pool) t 240 python3 benchmarks/pool_start.py --out "$L/pool.json" > "$L/pool.log" 2>&1
           tail -14 "$L/pool.log" ;;
     # the default Checkpointer(root) against the pinned copy, root on the local disk (COST_ROOT)

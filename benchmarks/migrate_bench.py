@@ -67,13 +67,16 @@ def sync(device: Any) -> None:
 
 
 # -- (a) serving ---------------------------------------------------------------------------------
-def llama_config(tiny: bool, max_len: int, layers: int | None = None) -> Any:
+def llama_config(tiny: bool, max_len: int, layers: int | None = None, attn: str = "") -> Any:
     from transformers import LlamaConfig
 
     shape = dict(TINY if tiny else FULL)
     if layers:
         shape["num_hidden_layers"] = layers
-    return LlamaConfig(**shape, max_position_embeddings=max(max_len, 2048))
+    cfg = LlamaConfig(**shape, max_position_embeddings=max(max_len, 2048))
+    if attn:  # (eager: attention as plain matmuls and a softmax, no fused SDPA kernel)
+        cfg._attn_implementation = attn
+    return cfg
 
 
 def build_model(cfg: Any, device: Any, *, empty: bool) -> Any:
@@ -200,7 +203,7 @@ def serve_target(args: argparse.Namespace) -> None:
     from gpusnap.migrate import Target
 
     device = torch.device(args.device)
-    cfg = llama_config(args.tiny, args.max_len, args.layers)
+    cfg = llama_config(args.tiny, args.max_len, args.layers, args.attn)
     model = build_model(cfg, device, empty=True)
     app, cache = serving_state(cfg, device, args.max_len, model)
     generate(app, cache, 2)  # warm: a serving process loads its kernels before it takes traffic
@@ -248,7 +251,7 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
     from gpusnap.migrate import Source
 
     device = torch.device(args.device)
-    cfg = llama_config(args.tiny, args.max_len, args.layers)
+    cfg = llama_config(args.tiny, args.max_len, args.layers, args.attn)
     torch.manual_seed(0)
     model = build_model(cfg, device, empty=False)
     app, cache = serving_state(cfg, device, args.max_len, model)
@@ -446,7 +449,7 @@ class Child:
     def __init__(self, role: str, args: argparse.Namespace, address: str) -> None:
         cmd = [sys.executable, os.path.abspath(__file__), "--role", role, "--address", address, "--device",
                args.device, "--max-len", str(args.max_len), "--tokens", str(args.tokens), "--steps", str(args.steps),
-               "--train-size", args.train_size, "--verify", args.verify, "--layers", str(args.layers or 0)] + (["--tiny"] if args.tiny else []) + (
+               "--train-size", args.train_size, "--verify", args.verify, "--layers", str(args.layers or 0), "--attn", args.attn] + (["--tiny"] if args.tiny else []) + (
                    ["--lazy"] if args.lazy else []) + (["--sample"] if args.sample else []) + (
                    [] if args.deterministic else ["--nondeterministic"])
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -542,6 +545,8 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=10240, help="KV cache positions (serving)")
     parser.add_argument("--layers", type=int, default=0,
                         help="the serving model's layers (0: its own; --tiny --layers 26 has the full model's tensor count)")
+    parser.add_argument("--attn", default="", help="the serving model's attention implementation ('': "
+                        "transformers' default, sdpa; eager: plain matmuls and a softmax)")
     parser.add_argument("--tokens", type=int, default=32, help="tokens compared after the move (serving)")
     parser.add_argument("--warm-s", type=float, default=2.0, help="seconds of rounds before the handoff (serving)")
     parser.add_argument("--steps", type=int, default=3, help="steps compared after the move (training)")

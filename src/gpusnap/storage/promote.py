@@ -4,12 +4,13 @@ The durable copy is an ordinary checkpoint of that root (the same atomic commit,
 tag, tree and stats), its chunks named by the device hashes the fast tier already holds
 (``nh:...``, storage/chunk_names.py): the host hashes nothing again. Each run of chunks is
 written straight from the slab (O_DIRECT where the root's file system takes it; what it cannot
-take from there goes through the pack writer's staging block), then checked against its device
-hashes on the device (one host-to-device copy and one launch a run; the host's nh128 without
-one): bytes that changed in the slab before or while they were written (another process's
-retention, a tier removed and made again, a flipped bit) fail the check instead of reaching
-the durable root. A failure (or ``cancelled()`` turning true) aborts the durable transaction,
-leaving both roots as they were.
+take from there goes through the pack writer's staging block). Once every run is written, the
+slab bytes they were written from are checked against their device hashes on the device, in
+a few large passes (one host-to-device copy and one launch per :data:`CHECK_BYTES`; the host's
+nh128 without a device): bytes that changed in the slab before or while they were written
+(another process's retention, a tier removed and made again, a flipped bit) fail the check,
+and the commit comes only after it, so they never reach the durable root. A failure (or
+``cancelled()`` turning true) aborts the durable transaction, leaving both roots as they were.
 """
 
 from __future__ import annotations
@@ -28,11 +29,16 @@ from gpusnap.storage.host_bytes_hash import hash_device
 from gpusnap.storage.manifest import Manifest, StorageEntry
 from gpusnap.storage.repository import Repository
 
-__all__ = ["RUN_BYTES", "CancelToken", "PromotionCancelled", "check_runs", "pool_cpu_s", "promote"]
+__all__ = ["CHECK_BYTES", "RUN_BYTES", "CancelToken", "PromotionCancelled", "check_runs", "pool_cpu_s", "promote"]
 
 # Chunks checked together (one host-to-device copy and one hash launch on the GPU): a call
 # per 4 MiB chunk cost the training thread the driver's and the interpreter's locks
 RUN_BYTES = 64 << 20
+# Bytes checked in one pass once every run is written. A check after each run's write (180
+# passes for 11.4 GB, spread over the seconds the disk takes) cost a training loop ~0.6 s a
+# promotion; the same bytes checked in 256 MiB passes back to back cost it 26-57 ms
+# (BENCHMARKS.md, 2026-12-07, fourth). The device scratch is this large, on one thread.
+CHECK_BYTES = 256 << 20
 
 
 class PromotionCancelled(CheckpointError):
@@ -66,11 +72,12 @@ def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: Threa
             extra_stats: dict[str, object] | None = None, cancel: CancelToken | None = None) -> Manifest:
     """Commit ``manifest``'s checkpoint (from ``fast``) to ``durable``; returns the durable manifest.
 
-    ``pool`` writes and checks runs of chunks (each straight from the slab, checked after it
-    is written); a failure raises once no run is still being read or written.
-    ``cancel`` called off: :class:`PromotionCancelled` (asked before each run and at the commit)."""
+    ``pool`` writes runs of chunks (each straight from the slab); a failure raises once no run
+    is still being read or written. The slab bytes are then checked on this thread, before
+    the commit.
+    ``cancel`` called off: :class:`PromotionCancelled` (asked before each run, each check pass and the commit)."""
     started, cpu, cpu_pool = time.perf_counter(), time.thread_time(), pool_cpu_s(pool)
-    device = hash_device(e.device for e in manifest.storages)  # (its own GPU: one host copy and one launch a run)
+    device = hash_device(e.device for e in manifest.storages)  # (its own GPU: one host copy and one launch a pass)
     cancel = cancel if cancel is not None else CancelToken()
 
     fast.pin_checkpoint(manifest.id)
@@ -88,9 +95,6 @@ def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: Threa
                     names.append(device_name(device_hash))
                     lengths.append(n)
                 txn.put_run(names, data, lengths)  # (one write for the run: see WriteTxn.put_run)
-                # checked after the write: bytes that were wrong before it, or changed while it
-                # ran, fail here; the commit never names a chunk this check has not passed
-                fast.check_bytes(run, data, manifest.chunk_size, device)
                 return names
 
             stores = [pool.submit(store, run) for run in runs] if pool is not None else []
@@ -101,6 +105,12 @@ def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: Threa
                 for f in stores:
                     f.cancel()
                 wait(stores)
+            # checked after every write: bytes that were wrong before it, or changed while it
+            # ran, fail here; the commit never names a chunk this check has not passed
+            for group in check_runs([n for e in manifest.storages for n in e.chunks], manifest.chunk_size,
+                                    CHECK_BYTES):
+                cancel.check(manifest.id)
+                fast.check_bytes(group, fast.run_view(group, manifest.chunk_size), manifest.chunk_size, device)
             entries, at = [], 0
             for e in manifest.storages:
                 k = len(e.chunks)
