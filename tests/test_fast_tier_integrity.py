@@ -172,36 +172,46 @@ def test_promotion_checks_back_to_back_chunks_in_one_pass_and_names_a_corrupt_on
     assert Repository.open(durable).list() == []
 
 
+def _saved_for_promotion(tmp_path: Path) -> tuple[Path, Path, FastTier, Any, list[list[str]]]:
+    """A fast-tier checkpoint of several storages: (durable, fast, its tier, its manifest, its runs)."""
+    from gpusnap.storage.promote import check_runs
+
+    durable, fast = roots(tmp_path)
+    with gpusnap.Checkpointer(durable, fast_root=fast, config=CFG) as ck:
+        info = ck.save(make_state(3)).wait()
+    tier = FastTier.open(fast)
+    manifest = tier.load_manifest(info.id)
+    runs = check_runs([n for e in manifest.storages for n in e.chunks], CFG.chunk_size)
+    assert len(runs) >= 4
+    return durable, fast, tier, manifest, runs
+
+
 @pytest.mark.parametrize("corrupt", [None, 0, 3, -1])
-def test_a_promotion_on_a_pool_checks_every_byte_after_writing_them_all_and_commits_only_checked_bytes(
+def test_a_promotion_on_a_pool_checks_each_group_after_writing_it_and_commits_only_checked_bytes(
         tmp_path: Path, corrupt: int | None) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from gpusnap.storage import promote as promote_mod
 
-    durable, fast = roots(tmp_path)
-    state = make_state(3)
-    with gpusnap.Checkpointer(durable, fast_root=fast, config=CFG) as ck:
-        info = ck.save(state).wait()
-    tier = FastTier.open(fast)
-    manifest = tier.load_manifest(info.id)
+    durable, fast, tier, manifest, runs = _saved_for_promotion(tmp_path)
     every = [n for e in manifest.storages for n in e.chunks]
-    runs = promote_mod.check_runs(every, CFG.chunk_size)
-    assert len(runs) >= 4
     if corrupt is not None:
         _flip(fast, runs[corrupt][0])
     checked: list[str] = []  # every chunk checked, in order
     read: list[str] = []  # the first chunk of each run read from the slab to be written
     check_bytes, run_view = tier.check_bytes, tier.run_view
 
+    written: list[str] = []  # every chunk whose run was read to be written
+
     def checking(names: list[str], data: Any, chunk_size: int, device: object = None) -> None:
-        assert len(read) == len(runs), "every run is written before the slab bytes are checked"
+        assert set(names) <= set(written), "a group is checked once its runs are written"
         check_bytes(names, data, chunk_size, device)  # type: ignore[arg-type]
         checked.extend(names)
 
     def reading(names: list[str], chunk_size: int) -> memoryview:
-        if len(read) < len(runs):
+        if not set(names) <= set(written):  # (a check reads the group again: not a write)
             read.append(names[0])
+            written.extend(names)
         return run_view(names, chunk_size)
 
     tier.check_bytes = checking  # type: ignore[method-assign]
@@ -211,7 +221,7 @@ def test_a_promotion_on_a_pool_checks_every_byte_after_writing_them_all_and_comm
     try:
         if corrupt is None:
             promoted = promote_mod.promote(tier, manifest, repo, pool)
-            assert checked == every  # every byte, in a few passes
+            assert checked == every  # every byte, in order
             assert Repository.open(durable).list()[0].id == promoted.id
         else:
             bad = runs[corrupt][0]
@@ -250,3 +260,38 @@ def test_verify_during_saves_neither_holds_back_retention_nor_reports_a_retired_
         assert overlapping(old_manifest, written), "the test needs the old checkpoint's bytes reused"
         assert report.ok, report  # its bytes were reused meanwhile: retired, not corrupt
         assert Repository.open(fast).verify().ok
+
+
+def test_a_promotion_whose_run_fails_while_others_are_written_raises_it_and_commits_nothing(tmp_path: Path) -> None:
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gpusnap.storage import promote as promote_mod
+
+    durable, _fast, tier, manifest, runs = _saved_for_promotion(tmp_path)
+    failing = tuple(runs[-1])  # (a later group's run: earlier groups are written and checked meanwhile)
+    all_in_flight = threading.Barrier(len(runs))  # every run is being written when the last one fails
+    to_write = {tuple(r) for r in runs}
+    lock = threading.Lock()
+    run_view = tier.run_view
+
+    def reading(names: list[str], chunk_size: int) -> memoryview:
+        with lock:
+            writing = tuple(names) in to_write
+            to_write.discard(tuple(names))  # (read again: a check of what was written)
+        if writing:
+            all_in_flight.wait(timeout=60)  # (a safety net against a hang, never reached when it works)
+            if tuple(names) == failing:
+                raise OSError(5, "the slab could not be read")
+        return run_view(names, chunk_size)
+
+    tier.run_view = reading  # type: ignore[method-assign]
+    repo = Repository.open(durable, create=True, config=CFG)
+    pool = ThreadPoolExecutor(len(runs))  # (every run starts at once)
+    try:
+        with pytest.raises(OSError, match="could not be read"):
+            promote_mod.promote(tier, manifest, repo, pool)
+        assert Repository.open(durable).list() == []
+    finally:
+        pool.shutdown()
+        repo.close()

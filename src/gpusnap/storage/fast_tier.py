@@ -58,6 +58,9 @@ from gpusnap.storage.verify_fast import verify_fast
 
 __all__ = ["ALIGN", "SLABS", "FastTier", "FastTxn", "chunk_location", "fast_name", "slab_path"]
 
+# bytes a device check copies and hashes at a time: its scratch on the device, per thread
+DEVICE_SLICE_BYTES = 64 << 20
+
 _merge = merge_ranges  # (the names the tier's tests know)
 _add_ranges = add_ranges
 
@@ -197,8 +200,8 @@ class FastTier(SlabFiles, SlabSpace, Repository, root_kind="fast"):
 
     def _hashes(self, data: memoryview | bytes, chunk_size: int, device: torch.device | None) -> builtins.list[str]:
         device = device if device is not None else self.check_device
-        try:
-            return hash_host_bytes(data, chunk_size, device)
+        try:  # (a device's scratch: one slice at a time, however long the run)
+            return hash_host_bytes(data, chunk_size, device, slice_bytes=DEVICE_SLICE_BYTES)
         except RuntimeError:  # (the device is out of memory, say): the host computes the same bits
             if device is None:
                 raise

@@ -4,13 +4,14 @@ The durable copy is an ordinary checkpoint of that root (the same atomic commit,
 tag, tree and stats), its chunks named by the device hashes the fast tier already holds
 (``nh:...``, storage/chunk_names.py): the host hashes nothing again. Each run of chunks is
 written straight from the slab (O_DIRECT where the root's file system takes it; what it cannot
-take from there goes through the pack writer's staging block). Once every run is written, the
-slab bytes they were written from are checked against their device hashes on the device, in
-a few large passes (one host-to-device copy and one launch per :data:`CHECK_BYTES`; the host's
-nh128 without a device): bytes that changed in the slab before or while they were written
-(another process's retention, a tier removed and made again, a flipped bit) fail the check,
-and the commit comes only after it, so they never reach the durable root. A failure (or
-``cancelled()`` turning true) aborts the durable transaction, leaving both roots as they were.
+take from there goes through the pack writer's staging block). As soon as the runs of a
+group of up to :data:`CHECK_BYTES` are written, the promoter's thread checks the group's slab
+bytes against their device hashes on the device (the host's nh128 without a device), in
+order: bytes that changed in the slab before or while they were written (another process's
+retention, a tier removed and made again, a flipped bit) fail the check, unless the change
+was undone before it, and the commit comes only after every check, so they never reach the
+durable root. A failure (or ``cancelled()`` turning true) aborts the durable transaction,
+leaving both roots as they were.
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ __all__ = ["CHECK_BYTES", "RUN_BYTES", "CancelToken", "PromotionCancelled", "che
 # Chunks checked together (one host-to-device copy and one hash launch on the GPU): a call
 # per 4 MiB chunk cost the training thread the driver's and the interpreter's locks
 RUN_BYTES = 64 << 20
-# Bytes checked in one pass once every run is written. A check after each run's write (180
-# passes for 11.4 GB, spread over the seconds the disk takes) cost a training loop ~0.6 s a
-# promotion; the same bytes checked in 256 MiB passes back to back cost it 26-57 ms
-# (BENCHMARKS.md, 2026-12-07, fourth). The device scratch is this large, on one thread.
+# Bytes checked together, on the promoter's thread, once their runs are written. A check
+# after each 64 MiB run on the pool's threads (180 checks for 11.4 GB from 8 threads, spread
+# over the seconds the disk takes) cost a training loop ~0.6 s a promotion; the same bytes
+# checked from one thread in 256 MiB groups back to back cost it 26-44 ms (BENCHMARKS.md,
+# 2026-12-07, fourth). Here the groups are checked as their writes end, 4x fewer checks than
+# runs, from one thread: not yet measured on a GPU.
 CHECK_BYTES = 256 << 20
 
 
@@ -72,9 +75,9 @@ def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: Threa
             extra_stats: dict[str, object] | None = None, cancel: CancelToken | None = None) -> Manifest:
     """Commit ``manifest``'s checkpoint (from ``fast``) to ``durable``; returns the durable manifest.
 
-    ``pool`` writes runs of chunks (each straight from the slab); a failure raises once no run
-    is still being read or written. The slab bytes are then checked on this thread, before
-    the commit.
+    ``pool`` writes runs of chunks (each straight from the slab); this thread checks each
+    group's slab bytes once its runs are written. A failure raises once no run is still
+    being read or written.
     ``cancel`` called off: :class:`PromotionCancelled` (asked before each run, each check pass and the commit)."""
     started, cpu, cpu_pool = time.perf_counter(), time.thread_time(), pool_cpu_s(pool)
     device = hash_device(e.device for e in manifest.storages)  # (its own GPU: one host copy and one launch a pass)
@@ -84,7 +87,9 @@ def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: Threa
     try:
         with durable.begin_write() as txn:
             txn.allow_device_names()
-            runs = check_runs([n for e in manifest.storages for n in e.chunks], manifest.chunk_size, RUN_BYTES)
+            every = [n for e in manifest.storages for n in e.chunks]
+            groups = [(group, check_runs(group, manifest.chunk_size, RUN_BYTES))
+                      for group in check_runs(every, manifest.chunk_size, CHECK_BYTES)]
 
             def store(run: list[str]) -> list[str]:
                 cancel.check(manifest.id)
@@ -97,20 +102,26 @@ def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: Threa
                 txn.put_run(names, data, lengths)  # (one write for the run: see WriteTxn.put_run)
                 return names
 
-            stores = [pool.submit(store, run) for run in runs] if pool is not None else []
-            try:
-                done = (f.result() for f in stores) if pool is not None else map(store, runs)
-                digests = [d for run in done for d in run]
-            finally:  # (after a failure: nothing more starts, and nothing still runs once the txn ends)
-                for f in stores:
-                    f.cancel()
-                wait(stores)
-            # checked after every write: bytes that were wrong before it, or changed while it
-            # ran, fail here; the commit never names a chunk this check has not passed
-            for group in check_runs([n for e in manifest.storages for n in e.chunks], manifest.chunk_size,
-                                    CHECK_BYTES):
+            def check(group: list[str]) -> None:
                 cancel.check(manifest.id)
+                # (the same slab map the runs were written from: the tier keeps its maps open
+                # while the checkpoint is pinned)
                 fast.check_bytes(group, fast.run_view(group, manifest.chunk_size), manifest.chunk_size, device)
+
+            stores = [[pool.submit(store, run) for run in runs] for _group, runs in groups] if pool is not None else []
+            digests: list[str] = []
+            try:
+                for k, (group, runs) in enumerate(groups):
+                    done = (f.result() for f in stores[k]) if pool is not None else map(store, runs)
+                    digests += [d for run in done for d in run]
+                    # checked once its writes are done: bytes that were wrong before them, or
+                    # changed while they ran, fail here unless undone meanwhile (a window of
+                    # one group's writes, not the promotion's); the commit names no chunk unchecked
+                    check(group)
+            finally:  # (after a failure: nothing more starts, and nothing still runs once the txn ends)
+                for f in (f for fs in stores for f in fs):
+                    f.cancel()
+                wait([f for fs in stores for f in fs])
             entries, at = [], 0
             for e in manifest.storages:
                 k = len(e.chunks)
