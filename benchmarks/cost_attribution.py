@@ -141,13 +141,29 @@ def summary(rows: list[dict]) -> dict:
             "other_cpu_ms_mean": {k: round(v / len(rows), 1) for k, v in others.most_common(8)}}
 
 
+def variant_entry(rows: dict[str, list[dict]]) -> dict:
+    return {"rows": rows, "save": summary(rows["save"]), "null": summary(rows["null"])}
+
+
+def write_report(out: str, report: dict) -> None:
+    with open(os.path.join(out, "attribution.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+
+
+def print_other_cpu(report: dict) -> None:
+    for name, v in report["variants"].items():
+        print(f"{name}: other threads' CPU per save window (ms): {v['save']['other_cpu_ms_mean']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", default="llama")
     ap.add_argument("--root", default="/dev/shm/gpusnap-attr")
     ap.add_argument("--rounds", type=int, default=8, help="save rounds per variant (and half as many null rounds)")
     ap.add_argument("--window", type=int, default=12)
-    ap.add_argument("--variants", default="base,switch0.5,switch20")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated (default: base,switch0.5,switch20; with --default-root: "
+                         "default,inmemory,nocheck,threads1)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--default-root", default=None)
     args = ap.parse_args()
@@ -164,27 +180,25 @@ def main() -> None:
         ck.prepare(wl.app_state, wait=True)
         for _ in range(2):  # warm: the first saves of a process are issue 22's other row
             one_round(ck, wl, args.window, True)
-        for name in args.variants.split(","):
+        for name in (args.variants or "base,switch0.5,switch20").split(","):
             ck.config = dataclasses.replace(base, validate=False, incremental=False) if name == "nohash" else base
             sys.setswitchinterval(float(name[6:]) / 1e3 if name.startswith("switch") else switch0)
             address_copy.ENABLED = name != "torchcopy"
             rows = rounds(ck, wl, args, name)
-            report["variants"][name] = {"rows": rows, "save": summary(rows["save"]), "null": summary(rows["null"])}
+            report["variants"][name] = variant_entry(rows)
     finally:
         sys.setswitchinterval(switch0)
         address_copy.ENABLED = True
         ck.close()
         shutil.rmtree(args.root, ignore_errors=True)
-        with open(os.path.join(args.out, "attribution.json"), "w") as f:
-            json.dump(report, f, indent=1, default=str)
+        write_report(args.out, report)
     print("\n| variant | save: median (mean ± sd) ms | null: median (mean ± sd) ms | save() call | launch share of a step |")
     print("|---|---:|---:|---:|---:|")
     for name, v in report["variants"].items():
         s, n = v["save"], v["null"]
         print(f"| {name} | {s['median_ms']:.1f} ({s['mean_ms']:.1f} ± {s['sd_ms']:.1f}) | {n['median_ms']:.1f} "
               f"({n['mean_ms']:.1f} ± {n['sd_ms']:.1f}) | {s['call_ms']:.1f} | {s['launch_share']:.2f} |")
-    for name, v in report["variants"].items():
-        print(f"{name}: other threads' CPU per save window (ms): {v['save']['other_cpu_ms_mean']}")
+    print_other_cpu(report)
 
 
 def main_default(args) -> None:
@@ -194,9 +208,8 @@ def main_default(args) -> None:
     wl = build_workload(args.workload, torch.device(os.environ.get("DEVICE", "cuda")), size=os.environ.get("SIZE", "quick"))
     report: dict = {"workload": args.workload, "variants": {}}
     check, lower = FastTier.check_bytes, promotion.lower_this_thread
-    variants = args.variants if args.variants != "base,switch0.5,switch20" else "default,inmemory,nocheck,threads1"
     try:
-        for name in variants.split(","):
+        for name in (args.variants or "default,inmemory,nocheck,threads1").split(","):
             root = os.path.join(args.default_root, f"attr-{name}")
             shutil.rmtree(root, ignore_errors=True)
             config = gpusnap.Config.from_env()
@@ -212,14 +225,13 @@ def main_default(args) -> None:
                 one_round(ck, wl, args.window, True, durable=True)
                 rows = rounds(ck, wl, args, name, durable=True)
                 rows["first"] = [first]
-                report["variants"][name] = {"rows": rows, "save": summary(rows["save"]), "null": summary(rows["null"])}
+                report["variants"][name] = variant_entry(rows)
             finally:
                 ck.close()
                 shutil.rmtree(root, ignore_errors=True)
     finally:
         FastTier.check_bytes, promotion.lower_this_thread = check, lower
-        with open(os.path.join(args.out, "attribution.json"), "w") as f:
-            json.dump(report, f, indent=1, default=str)
+        write_report(args.out, report)
     print("\n| variant | save: median (mean ± sd) ms | null: median ms | steps in a save window | first save ms |")
     print("|---|---:|---:|---:|---:|")
     for name, v in report["variants"].items():
@@ -227,8 +239,7 @@ def main_default(args) -> None:
         steps = statistics.median(r["steps"] for r in v["rows"]["save"])
         print(f"| {name} | {s['median_ms']:.1f} ({s['mean_ms']:.1f} ± {s['sd_ms']:.1f}) | {n['median_ms']:.1f} | {steps} "
               f"| {v['rows']['first'][0]['cost_ms']:.0f} |")
-    for name, v in report["variants"].items():
-        print(f"{name}: other threads' CPU per save window (ms): {v['save']['other_cpu_ms_mean']}")
+    print_other_cpu(report)
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: Threa
     being read or written.
     ``cancel`` called off: :class:`PromotionCancelled` (asked before each run, each check pass and the commit)."""
     started, cpu, cpu_pool = time.perf_counter(), time.thread_time(), pool_cpu_s(pool)
-    device = hash_device(e.device for e in manifest.storages)  # (its own GPU: one host copy and one launch a pass)
+    device = hash_device(e.device for e in manifest.storages)  # (its own GPU: one host copy and one launch per slice)
     cancel = cancel if cancel is not None else CancelToken()
 
     fast.pin_checkpoint(manifest.id)
@@ -109,6 +109,7 @@ def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: Threa
                 fast.check_bytes(group, fast.run_view(group, manifest.chunk_size), manifest.chunk_size, device)
 
             stores = [[pool.submit(store, run) for run in runs] for _group, runs in groups] if pool is not None else []
+            submitted = [f for fs in stores for f in fs]
             digests: list[str] = []
             try:
                 for k, (group, runs) in enumerate(groups):
@@ -119,9 +120,9 @@ def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: Threa
                     # one group's writes, not the promotion's); the commit names no chunk unchecked
                     check(group)
             finally:  # (after a failure: nothing more starts, and nothing still runs once the txn ends)
-                for f in (f for fs in stores for f in fs):
+                for f in submitted:
                     f.cancel()
-                wait([f for fs in stores for f in fs])
+                wait(submitted)
             entries, at = [], 0
             for e in manifest.storages:
                 k = len(e.chunks)
