@@ -25,7 +25,12 @@ middle window runs until it is durable in ``DIR`` (promoted from the memory tier
 variant has a Checkpointer of its own: ``default``, ``inmemory`` (``promote_every`` never: the
 capture alone), ``threads1`` (``io_threads=1``: one promotion thread), ``nocheck`` (probe only:
 the promotion's device check of the slab bytes skipped, to see its share), ``nice0`` (probe
-only: the promotion's threads left at the program's priority, not lowered).
+only: the promotion's threads left at the program's priority, not lowered), ``whole`` (probe
+only: slabs made a whole GiB per call with no rests, as before ``storage/slab_prep.py`` made
+them in 64 MiB steps), and the user's alternative ``pinned`` (a pinned copy plus a writer
+thread that fsyncs, ``bench/baselines/pinned_writer.py``; its buffers are allocated before its
+first round, as a real program would, so its "first" is a warm save). A gpusnap variant's first
+window runs until its save is durable *and* the memory of the saves after it is made.
 """
 from __future__ import annotations
 
@@ -75,14 +80,29 @@ def thread_cpu() -> collections.Counter:
     return out
 
 
-def one_round(ck, wl, window: int, save: bool, durable: bool = False) -> dict:
+def one_round(ck, wl, window: int, save: bool, durable: bool = False, prepared: int | None = None) -> dict:
+    """``prepared``: the window also runs until the memory of the saves after this one is made
+    (``prepare(nbytes=prepared, wait=True)``, no flatten off the training thread; waiting as a
+    bystander, see ``main_default``): a first save's whole set-up is charged to it."""
     before = [step(wl) for _ in range(window)]
     cpu0, t0 = thread_cpu(), time.perf_counter()
     pending = ck.save(wl.app_state) if save else None
     call = time.perf_counter() - t0
     settled = threading.Event()
-    if pending is not None and durable:  # (wait() returns once the promotion is done too)
-        threading.Thread(target=lambda: (ck.wait(), settled.set()), daemon=True).start()
+    marks: dict[str, float] = {}
+
+    def settle() -> None:
+        try:
+            ck.wait()  # (returns once the promotion is done too)
+            marks["durable_s"] = time.perf_counter() - t0
+            if prepared is not None:
+                ck.prepare(nbytes=prepared, wait=True)
+                marks["prepared_s"] = time.perf_counter() - t0
+        finally:  # (a failed save ends the window too: pending.wait() below raises it)
+            settled.set()
+
+    if pending is not None and durable:
+        threading.Thread(target=settle, daemon=True).start()
     elif pending is not None:
         threading.Thread(target=lambda: (pending.wait(), settled.set()), daemon=True).start()
     else:
@@ -112,7 +132,14 @@ def one_round(ck, wl, window: int, save: bool, durable: bool = False) -> dict:
         "other_cpu_ms": {k: round((cpu1[k] - cpu0.get(k, 0.0)) * 1e3, 1) for k in cpu1 if k != main
                          and cpu1[k] - cpu0.get(k, 0.0) > 0.001},
         "duration_s": info.stats.get("duration_s") if info is not None else None,
+        "stats": {k: info.stats.get(k) for k in _STATS} if info is not None else None,
+        **marks,
     }
+
+
+# what a save's own stats say about where its window went (printed for each variant's first save)
+_STATS = ("window_s", "stall_s", "wait_s", "waits", "tracked", "bytes_snapshot", "bytes_cow", "copier_s",
+          "save_phases_s", "fast_prepared_bytes", "fast_tier_bytes", "copy_path")
 
 
 def rounds(ck, wl, args, name: str, durable: bool = False) -> dict[str, list[dict]]:
@@ -201,13 +228,41 @@ def main() -> None:
     print_other_cpu(report)
 
 
+class PinnedAsCheckpointer:
+    """The pinned copy + writer thread behind the two calls ``one_round`` makes of a
+    Checkpointer: ``save()`` (captured on return) and ``wait()`` (until durable)."""
+
+    def __init__(self, root: str, wl) -> None:
+        from gpusnap.bench.baselines.pinned_writer import PinnedWriter
+        self.system, self.wl, self.index, self.handle = PinnedWriter(root, target="disk"), wl, 0, None
+        self.system.setup(wl)
+
+    def save(self, _app_state):
+        self.handle, self.index = self.system.save(self.wl, self.index), self.index + 1
+        return self
+
+    def wait(self):
+        if self.handle is not None:
+            self.handle.wait()
+        return None
+
+    def close(self) -> None:
+        self.system.teardown()
+
+
 def main_default(args) -> None:
     from gpusnap.save import promotion
     from gpusnap.storage.fast_tier import FastTier
     os.makedirs(args.out, exist_ok=True)
     wl = build_workload(args.workload, torch.device(os.environ.get("DEVICE", "cuda")), size=os.environ.get("SIZE", "quick"))
     report: dict = {"workload": args.workload, "variants": {}}
-    check, lower = FastTier.check_bytes, promotion.lower_this_thread
+    from gpusnap.storage import slab_prep
+    check, lower, steps = FastTier.check_bytes, promotion.lower_this_thread, (slab_prep.STEP_BYTES, slab_prep.REST_FACTOR)
+    waited = FastTier.wait_prepared
+    # the bench's wait for the later saves' memory must not hurry its making (prepare(wait=True)
+    # would): it measures a program that never calls prepare()
+    FastTier.wait_prepared = lambda self, timeout=None: self._preparer.join(timeout)
+    state_bytes = sum(t.untyped_storage().nbytes() for t in wl.tensors().values())
     try:
         for name in (args.variants or "default,inmemory,nocheck,threads1").split(","):
             root = os.path.join(args.default_root, f"attr-{name}")
@@ -217,11 +272,16 @@ def main_default(args) -> None:
                 config = dataclasses.replace(config, io_threads=1)
             FastTier.check_bytes = (lambda *a, **k: None) if name == "nocheck" else check
             promotion.lower_this_thread = (lambda: False) if name == "nice0" else lower
-            ck = gpusnap.Checkpointer(root, keep_last=1, config=config,
-                                      promote_every=10**6 if name == "inmemory" else None)
+            slab_prep.STEP_BYTES, slab_prep.REST_FACTOR = (1 << 30, 0.0) if name == "whole" else steps
+            ck = PinnedAsCheckpointer(root, wl) if name == "pinned" else gpusnap.Checkpointer(
+                root, keep_last=1, config=config, promote_every=10**6 if name == "inmemory" else None)
             try:
-                first = one_round(ck, wl, args.window, True, durable=True)
-                print(f"{name} first: cost {first['cost_ms']:.1f} ms, steps {first['steps']}", flush=True)
+                first = one_round(ck, wl, args.window, True, durable=True,
+                                  prepared=None if name == "pinned" else state_bytes)
+                print(f"{name} first: cost {first['cost_ms']:.1f} ms, steps {first['steps']}, durable at "
+                      f"{first.get('durable_s', 0):.2f} s, later saves' memory made at {first.get('prepared_s', 0):.2f} s, "
+                      f"excess {first['excess_ms']}, "
+                      f"stats {json.dumps(first['stats'], default=str)}", flush=True)
                 one_round(ck, wl, args.window, True, durable=True)
                 rows = rounds(ck, wl, args, name, durable=True)
                 rows["first"] = [first]
@@ -230,7 +290,8 @@ def main_default(args) -> None:
                 ck.close()
                 shutil.rmtree(root, ignore_errors=True)
     finally:
-        FastTier.check_bytes, promotion.lower_this_thread = check, lower
+        FastTier.check_bytes, promotion.lower_this_thread, FastTier.wait_prepared = check, lower, waited
+        slab_prep.STEP_BYTES, slab_prep.REST_FACTOR = steps
         write_report(args.out, report)
     print("\n| variant | save: median (mean ± sd) ms | null: median ms | steps in a save window | first save ms |")
     print("|---|---:|---:|---:|---:|")

@@ -38,6 +38,7 @@ __all__ = [
     "cfg",
     "durable_backend",
     "hold_durable_writes",
+    "in_thread",
     "locations",
     "make_state",
     "overlapping",
@@ -235,3 +236,19 @@ def memory_tier_of(root: Path) -> Path:
     from gpusnap.save.memory_tier import memory_tier_path
 
     return Path(memory_tier_path(os.environ["GPUSNAP_MEMORY_TIER_DIR"], os.path.realpath(root)))
+
+
+def in_thread(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    """Run ``fn`` on a daemon thread; returns the thread and a dict that gets ``value`` (what
+    it returned) or ``error`` (what it raised)."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 (the test looks at it)
+            out["error"] = exc
+
+    t = threading.Thread(target=run, name=f"test-{getattr(fn, '__name__', 'fn')}", daemon=True)
+    t.start()
+    return t, out

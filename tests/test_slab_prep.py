@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from fast_support import HANG_S, cfg
+from fast_support import HANG_S, cfg, in_thread
 
 from gpusnap.errors import StorageError
 from gpusnap.storage import fast_tier, slab_files
@@ -245,20 +245,6 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> type[SpyEvent]:
     return SpyEvent
 
 
-def _in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 (the test looks at it)
-            out["error"] = exc
-
-    t = threading.Thread(target=run, name=f"test-{fn.__name__}", daemon=True)
-    t.start()
-    return t, out
-
-
 def _joined(*threads: threading.Thread) -> None:
     for t in threads:
         t.join(HANG_S)
@@ -271,9 +257,9 @@ def test_two_threads_wanting_one_slab_make_it_once_and_get_the_same_tensor(
     maker = FakeMaker(hold=(0,))
     monkeypatch.setattr(FastTier, "make_slab", maker.method())
     try:
-        first, a = _in_thread(lambda: tier.slab_memory(0))
+        first, a = in_thread(lambda: tier.slab_memory(0))
         assert maker.entered.wait(HANG_S)  # the first thread is making slab 0
-        second, b = _in_thread(lambda: tier.slab_memory(0))
+        second, b = in_thread(lambda: tier.slab_memory(0))
         assert spy.waiting.wait(HANG_S)  # the second waits for the first's preparation
         assert len(maker.calls) == 1
     finally:
@@ -295,9 +281,9 @@ def test_a_waiter_prepares_the_slab_itself_when_the_first_preparation_failed(
     maker = FakeMaker(hold=(0,), errors=[OSError(28, "first: no space"), None])
     monkeypatch.setattr(FastTier, "make_slab", maker.method())
     try:
-        first, a = _in_thread(lambda: tier.slab_memory(0))
+        first, a = in_thread(lambda: tier.slab_memory(0))
         assert maker.entered.wait(HANG_S)
-        second, b = _in_thread(lambda: tier.slab_memory(0))
+        second, b = in_thread(lambda: tier.slab_memory(0))
         assert spy.waiting.wait(HANG_S)
     finally:
         maker.release()
@@ -315,9 +301,9 @@ def test_a_waiter_whose_own_try_fails_too_raises_its_own_error(
     maker = FakeMaker(hold=(0,), errors=[OSError(28, "first: no space"), OSError(12, "second: no memory")])
     monkeypatch.setattr(FastTier, "make_slab", maker.method())
     try:
-        first, a = _in_thread(lambda: tier.slab_memory(0))
+        first, a = in_thread(lambda: tier.slab_memory(0))
         assert maker.entered.wait(HANG_S)
-        second, b = _in_thread(lambda: tier.slab_memory(0))
+        second, b = in_thread(lambda: tier.slab_memory(0))
         assert spy.waiting.wait(HANG_S)
     finally:
         maker.release()
@@ -340,7 +326,7 @@ def test_the_background_preparer_and_a_save_share_one_preparation(
         tier.prepare_ahead(SLAB)
         assert maker.entered.wait(HANG_S)
         assert maker.calls == [(0, "gpusnap-slab-prep")]
-        save, out = _in_thread(lambda: tier.slab_memory(0))  # the copier, taking slab 0
+        save, out = in_thread(lambda: tier.slab_memory(0))  # the copier, taking slab 0
         assert spy.waiting.wait(HANG_S)
     finally:
         maker.release()

@@ -15,7 +15,9 @@ import ctypes
 import errno
 import mmap
 import os
+import time
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -39,11 +41,19 @@ class MappedMemory:
     training thread for ~1 s per GiB, the madvise ~70 ms per GiB, and it reports memory it
     cannot allocate (a full tmpfs) as an ``OSError`` here instead of a SIGBUS at the first copy.
 
+    ``step``: populate ``step`` bytes at a time, calling ``between(seconds the step took)``
+    after each: one madvise of a GiB holds the process's memory map for its whole length,
+    while 64 MiB steps with rests between them fit in the slack of the program's launch queue
+    (``storage/slab_prep.py``). The page-locking stays one registration of the whole mapping:
+    a copy over two adjacent registrations fails (``CUDA_ERROR_INVALID_VALUE``, measured on
+    an H100), and a slab's copies may cross any 64 MiB boundary.
+
     Raises ``OSError`` (the map failed) or ``RuntimeError`` (page-locking failed; nothing
-    stays mapped); the caller then decides what to fall back to.
+    stays mapped or locked); the caller then decides what to fall back to.
     """
 
-    def __init__(self, fd: int, nbytes: int, *, pinned: bool, populate: bool = True) -> None:
+    def __init__(self, fd: int, nbytes: int, *, pinned: bool, populate: bool = True, step: int | None = None,
+                 between: Callable[[float], None] | None = None) -> None:
         self.nbytes = nbytes
         self.fd = fd
         addr = _LIBC.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
@@ -51,12 +61,6 @@ class MappedMemory:
             err = ctypes.get_errno()
             os.close(fd)
             raise OSError(err, f"mmap of {nbytes} bytes failed: {os.strerror(err)}")
-        if populate and nbytes and _LIBC.madvise(addr, nbytes, _MADV_POPULATE_WRITE) != 0:
-            err = ctypes.get_errno()
-            if err != errno.EINVAL:  # (EINVAL: a kernel without it; pages then fault in at use)
-                _LIBC.munmap(addr, nbytes)
-                os.close(fd)
-                raise OSError(err, f"could not allocate {nbytes} bytes of mapped memory: {os.strerror(err)}")
         self.address = addr
         memory = type("_Mapping", (ctypes.c_uint8 * nbytes,), {}).from_address(addr)
         state = {"pinned": False}
@@ -64,15 +68,34 @@ class MappedMemory:
         self.tensor = torch.frombuffer(memory, dtype=torch.uint8)  # keeps ``memory`` alive
         del memory
         self.pinned = False
-        if pinned:
-            cudart = torch.cuda.cudart()
-            err = int(getattr(cudart.cudaHostRegister(addr, nbytes, 0), "value", 0) or 0)
-            if err:
-                del self.tensor
-                cleared = clear_cuda_error()  # (the error would stay pending for the next CUDA call)
-                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: error {err}"
-                                   + ("" if cleared else " (the runtime's last error could not be cleared)"))
-            state["pinned"] = self.pinned = True
+        size = step if step and step < nbytes else max(nbytes, 1)
+        try:
+            for lo in range(0, nbytes if populate else 0, size):
+                started = time.perf_counter()
+                _populate(addr + lo, min(size, nbytes - lo))
+                if between is not None and lo + size < nbytes:
+                    between(time.perf_counter() - started)
+            if pinned:
+                _register(addr, nbytes)
+                state["pinned"] = self.pinned = True
+        except BaseException:
+            del self.tensor  # (the last view: unmaps and closes fd)
+            raise
+
+
+def _populate(addr: int, n: int) -> None:
+    if _LIBC.madvise(addr, n, _MADV_POPULATE_WRITE) != 0:
+        err = ctypes.get_errno()
+        if err != errno.EINVAL:  # (EINVAL: a kernel without it; pages then fault in at use)
+            raise OSError(err, f"could not allocate {n} bytes of mapped memory: {os.strerror(err)}")
+
+
+def _register(addr: int, n: int) -> None:
+    err = int(getattr(torch.cuda.cudart().cudaHostRegister(addr, n, 0), "value", 0) or 0)
+    if err:
+        cleared = clear_cuda_error()  # (the error would stay pending for the next CUDA call)
+        raise RuntimeError(f"cudaHostRegister of {n} bytes failed: error {err}"
+                           + ("" if cleared else " (the runtime's last error could not be cleared)"))
 
 
 def _unmap(addr: int, nbytes: int, fd: int, state: dict[str, bool]) -> None:

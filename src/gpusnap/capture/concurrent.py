@@ -31,6 +31,7 @@ from gpusnap.capture.staging import StagingArena
 from gpusnap.capture.trace import Trace
 from gpusnap.capture.tracker import TrackerMode
 from gpusnap.capture.validation import HashTable, unchanged_chunks
+from gpusnap.capture.warmup import wait_loaded
 from gpusnap.capture.window import CaptureWindow, SnapshotBuffer, WindowSpan
 from gpusnap.errors import CheckpointError, ValidationError
 from gpusnap.kernels.hashing import chunk_digest
@@ -127,7 +128,8 @@ class ConcurrentSave:
             # nothing to hash now, the copier sets the table up too (1.5-2.5 ms of save() on
             # GPT-2 large's 1745 spans).
             now = [i for i, s in enumerate(flat.spans) if s.nbytes and i not in self.window.snapshotted]
-            if now:
+            if now:  # (the hash kernels, if they still load: this save waits for them here)
+                self.phases["kernels"] = wait_loaded({flat.spans[i].device for i in now})
                 self.before = HashTable(flat.spans, chunk_size)
                 self.before.fill_many(now, [flat.spans[i].as_bytes() for i in now])
         if validate:
@@ -267,8 +269,11 @@ class ConcurrentSave:
             self.before = HashTable(self.flat.spans, self.chunk_size)
         kept, self._kept = self._kept, None
         marks = self.copier.marks
+        snaps = kept if kept is not None else self.window.snapshot_buffers()
+        if wait_loaded({snap.buffer.device for snap in snaps}):  # (loading since set-up)
+            marks["kernels_loaded"] = time.perf_counter()
         marks["hashing"] = time.perf_counter()
-        for snap in kept if kept is not None else self.window.snapshot_buffers():
+        for snap in snaps:
             self.before.fill_packed([ws.index for ws in snap.spans], snap.buffer, snap.offsets)
         del kept
         marks["hashes_enqueued"] = time.perf_counter()

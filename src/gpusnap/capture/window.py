@@ -41,6 +41,7 @@ import torch
 
 from gpusnap import fork_safety
 from gpusnap.capture.trace import Trace
+from gpusnap.capture.warmup import loading as kernels_loading
 from gpusnap.errors import CheckpointError
 from gpusnap.kernels.gather_copy import gather_copy, gather_copy_available, gather_copy_host, gather_copy_tensors
 from gpusnap.state.flat import shrunk_storage_error
@@ -539,7 +540,8 @@ def _batched_copies(
 
     On CUDA with Triton the copy is one kernel fed by the spans' addresses
     (``kernels.gather_copy``): no tensor per span, which was most of ``save()``'s host time
-    after ``flatten`` for a model's thousands of storages. On the CPU, a ``memmove`` per small
+    after ``flatten`` for a model's thousands of storages; while that kernel still loads
+    (``capture/warmup.py``), torch's copies, as without Triton. On the CPU, a ``memmove`` per small
     span (an optimizer's scalar ``step`` tensors), one ``_foreach_copy_`` of the others, from a
     uint8 alias of each; the same on CUDA without Triton.
 
@@ -555,7 +557,7 @@ def _batched_copies(
         padded = sizes + (-sizes % SNAPSHOT_ALIGN)
         offsets = np.cumsum(padded) - padded
         buffer = _new_buffer(int(padded.sum()), device)
-        if gather_copy_available(device):
+        if gather_copy_available(device) and not kernels_loading(device):
             gather_copy(buffer, offsets, _addresses(group), sizes)
         elif device.type == "cpu":  # tiny spans by address; big ones by torch
             small = sizes <= _HOST_MOVE_MAX

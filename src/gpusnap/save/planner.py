@@ -64,8 +64,9 @@ class CapturePlanner:
     def staging_for(self, cuda: list[torch.device], device_bytes: int, fast_txn: Any,
                     phases: dict[str, float]) -> StagingArena | FastArena:
         """The memory a save copies through: the fast tier's reserved slabs, or the staging
-        arena, grown once to hold a whole capture; then what is left of the kernels'
-        warm-up is waited for (both timed in ``phases``)."""
+        arena, grown once to hold a whole capture (timed in ``phases``). The kernels'
+        warm-up is not waited for here: a save that needs its kernels at ``save()`` waits
+        for them there, the others on the copier's thread (``capture/warmup.py``)."""
         if fast_txn is not None:
             arena: StagingArena | FastArena = FastArena(fast_txn, self.config.piece_bytes())
         else:
@@ -77,11 +78,6 @@ class CapturePlanner:
             assert isinstance(arena, StagingArena)
             with torch.inference_mode(False):  # the copier writes it
                 phases["reserve_staging"] = arena.reserve(device_bytes + self.config.piece_bytes())
-        if self._warmup is not None and cuda:  # (what is left of it: see capture/warmup.py)
-            warming = time.perf_counter()
-            self._warmup.join()
-            self._warmup = None
-            phases["kernels"] = time.perf_counter() - warming
         return arena
 
     def plan(self, flat: FlatState, cuda: list[torch.device], staging: StagingArena | FastArena,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import builtins
 import os
 import threading
+import time
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from gpusnap.storage.backend_protocol import Backend
 from gpusnap.storage.layout import storage_error
 from gpusnap.storage.private_dir import open_private
 from gpusnap.storage.slab_layout import SLAB_ROUND, SLABS, slab_path
+from gpusnap.storage import slab_prep
 from gpusnap.storage.slab_prep import SlabPreparer
 
 __all__ = ["SlabFiles"]
@@ -74,6 +76,7 @@ class SlabFiles:
                 if busy is None:
                     busy = self._preparing[slab] = threading.Event()
                     break
+            self._preparer.hurry()  # (the slab in hand may be the preparer's: no rests now)
             busy.wait()
         try:
             if self._root_identity() != self._identity:  # (never map another tier's file as ours)
@@ -99,19 +102,26 @@ class SlabFiles:
 
         with self._mutex:
             size = self._slab_sizes[slab]
+        # made in steps, with rests between them when it is the background preparer's
+        rest = self._preparer.rest if self._preparer.on_own_thread() else None
         path = self.backend.local_path(slab_path(slab))  # type: ignore[attr-defined]
         with self.io_errors("creating slab", slab_path(slab), writing=True):
             fd = open_private(path, os.O_RDWR | os.O_CREAT)  # (never a planted link, nor another user's file)
             try:
                 if os.fstat(fd).st_size < size:
                     # allocates every page now: a full tmpfs is ENOSPC here, not SIGBUS at a copy
-                    os.posix_fallocate(fd, 0, size)
+                    step = slab_prep.STEP_BYTES
+                    for lo in range(0, size, step):
+                        started = time.perf_counter()
+                        os.posix_fallocate(fd, lo, min(step, size - lo))
+                        if rest is not None:
+                            rest(time.perf_counter() - started)
             except BaseException:
                 os.close(fd)
                 raise
         try:
             try:
-                return MappedMemory(fd, size, pinned=self.pinned)
+                return MappedMemory(fd, size, pinned=self.pinned, step=slab_prep.STEP_BYTES, between=rest)
             except RuntimeError as exc:  # page-locking refused: copies go through pageable memory
                 self.register_errors.append(f"slab {slab}: {exc}")
                 return MappedMemory(open_private(path, os.O_RDWR), size, pinned=False)
@@ -173,9 +183,10 @@ class SlabFiles:
             return sum(m.nbytes for m in self._maps.values())
 
     def wait_prepared(self, timeout: float | None = None) -> None:
-        """Wait for the slabs set aside to be made; a StorageError lists those that failed
-        (a save that needs one makes it itself, and fails with the cause if it recurs)."""
-        self._preparer.join(timeout)
+        """Wait for the slabs set aside to be made, the preparer resting no more meanwhile; a
+        StorageError lists those that failed (a save that needs one makes it itself, and fails
+        with the cause if it recurs)."""
+        self._preparer.join(timeout, hurry=True)
         with self._map_lock:  # (the slabs the last prepare_ahead wanted and nobody has made)
             missing = {f"slab {n}: " for n in self._wanted if n not in self._maps}
         errors = [e for e in self._preparer.errors if e[: e.index(":") + 2] in missing]

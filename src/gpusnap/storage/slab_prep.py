@@ -1,12 +1,19 @@
 """Prepare a fast tier's slabs on a background thread, ahead of the saves that need them.
 
 A slab is ready once its file is allocated, mapped and page-locked
-(``FastTier.slab_memory``). That costs ~0.5 s per GiB of a thread's time and
-~70 ms per GiB of the training it runs beside (the kernel populating 4 KiB tmpfs pages),
-whoever does it; a save whose copier has to do it waits for it (its window lasts seconds).
-The preparer does it between saves instead: the first save sets aside room for the
-``fast_keep_last + 1`` checkpoints the tier holds at once, and every save after it finds
-its memory ready.
+(``FastTier.slab_memory``). That costs ~0.5 s per GiB of a thread's time, whoever does it,
+and, done a GiB per call, ~90 ms per GiB of the training it runs beside: populating and
+page-locking are long kernel and driver calls that the program's CUDA calls wait behind. A
+save whose copier has to do it waits for it (its window lasts seconds). The preparer does it
+between saves instead: the first save sets aside room for the ``fast_keep_last + 1``
+checkpoints the tier holds at once, and every save after it finds its memory ready.
+
+It allocates and populates in 64 MiB steps (``STEP_BYTES``) and rests twice as long as
+each step took (:meth:`SlabPreparer.rest`): short calls with gaps fit in the slack of the
+program's launch queue. The page-locking stays one call per slab (``host_map``: a copy may
+not cross two registrations). A thread that waits for the slab in hand (a save's copier)
+ends the rests (:meth:`SlabPreparer.hurry`), and so does one that waits for the whole
+preparation (``join(hurry=True)``: ``prepare(wait=True)`` at set-up): nobody waits for a rest.
 
 It never raises: a slab it cannot prepare (a full tmpfs) is logged and left to the save
 that takes it, which then meets the error itself and raises it where the program sees it;
@@ -22,15 +29,19 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from gpusnap.device import outside_graph_captures
 from gpusnap.thread_priority import lower_this_thread
 
-__all__ = ["SlabPreparer"]
+__all__ = ["REST_FACTOR", "STEP_BYTES", "SlabPreparer"]
 
 log = logging.getLogger("gpusnap")
+
+STEP_BYTES = 64 << 20  # allocated and populated per call
+REST_FACTOR = 2.0  # rest after a step, in multiples of the step's time (busy a third of the time)
 
 
 class SlabPreparer:
@@ -44,6 +55,8 @@ class SlabPreparer:
         self._thread: threading.Thread | None = None
         self._current: int | None = None  # the slab in hand
         self._stopped = False
+        self._hurry = threading.Event()  # someone waits for the slab in hand: no more rests
+        self._joining = 0  # threads in join(hurry=True): no rests at all meanwhile
         # "slab N: why" for each slab whose last preparation failed (one line per slab: each
         # save wants a failing slab again)
         self.errors: list[str] = []
@@ -64,15 +77,39 @@ class SlabPreparer:
         with self._lock:
             self.errors = [e for e in self.errors if not e.startswith(head)]
 
+    def on_own_thread(self) -> bool:
+        """Whether the caller is this preparer's thread (whose slabs are made with rests)."""
+        with self._lock:
+            return self._thread is not None and self._thread is threading.current_thread()
+
+    def rest(self, busy_s: float) -> None:
+        """The preparer's pause after a step that took ``busy_s``: ``REST_FACTOR`` times as
+        long, cut short by :meth:`hurry` or :meth:`stop`; none while a join hurries it."""
+        if not self._joining:
+            self._hurry.wait(REST_FACTOR * busy_s)
+
+    def hurry(self) -> None:
+        """A thread waits for the slab in hand: finish it without rests."""
+        self._hurry.set()
+
     def busy(self) -> bool:
         with self._lock:
             return self._thread is not None
 
-    def join(self, timeout: float | None = None) -> None:
+    def join(self, timeout: float | None = None, *, hurry: bool = False) -> None:
+        """Wait for the work wanted so far; ``hurry``: without rests meanwhile (the caller
+        waits for it, so nothing is gained by pacing)."""
         with self._lock:
             thread = self._thread
-        if thread is not None:
-            thread.join(timeout)
+            self._joining += hurry
+        if hurry:
+            self._hurry.set()
+        try:
+            if thread is not None:
+                thread.join(timeout)
+        finally:
+            with self._lock:
+                self._joining -= hurry
 
     def stop(self) -> None:
         """Prepare nothing more; returns at once (the slab in hand is finished, and its
@@ -82,6 +119,7 @@ class SlabPreparer:
         with self._lock:
             self._stopped = True
             self._todo.clear()
+        self._hurry.set()
 
     def _run(self) -> None:
         try:
@@ -101,6 +139,8 @@ class SlabPreparer:
                     self._thread = None
                     return
                 slab = self._current = self._todo.pop(0)
+                if not self._stopped and not self._joining:
+                    self._hurry.clear()  # (a new slab: nobody waits for it yet)
             head = f"slab {slab}: "
             failed_before = any(e.startswith(head) for e in self.errors)
             try:
