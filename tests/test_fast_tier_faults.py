@@ -29,8 +29,10 @@ from gpusnap.storage.repository import Repository
 
 FULL_TMPFS = textwrap.dedent(
     """
-    import json, os, subprocess, sys, torch, gpusnap
+    import glob, json, os, subprocess, sys, torch, gpusnap
+    from gpusnap.storage import slab_prep
     from gpusnap.storage.repository import Repository
+    slab_prep.STEP_BYTES = 256 * 1024  # a slab is allocated in steps: those made before ENOSPC go back
     mount, durable = sys.argv[1], sys.argv[2]
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", mount], check=True)
     ballast = os.path.join(mount, "ballast")
@@ -48,6 +50,7 @@ FULL_TMPFS = textwrap.dedent(
             out["error"] = None
         except gpusnap.StorageError as exc:
             out["error"] = str(exc)
+        out["slab_blocks"] = sum(os.stat(p).st_blocks for p in glob.glob(os.path.join(fast, "**", "*.slab"), recursive=True))
         out["listed"] = [i.id for i in ck.list()]
         os.remove(ballast)  # space is back
         state["step"] = 2
@@ -69,6 +72,7 @@ def test_a_full_tmpfs_under_the_fast_tier_fails_the_save_clearly_and_the_next_on
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["error"] is not None and "No space left on device" in out["error"], out
     assert "slab" in out["error"], out  # it says what it was doing: creating a slab of the fast tier
+    assert out["slab_blocks"] == 0, out  # the failed slab keeps none of the memory its first steps took
     assert out["listed"] == [], out
     assert out["again"] and out["restored"] and out["step"] == 2 and out["verify"], out
 

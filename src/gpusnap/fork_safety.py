@@ -28,6 +28,7 @@ What the hooks do (docs/guarantees.md, "What a fork child sees"):
   writes reach only its own copy of memory, never the parent's checkpoint, and wait for no
   copy. Its lock is a new one (the copier may have held the old one at the fork).
 - ``launch_hooks``: a new lock in the child.
+- ``capture.warmup``: a new lock, and no kernel warm-up running, in the child.
 - ``storage.backend``: the child lets go of the writer leases it inherited (without unlocking
   the parent's), as ``migrate.transport`` does of a migration's locks.
 

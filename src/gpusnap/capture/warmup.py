@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from gpusnap import launch_hooks
+from gpusnap import fork_safety, launch_hooks
 from gpusnap.device import outside_graph_captures
 from gpusnap.kernels.chunk_hash import HASH_WORDS, chunk_hashes
 from gpusnap.kernels.chunk_hash_many import chunk_hashes_packed
@@ -113,5 +113,19 @@ def start_capture_warmup(chunk_size: int, stream_of: Callable[[torch.device], An
         if running is not None:  # (another Checkpointer's, still loading: waited for alike)
             return running
         warmup = _running[(device, chunk_size)] = CaptureWarmUp(device, chunk_size, stream)
-        warmup.thread.start()  # (listed first: loading() sees it from now until it ends)
+        try:
+            warmup.thread.start()  # (listed first: loading() sees it from now until it ends)
+        except BaseException:  # (no thread: no entry, or loading() would stay true for good)
+            del _running[(device, chunk_size)]
+            raise
     return warmup
+
+
+def _forget_in_child() -> None:
+    """A forked child has none of the parent's warm-up threads, and a new lock."""
+    global _lock, _running
+    _lock = threading.Lock()
+    _running = {}
+
+
+fork_safety.at_fork(after_in_child=_forget_in_child)

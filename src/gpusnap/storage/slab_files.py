@@ -9,6 +9,7 @@ life; :meth:`make_slab` is where a slab file is made.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import os
 import threading
 import time
@@ -108,14 +109,20 @@ class SlabFiles:
         with self.io_errors("creating slab", slab_path(slab), writing=True):
             fd = open_private(path, os.O_RDWR | os.O_CREAT)  # (never a planted link, nor another user's file)
             try:
-                if os.fstat(fd).st_size < size:
+                had = os.fstat(fd).st_size
+                if had < size:
                     # allocates every page now: a full tmpfs is ENOSPC here, not SIGBUS at a copy
                     step = slab_prep.STEP_BYTES
-                    for lo in range(0, size, step):
-                        started = time.perf_counter()
-                        os.posix_fallocate(fd, lo, min(step, size - lo))
-                        if rest is not None:
-                            rest(time.perf_counter() - started)
+                    try:
+                        for lo in range(0, size, step):
+                            started = time.perf_counter()
+                            os.posix_fallocate(fd, lo, min(step, size - lo))
+                            if rest is not None:
+                                rest(time.perf_counter() - started)
+                    except BaseException:  # (the steps made give their memory back, as one call would)
+                        with contextlib.suppress(OSError):
+                            os.ftruncate(fd, had)
+                        raise
             except BaseException:
                 os.close(fd)
                 raise

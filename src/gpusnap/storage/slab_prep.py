@@ -99,17 +99,19 @@ class SlabPreparer:
     def join(self, timeout: float | None = None, *, hurry: bool = False) -> None:
         """Wait for the work wanted so far; ``hurry``: without rests meanwhile (the caller
         waits for it, so nothing is gained by pacing)."""
-        with self._lock:
-            thread = self._thread
-            self._joining += hurry
-        if hurry:
-            self._hurry.set()
+        counted = False
         try:
+            with self._lock:
+                thread = self._thread
+                self._joining, counted = self._joining + hurry, hurry
+            if hurry:
+                self._hurry.set()
             if thread is not None:
                 thread.join(timeout)
         finally:
-            with self._lock:
-                self._joining -= hurry
+            if counted:
+                with self._lock:
+                    self._joining -= 1
 
     def stop(self) -> None:
         """Prepare nothing more; returns at once (the slab in hand is finished, and its
