@@ -75,10 +75,12 @@ def _recorder(made: list[Recorder], **kw: Any) -> Recorder:
 
 
 def test_slabs_are_prepared_in_the_order_wanted_on_one_daemon_thread(recorders: list[Recorder]) -> None:
-    rec = _recorder(recorders)
+    rec = _recorder(recorders, hold=(3,))  # (held: the thread is still at work at the second want)
     prep = SlabPreparer(rec)
     prep.want([3, 1, 2])
+    rec.wait_entered()
     prep.want([0])
+    rec.release()
     prep.join()
     assert rec.done == [3, 1, 2, 0]
     assert prep.prepared == 4 and prep.errors == []
