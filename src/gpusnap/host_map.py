@@ -23,7 +23,7 @@ import torch
 
 from gpusnap.device import clear_cuda_error
 
-__all__ = ["MappedMemory"]
+__all__ = ["MappedMemory", "in_steps"]
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.mmap.restype = ctypes.c_void_p
@@ -68,19 +68,31 @@ class MappedMemory:
         self.tensor = torch.frombuffer(memory, dtype=torch.uint8)  # keeps ``memory`` alive
         del memory
         self.pinned = False
-        size = step if step and step < nbytes else max(nbytes, 1)
         try:
-            for lo in range(0, nbytes if populate else 0, size):
-                started = time.perf_counter()
-                _populate(addr + lo, min(size, nbytes - lo))
-                if between is not None and lo + size < nbytes:
-                    between(time.perf_counter() - started)
+            if populate:
+                in_steps(nbytes, step, lambda lo, n: _populate(addr + lo, n), between)
             if pinned:
                 _register(addr, nbytes)
                 state["pinned"] = self.pinned = True
         except BaseException:
             del self.tensor  # (the last view: unmaps and closes fd)
             raise
+
+
+def in_steps(nbytes: int, step: int | None, do: Callable[[int, int], None],
+             between: Callable[[float], None] | None = None) -> None:
+    """``do(offset, length)`` over ``nbytes`` in pieces of at most ``step`` (None: one piece),
+    calling ``between(seconds the piece took)`` between pieces (none after the last).
+
+    >>> done = []; in_steps(10, 4, lambda lo, n: done.append((lo, n))); done
+    [(0, 4), (4, 4), (8, 2)]
+    """
+    size = step if step and step < nbytes else max(nbytes, 1)
+    for lo in range(0, nbytes, size):
+        started = time.perf_counter()
+        do(lo, min(size, nbytes - lo))
+        if between is not None and lo + size < nbytes:
+            between(time.perf_counter() - started)
 
 
 def _populate(addr: int, n: int) -> None:

@@ -105,14 +105,13 @@ def start_capture_warmup(chunk_size: int, stream_of: Callable[[torch.device], An
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
     device = torch.device("cuda", torch.cuda.current_device())
-    stream = stream_of(device)
     with _lock:
         if (device, chunk_size) in _warmed:
             return None
         running = _running.get((device, chunk_size))
         if running is not None:  # (another Checkpointer's, still loading: waited for alike)
             return running
-        warmup = _running[(device, chunk_size)] = CaptureWarmUp(device, chunk_size, stream)
+        warmup = _running[(device, chunk_size)] = CaptureWarmUp(device, chunk_size, stream_of(device))
         try:
             warmup.thread.start()  # (listed first: loading() sees it from now until it ends)
         except BaseException:  # (no thread: no entry, or loading() would stay true for good)

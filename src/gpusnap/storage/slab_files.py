@@ -12,14 +12,13 @@ import builtins
 import contextlib
 import os
 import threading
-import time
 from typing import Any
 
 import torch
 
 from gpusnap.config import Config
 from gpusnap.errors import StorageError
-from gpusnap.host_map import MappedMemory
+from gpusnap.host_map import MappedMemory, in_steps
 from gpusnap.storage.backend_protocol import Backend
 from gpusnap.storage.layout import storage_error
 from gpusnap.storage.private_dir import open_private
@@ -112,13 +111,8 @@ class SlabFiles:
                 had = os.fstat(fd).st_size
                 if had < size:
                     # allocates every page now: a full tmpfs is ENOSPC here, not SIGBUS at a copy
-                    step = slab_prep.STEP_BYTES
                     try:
-                        for lo in range(0, size, step):
-                            started = time.perf_counter()
-                            os.posix_fallocate(fd, lo, min(step, size - lo))
-                            if rest is not None:
-                                rest(time.perf_counter() - started)
+                        in_steps(size, slab_prep.STEP_BYTES, lambda lo, n: os.posix_fallocate(fd, lo, n), rest)
                     except BaseException:  # (the steps made give their memory back, as one call would)
                         with contextlib.suppress(OSError):
                             os.ftruncate(fd, had)
