@@ -27,7 +27,9 @@ capture alone), ``threads1`` (``io_threads=1``: one promotion thread), ``nocheck
 the promotion's device check of the slab bytes skipped, to see its share), ``nice0`` (probe
 only: the promotion's threads left at the program's priority, not lowered), ``whole`` (probe
 only: slabs made a whole GiB per call with no rests, as before ``storage/slab_prep.py`` made
-them in 64 MiB steps), and the user's alternative ``pinned`` (a pinned copy plus a writer
+them in 64 MiB steps), ``threadsN`` (``io_threads=N``), ``bigcheck`` (probe only: the device
+check in 256 MiB passes, not 64 MiB), ``piece8`` (probe only: O_DIRECT writes of 8 MiB, not
+64 MiB, each pinning fewer pages at a time), and the user's alternative ``pinned`` (a pinned copy plus a writer
 thread that fsyncs, ``bench/baselines/pinned_writer.py``; its buffers are allocated before its
 first round, as a real program would, so its "first" is a warm save). A gpusnap variant's first
 window runs until its save is durable *and* the memory of the saves after it is made.
@@ -54,16 +56,113 @@ from gpusnap.bench.workloads import build_workload
 from gpusnap.capture import address_copy
 
 
-def step(wl) -> tuple[float, float]:
-    """(launch, total) seconds of one step read to its loss."""
+def step(wl, timeline: list | None = None) -> tuple[float, float]:
+    """(launch, total) seconds of one step read to its loss; ``timeline`` gets
+    ``(start, launch, total, main thread CPU)`` (perf_counter seconds)."""
     stream_sync(wl.device)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     out = wl.step(None)
     t1 = time.perf_counter()
     if out is not None:
         out.reshape(-1)[0].item()
     stream_sync(wl.device)
-    return t1 - t0, time.perf_counter() - t0
+    t2 = time.perf_counter()
+    if timeline is not None:
+        timeline.append((t0, t1 - t0, t2 - t0, time.thread_time() - c0))
+    return t1 - t0, t2 - t0
+
+
+# (kind, thread, start, end) of the promotion's parts, perf_counter seconds: filled by the
+# wrappers main_default installs around FastTier.check_bytes and WriteTxn.put_run
+EVENTS: list[tuple[str, str, float, float]] = []
+
+
+def traced(kind: str, fn):
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            EVENTS.append((kind, threading.current_thread().name, t0, time.perf_counter()))
+    return wrapper
+
+
+_gc_started: dict[int, float] = {}
+
+
+def trace_gc(phase: str, info: dict) -> None:
+    """gc.callbacks hook: each collection as an event ``gcN`` on the thread that ran it."""
+    me = threading.get_ident()
+    if phase == "start":
+        _gc_started[me] = time.perf_counter()
+    elif me in _gc_started:
+        EVENTS.append((f"gc{info.get('generation')}", threading.current_thread().name, _gc_started.pop(me),
+                       time.perf_counter()))
+
+
+def gc_ms(events: list, start: float, end: float) -> dict[str, float]:
+    """Milliseconds of collections between ``start`` and ``end``, per generation and thread."""
+    out: collections.Counter = collections.Counter()
+    for kind, thread, s0, e0 in events:
+        if kind.startswith("gc") and s0 >= start and e0 <= end:
+            out[f"{kind}:{thread}"] += (e0 - s0) * 1e3
+    return {k: round(v, 2) for k, v in out.items()}
+
+
+def main_sched() -> dict[str, float]:
+    """The main thread's scheduler counters: CPU and run-queue wait (s), context switches."""
+    tid = threading.main_thread().native_id
+    out: dict[str, float] = {}
+    try:
+        run, wait, _slices = open(f"/proc/self/task/{tid}/schedstat").read().split()
+        out["cpu_s"], out["runq_s"] = int(run) / 1e9, int(wait) / 1e9
+        for line in open(f"/proc/self/task/{tid}/status"):
+            if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                key, value = line.split(":")
+                out[key.split("_")[0]] = int(value)
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def user_sys() -> collections.Counter:
+    """(user, system) CPU seconds per thread name from /proc stat (10 ms ticks): Python holds
+    the interpreter lock only in user time, so a thread's user time bounds its lock time."""
+    out: collections.Counter = collections.Counter()
+    names = {str(t.native_id): t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            name = (names.get(tid) or "native:" + Path(f"/proc/self/task/{tid}/comm").read_text().strip())
+            fields = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = name.rstrip("0123456789_")
+        out[name + ":user"] += int(fields[11]) / tick
+        out[name + ":sys"] += int(fields[12]) / tick
+    return out
+
+
+def attribute(timeline: list, events: list, mean: float) -> dict:
+    """Each middle step's excess over the plain mean, binned by what ran during it: a full
+    collection on any thread, else a device check, else writes only, else nothing."""
+    bins: dict[str, list[float]] = {"gc2": [], "check": [], "writes": [], "none": []}
+    cpu: dict[str, list[float]] = {k: [] for k in bins}
+    for start, _launch, total, step_cpu in timeline:
+        end = start + total
+
+        def overlap(kind: str) -> float:
+            return sum(max(0.0, min(end, e) - max(start, s)) for k, _t, s, e in events if k == kind)
+
+        # (a collection on any thread holds the interpreter lock: the main thread waits)
+        full_gc = any(k == "gc2" and s < end and e > start for k, _t, s, e in events)
+        kind = ("gc2" if full_gc else "check" if overlap("check") > 0 else "writes" if overlap("write") > 0
+                else "none")
+        bins[kind].append((total - mean) * 1e3)
+        cpu[kind].append(step_cpu * 1e3)
+    return {k: {"n": len(v), "excess_ms_sum": round(sum(v), 1), "excess_ms_mean": round(statistics.fmean(v), 2)
+                if v else None, "main_cpu_ms_mean": round(statistics.fmean(cpu[k]), 2) if cpu[k] else None}
+            for k, v in bins.items()}
 
 
 def thread_cpu() -> collections.Counter:
@@ -84,7 +183,9 @@ def one_round(ck, wl, window: int, save: bool, durable: bool = False, prepared: 
     """``prepared``: the window also runs until the memory of the saves after this one is made
     (``prepare(nbytes=prepared, wait=True)``, no flatten off the training thread; waiting as a
     bystander, see ``main_default``): a first save's whole set-up is charged to it."""
-    before = [step(wl) for _ in range(window)]
+    plain_line: list = []
+    before = [step(wl, plain_line) for _ in range(window)]
+    sched0, us0, ev0 = main_sched(), user_sys(), len(EVENTS)
     cpu0, t0 = thread_cpu(), time.perf_counter()
     pending = ck.save(wl.app_state) if save else None
     call = time.perf_counter() - t0
@@ -107,13 +208,15 @@ def one_round(ck, wl, window: int, save: bool, durable: bool = False, prepared: 
         threading.Thread(target=lambda: (pending.wait(), settled.set()), daemon=True).start()
     else:
         settled.set()
-    mid = []
+    mid, line = [], []
     while len(mid) < window or not settled.is_set():
-        mid.append(step(wl))
+        mid.append(step(wl, line))
     wall = time.perf_counter() - t0
-    cpu1 = thread_cpu()
+    cpu1, sched1, us1, events = thread_cpu(), main_sched(), user_sys(), EVENTS[ev0:]
     info = pending.wait() if pending is not None else None
-    after = [step(wl) for _ in range(window)]
+    sched_a, ev_b, t_after = main_sched(), len(EVENTS), time.perf_counter()
+    after = [step(wl, plain_line) for _ in range(window)]
+    sched_b = main_sched()
     plain = [t for _, t in before + after]
     mean = statistics.fmean(plain)
     launch_mean = statistics.fmean(launch for launch, _ in before + after)
@@ -132,6 +235,17 @@ def one_round(ck, wl, window: int, save: bool, durable: bool = False, prepared: 
         "other_cpu_ms": {k: round((cpu1[k] - cpu0.get(k, 0.0)) * 1e3, 1) for k in cpu1 if k != main
                          and cpu1[k] - cpu0.get(k, 0.0) > 0.001},
         "duration_s": info.stats.get("duration_s") if info is not None else None,
+        # per step: the main thread's scheduler counters in the middle window and in the plain one after
+        "main_sched_per_step": {k: round((sched1[k] - sched0[k]) / len(mid), 5) for k in sched1 if k in sched0},
+        "plain_sched_per_step": {k: round((sched_b[k] - sched_a[k]) / window, 5) for k in sched_b if k in sched_a},
+        "user_sys_s": {k: round(us1[k] - us0.get(k, 0.0), 2) for k in us1 if us1[k] - us0.get(k, 0.0) > 0.005},
+        "bins": attribute(line, events, mean),
+        "gc_ms": gc_ms(events, t0, t0 + wall),
+        "plain_gc_ms": gc_ms(EVENTS[ev_b:], t_after, time.perf_counter()),
+        "plain_cpu_ms_mean": statistics.fmean(c for *_x, c in plain_line) * 1e3,
+        "timeline": [(round((s0 - t0) * 1e3, 1), round(tl * 1e3, 1), round(tt * 1e3, 1), round(c * 1e3, 1))
+                     for s0, tl, tt, c in line],
+        "events": [(k, n, round((s0 - t0) * 1e3, 1), round((e - t0) * 1e3, 1)) for k, n, s0, e in events],
         "stats": {k: info.stats.get(k) for k in _STATS} if info is not None else None,
         **marks,
     }
@@ -152,6 +266,8 @@ def rounds(ck, wl, args, name: str, durable: bool = False) -> dict[str, list[dic
         print(f"{name} {kind}: cost {r['cost_ms']:6.1f} ms, steps {r['steps']}, call {r['call_ms']:.1f} ms, "
               f"drift {r['drift_ms']:+.1f}, main CPU {r['main_cpu_ms']:.0f} ms, ex {r['excess_ms'][:10]}, "
               f"launch ex {r['launch_excess_ms'][:10]}, others {r['other_cpu_ms']}", flush=True)
+        print(f"   bins {json.dumps(r['bins'])}\n   main sched/step {r['main_sched_per_step']} plain {r['plain_sched_per_step']} "
+              f"plain cpu {r['plain_cpu_ms_mean']:.1f} ms\n   user/sys {r['user_sys_s']}\n   gc {r['gc_ms']} plain gc {r['plain_gc_ms']}", flush=True)
     return rows
 
 
@@ -256,8 +372,13 @@ def main_default(args) -> None:
     os.makedirs(args.out, exist_ok=True)
     wl = build_workload(args.workload, torch.device(os.environ.get("DEVICE", "cuda")), size=os.environ.get("SIZE", "quick"))
     report: dict = {"workload": args.workload, "variants": {}}
-    from gpusnap.storage import slab_prep
+    from gpusnap.storage import direct_file, fast_tier, slab_prep
+    from gpusnap.storage.txn import WriteTxn
     check, lower, steps = FastTier.check_bytes, promotion.lower_this_thread, (slab_prep.STEP_BYTES, slab_prep.REST_FACTOR)
+    put_run, commit, piece, slice_bytes = WriteTxn.put_run, WriteTxn.commit, direct_file._PIECE, fast_tier.DEVICE_SLICE_BYTES
+    WriteTxn.put_run, WriteTxn.commit = traced("write", put_run), traced("commit", commit)
+    import gc
+    gc.callbacks.append(trace_gc)
     waited = FastTier.wait_prepared
     # the bench's wait for the later saves' memory must not hurry its making (prepare(wait=True)
     # would): it measures a program that never calls prepare()
@@ -268,9 +389,11 @@ def main_default(args) -> None:
             root = os.path.join(args.default_root, f"attr-{name}")
             shutil.rmtree(root, ignore_errors=True)
             config = gpusnap.Config.from_env()
-            if name == "threads1":
-                config = dataclasses.replace(config, io_threads=1)
-            FastTier.check_bytes = (lambda *a, **k: None) if name == "nocheck" else check
+            if name.startswith("threads"):
+                config = dataclasses.replace(config, io_threads=int(name[7:]))
+            FastTier.check_bytes = traced("check", (lambda *a, **k: None) if name == "nocheck" else check)
+            fast_tier.DEVICE_SLICE_BYTES = 256 << 20 if name == "bigcheck" else slice_bytes
+            direct_file._PIECE = 8 << 20 if name == "piece8" else piece
             promotion.lower_this_thread = (lambda: False) if name == "nice0" else lower
             slab_prep.STEP_BYTES, slab_prep.REST_FACTOR = (1 << 30, 0.0) if name == "whole" else steps
             ck = PinnedAsCheckpointer(root, wl) if name == "pinned" else gpusnap.Checkpointer(
@@ -291,6 +414,8 @@ def main_default(args) -> None:
                 shutil.rmtree(root, ignore_errors=True)
     finally:
         FastTier.check_bytes, promotion.lower_this_thread, FastTier.wait_prepared = check, lower, waited
+        WriteTxn.put_run, WriteTxn.commit = put_run, commit
+        direct_file._PIECE, fast_tier.DEVICE_SLICE_BYTES = piece, slice_bytes
         slab_prep.STEP_BYTES, slab_prep.REST_FACTOR = steps
         write_report(args.out, report)
     print("\n| variant | save: median (mean ± sd) ms | null: median ms | steps in a save window | first save ms |")
@@ -301,6 +426,22 @@ def main_default(args) -> None:
         print(f"| {name} | {s['median_ms']:.1f} ({s['mean_ms']:.1f} ± {s['sd_ms']:.1f}) | {n['median_ms']:.1f} | {steps} "
               f"| {v['rows']['first'][0]['cost_ms']:.0f} |")
     print_other_cpu(report)
+    print("\n| variant | steps with a full gc: n, excess mean (ms), main CPU | with a check | writes only | neither | main thread per step, save / plain: CPU ms, run-queue ms, voluntary switches | gc ms per save window (main thread / others) |")
+    print("|---|---|---|---|---|---|---|")
+    for name, v in report["variants"].items():
+        rows = v["rows"]["save"]
+        cells = []
+        for kind in ("gc2", "check", "writes", "none"):
+            n = sum(r["bins"][kind]["n"] for r in rows)
+            ex = sum(r["bins"][kind]["excess_ms_sum"] for r in rows)
+            cpus = [r["bins"][kind]["main_cpu_ms_mean"] for r in rows if r["bins"][kind]["n"]]
+            cells.append(f"{n}, {ex / n if n else 0:+.2f}, {statistics.fmean(cpus) if cpus else 0:.1f}")
+        sched = {k: statistics.median(r["main_sched_per_step"].get(k, 0) for r in rows) for k in ("cpu_s", "runq_s", "voluntary")}
+        plain = {k: statistics.median(r["plain_sched_per_step"].get(k, 0) for r in rows) for k in ("cpu_s", "runq_s", "voluntary")}
+        print(f"| {name} | " + " | ".join(cells) + f" | {sched['cpu_s']*1e3:.1f} / {plain['cpu_s']*1e3:.1f}, "
+              f"{sched['runq_s']*1e3:.2f} / {plain['runq_s']*1e3:.2f}, {sched['voluntary']:.0f} / {plain['voluntary']:.0f} | "
+              f"{statistics.fmean(sum(v for k, v in r['gc_ms'].items() if k.endswith(':MainThread')) for r in rows):.1f} / "
+              f"{statistics.fmean(sum(v for k, v in r['gc_ms'].items() if not k.endswith(':MainThread')) for r in rows):.1f} |")
 
 
 if __name__ == "__main__":
