@@ -29,9 +29,7 @@ only: the promotion's threads left at the program's priority, not lowered), ``wh
 only: slabs made a whole GiB per call with no rests, as before ``storage/slab_prep.py`` made
 them in 64 MiB steps), ``threadsN`` (``io_threads=N``), ``bigcheck`` (probe only: the device
 check in 256 MiB passes, not 64 MiB), ``piece8`` (probe only: O_DIRECT writes of 8 MiB, not
-64 MiB, each pinning fewer pages at a time), ``unbatched`` (probe only: each small chunk
-checked in a pass of its own and every run handed to the pool at once, as before
-``storage/promote.py`` grouped them), and the user's alternative ``pinned`` (a pinned copy plus a writer
+64 MiB, each pinning fewer pages at a time), and the user's alternative ``pinned`` (a pinned copy plus a writer
 thread that fsyncs, ``bench/baselines/pinned_writer.py``; its buffers are allocated before its
 first round, as a real program would, so its "first" is a warm save). A gpusnap variant's first
 window runs until its save is durable *and* the memory of the saves after it is made.
@@ -377,10 +375,7 @@ def main_default(args) -> None:
     from gpusnap.storage import direct_file, fast_tier, slab_prep
     from gpusnap.storage.txn import WriteTxn
     check, lower, steps = FastTier.check_bytes, promotion.lower_this_thread, (slab_prep.STEP_BYTES, slab_prep.REST_FACTOR)
-    check_pieces = FastTier.check_pieces
-    from gpusnap.storage import promote as promote_mod
     put_run, commit, piece, slice_bytes = WriteTxn.put_run, WriteTxn.commit, direct_file._PIECE, fast_tier.DEVICE_SLICE_BYTES
-    batching = promote_mod.PIECES, promote_mod.IN_FLIGHT_RUNS
     WriteTxn.put_run, WriteTxn.commit = traced("write", put_run), traced("commit", commit)
     import gc
     gc.callbacks.append(trace_gc)
@@ -397,10 +392,8 @@ def main_default(args) -> None:
             if name.startswith("threads"):
                 config = dataclasses.replace(config, io_threads=int(name[7:]))
             FastTier.check_bytes = traced("check", (lambda *a, **k: None) if name == "nocheck" else check)
-            FastTier.check_pieces = traced("check", (lambda *a, **k: None) if name == "nocheck" else check_pieces)
             fast_tier.DEVICE_SLICE_BYTES = 256 << 20 if name == "bigcheck" else slice_bytes
             direct_file._PIECE = 8 << 20 if name == "piece8" else piece
-            promote_mod.PIECES, promote_mod.IN_FLIGHT_RUNS = (1, 10**9) if name == "unbatched" else batching
             promotion.lower_this_thread = (lambda: False) if name == "nice0" else lower
             slab_prep.STEP_BYTES, slab_prep.REST_FACTOR = (1 << 30, 0.0) if name == "whole" else steps
             ck = PinnedAsCheckpointer(root, wl) if name == "pinned" else gpusnap.Checkpointer(
@@ -421,10 +414,8 @@ def main_default(args) -> None:
                 shutil.rmtree(root, ignore_errors=True)
     finally:
         FastTier.check_bytes, promotion.lower_this_thread, FastTier.wait_prepared = check, lower, waited
-        FastTier.check_pieces = check_pieces
         WriteTxn.put_run, WriteTxn.commit = put_run, commit
         direct_file._PIECE, fast_tier.DEVICE_SLICE_BYTES = piece, slice_bytes
-        promote_mod.PIECES, promote_mod.IN_FLIGHT_RUNS = batching
         slab_prep.STEP_BYTES, slab_prep.REST_FACTOR = steps
         write_report(args.out, report)
     print("\n| variant | save: median (mean ± sd) ms | null: median ms | steps in a save window | first save ms |")

@@ -199,18 +199,13 @@ def test_a_promotion_on_a_pool_checks_each_group_after_writing_it_and_commits_on
         _flip(fast, runs[corrupt][0])
     checked: list[str] = []  # every chunk checked, in order
     read: list[str] = []  # the first chunk of each run read from the slab to be written
-    check_bytes, check_pieces, run_view = tier.check_bytes, tier.check_pieces, tier.run_view
+    check_bytes, run_view = tier.check_bytes, tier.run_view
 
     written: list[str] = []  # every chunk whose run was read to be written
 
     def checking(names: list[str], data: Any, chunk_size: int, device: object = None) -> None:
         assert set(names) <= set(written), "a group is checked once its runs are written"
         check_bytes(names, data, chunk_size, device)  # type: ignore[arg-type]
-        checked.extend(names)
-
-    def checking_pieces(names: list[str], views: Any, device: object = None) -> None:
-        assert set(names) <= set(written), "small chunks are checked together once each is written"
-        check_pieces(names, views, device)  # type: ignore[arg-type]
         checked.extend(names)
 
     def reading(names: list[str], chunk_size: int) -> memoryview:
@@ -220,7 +215,6 @@ def test_a_promotion_on_a_pool_checks_each_group_after_writing_it_and_commits_on
         return run_view(names, chunk_size)
 
     tier.check_bytes = checking  # type: ignore[method-assign]
-    tier.check_pieces = checking_pieces  # type: ignore[method-assign]
     tier.run_view = reading  # type: ignore[method-assign]
     repo = Repository.open(durable, create=True, config=CFG)
     pool = ThreadPoolExecutor(len(runs))  # (every run starts at once)
@@ -280,11 +274,6 @@ def test_a_promotion_whose_run_fails_while_others_are_written_raises_it_and_comm
     to_write = {tuple(r) for r in runs}
     lock = threading.Lock()
     run_view = tier.run_view
-
-    def checking_pieces(names: list[str], views: Any, device: object = None) -> None:
-        assert set(names) <= set(written), "small chunks are checked together once each is written"
-        check_pieces(names, views, device)  # type: ignore[arg-type]
-        checked.extend(names)
 
     def reading(names: list[str], chunk_size: int) -> memoryview:
         with lock:

@@ -45,7 +45,7 @@ from gpusnap.storage.backend import Backend, BackendLock, LocalBackend
 from gpusnap.storage.canonical import TreeCodes
 from gpusnap.storage.fast_chunks import chunk_location, fast_name
 from gpusnap.storage.fast_txn import FastTxn
-from gpusnap.storage.host_bytes_hash import hash_host_bytes, hash_host_pieces
+from gpusnap.storage.host_bytes_hash import hash_host_bytes
 from gpusnap.storage.layout import ID_RE, MANIFESTS, ROOT_FILE, TMP, about
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.repository import GcReport, Repository
@@ -239,27 +239,6 @@ class FastTier(SlabFiles, SlabSpace, Repository, root_kind="fast"):
         for i, name in enumerate(names):
             if got[i] != chunk_location(name)[0]:
                 raise self._mismatch(name, "", slab_path(slab), lo + i * chunk_size)
-
-    def check_pieces(self, names: builtins.list[str], views: builtins.list[memoryview],
-                     device: torch.device | None = None) -> None:
-        """Check chunks that are each a run of their own (a small tensor, a span's short
-        tail), ``views`` their bytes (read by the caller), against their device hashes in
-        one pass (on ``device``: one wait for them all); IntegrityError naming the first
-        that does not match."""
-        for name, view in zip(names, views):
-            if len(view) != chunk_location(name)[3]:
-                raise IntegrityError(f"chunk {name}: {len(view)} bytes given for {chunk_location(name)[3]}")
-        device = device if device is not None else self.check_device
-        try:
-            got = hash_host_pieces(views, device)
-        except RuntimeError:  # (the device is out of memory, say): the host computes the same bits
-            if device is None:
-                raise
-            got = hash_host_pieces(views, None)
-        for name, digest in zip(names, got):
-            if digest != chunk_location(name)[0]:
-                _h, slab, offset, _n = chunk_location(name)
-                raise self._mismatch(name, "", slab_path(slab), offset)
 
     @staticmethod
     def _run_range(names: builtins.list[str], chunk_size: int) -> tuple[int, int, int]:

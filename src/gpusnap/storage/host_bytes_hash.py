@@ -22,9 +22,9 @@ import torch
 
 from gpusnap import launch_hooks
 from gpusnap.device import outside_graph_captures, own_stream, waitable_event
-from gpusnap.kernels.chunk_hash import HASH_WORDS, chunk_hashes, hex_rows
+from gpusnap.kernels.chunk_hash import chunk_hashes, hex_rows
 
-__all__ = ["hash_host_bytes", "hash_host_pieces", "hash_device"]
+__all__ = ["hash_host_bytes", "hash_device"]
 
 log = logging.getLogger("gpusnap")
 
@@ -58,32 +58,6 @@ def hash_host_bytes(data: bytes | memoryview, chunk_size: int, device: torch.dev
         except _DEVICE_ERRORS as exc:  # (the bytes are still on the host)
             _rest(device, exc)
     return hex_rows(chunk_hashes(host, chunk_size).numpy())
-
-
-def hash_host_pieces(pieces: list[memoryview], device: torch.device | None = None) -> list[str]:
-    """The hex device hash of each of ``pieces`` (none empty), each hashed as one chunk of its
-    own length (a span's short tail, a small tensor): what :func:`hash_host_bytes` gives for
-    one piece with a chunk size of its length rounded up to 16. On ``device`` every piece is
-    copied into this thread's scratch and hashed there, and the thread waits once for them
-    all: a promotion of a model with hundreds of small tensors checked each in a pass of its
-    own (copy, launch, wait), and each pass took the program's interpreter lock several
-    times. A device that cannot take them leaves the hash to the host, as for
-    :func:`hash_host_bytes`."""
-    if any(len(p) == 0 for p in pieces):
-        raise ValueError("an empty piece has no chunk to hash")
-    with warnings.catch_warnings():  # (read-only buffers: the hash only reads them)
-        warnings.simplefilter("ignore", UserWarning)
-        host = [torch.frombuffer(p, dtype=torch.uint8) for p in pieces]
-    sizes = [-(-t.numel() // 16) * 16 for t in host]  # (each one chunk: a multiple of 16, >= its length)
-    if device is not None and not _resting(device) and host:
-        try:
-            return _pieces_on_device(host, sizes, device)
-        except _DEVICE_ERRORS as exc:  # (the bytes are still on the host)
-            _rest(device, exc)
-    rows = torch.empty((len(host), HASH_WORDS), dtype=torch.int64)
-    for i, (t, size) in enumerate(zip(host, sizes)):
-        chunk_hashes(t, size, out=rows[i : i + 1])
-    return hex_rows(rows.numpy())
 
 
 # out of memory, or a CUDA error (torch's AcceleratorError where it has one); anything else
@@ -128,28 +102,6 @@ def _on_device(host: torch.Tensor, chunk_size: int, device: torch.device) -> lis
             done.record(stream)
             done.synchronize()
         rows = rows.cpu()  # (waits for this stream only)
-    return hex_rows(rows.numpy())
-
-
-def _pieces_on_device(host: list[torch.Tensor], sizes: list[int], device: torch.device) -> list[str]:
-    if device.type == "cuda":
-        outside_graph_captures()
-    stream, scratch = _scratch(device, sum(sizes))
-    on_device = torch.cuda.device(device) if stream is not None else contextlib.nullcontext()
-    on_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-    with launch_hooks.internal(), on_device, on_stream:
-        rows = torch.empty((len(host), HASH_WORDS), dtype=torch.int64, device=device)
-        at = 0
-        for i, (t, size) in enumerate(zip(host, sizes)):
-            part = scratch[at : at + t.numel()]  # (16-aligned: each piece starts at a multiple of 16)
-            part.copy_(t, non_blocking=True)
-            chunk_hashes(part, size, out=rows[i : i + 1])
-            at += size
-        if stream is not None:  # (sleeps until the stream is done: see _on_device)
-            done = waitable_event()
-            done.record(stream)
-            done.synchronize()
-        rows = rows.cpu()
     return hex_rows(rows.numpy())
 
 

@@ -16,12 +16,11 @@ leaving both roots as they were.
 
 from __future__ import annotations
 
-import collections
 import os
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 
 from gpusnap.errors import CheckpointError
@@ -31,8 +30,7 @@ from gpusnap.storage.host_bytes_hash import hash_device
 from gpusnap.storage.manifest import Manifest, StorageEntry
 from gpusnap.storage.repository import Repository
 
-__all__ = ["CHECK_BYTES", "IN_FLIGHT_RUNS", "PIECES", "PIECES_BYTES", "RUN_BYTES", "CancelToken", "PromotionCancelled",
-           "check_groups", "check_runs", "is_pieces", "pool_cpu_s", "promote"]
+__all__ = ["CHECK_BYTES", "RUN_BYTES", "CancelToken", "PromotionCancelled", "check_runs", "pool_cpu_s", "promote"]
 
 # Chunks checked together (one host-to-device copy and one hash launch on the GPU): a call
 # per 4 MiB chunk cost the training thread the driver's and the interpreter's locks
@@ -45,15 +43,6 @@ RUN_BYTES = 64 << 20
 # runs, from one thread: a promoted save then cost the loop 254.5-560.1 ms in medians, down
 # from ~1 s (fifth).
 CHECK_BYTES = 256 << 20
-# Chunks shorter than the chunk size that are each a run of their own (a model's norms,
-# biases and optimizer step counters, spans' tails: ~250 of the 400 groups of a 0.95B Llama's
-# training state) are checked together, in one pass and one wait: at most this many bytes
-# (the device scratch of one pass) and this many chunks a group.
-PIECES_BYTES = 64 << 20
-PIECES = 512
-# runs handed to the pool ahead of the group being checked (enough to keep its threads and
-# the disk busy while a group is checked)
-IN_FLIGHT_RUNS = 32
 
 
 class PromotionCancelled(CheckpointError):
@@ -101,7 +90,7 @@ def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: Threa
             txn.allow_device_names()
             every = [n for e in manifest.storages for n in e.chunks]
             groups = [(group, check_runs(group, manifest.chunk_size, RUN_BYTES))
-                      for group in check_groups(every, manifest.chunk_size)]
+                      for group in check_runs(every, manifest.chunk_size, CHECK_BYTES)]
 
             def store(run: list[str]) -> list[str]:
                 cancel.check(manifest.id)
@@ -118,43 +107,23 @@ def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: Threa
                 cancel.check(manifest.id)
                 # (the same slab map the runs were written from: the tier keeps its maps open
                 # while the checkpoint is pinned)
-                if is_pieces(group, manifest.chunk_size):
-                    fast.check_pieces(group, [fast.run_view([n], manifest.chunk_size) for n in group], device)
-                else:
-                    fast.check_bytes(group, fast.run_view(group, manifest.chunk_size), manifest.chunk_size, device)
+                fast.check_bytes(group, fast.run_view(group, manifest.chunk_size), manifest.chunk_size, device)
 
-            # runs go to the pool in order, at most IN_FLIGHT_RUNS ahead of the group being
-            # checked: the futures of a whole promotion made at once (hundreds of objects,
-            # alive for seconds) pushed Python's collector into full collections of the
-            # program's heap, each holding the interpreter lock for ~0.2 s
-            order = ((k, run) for k, (_group, runs) in enumerate(groups) for run in runs)
-            flight: collections.deque[tuple[int, Future[list[str]]]] = collections.deque()
-
-            def top_up() -> None:
-                while pool is not None and len(flight) < IN_FLIGHT_RUNS:
-                    nxt = next(order, None)
-                    if nxt is None:
-                        return
-                    flight.append((nxt[0], pool.submit(store, nxt[1])))
-
+            stores = [[pool.submit(store, run) for run in runs] for _group, runs in groups] if pool is not None else []
+            submitted = [f for fs in stores for f in fs]
             digests: list[str] = []
             try:
                 for k, (group, runs) in enumerate(groups):
-                    if pool is None:
-                        digests += [d for run in runs for d in store(run)]
-                    else:
-                        top_up()
-                        while flight and flight[0][0] == k:
-                            digests += flight.popleft()[1].result()
-                            top_up()
+                    done = (f.result() for f in stores[k]) if pool is not None else map(store, runs)
+                    digests += [d for run in done for d in run]
                     # checked once its writes are done: bytes that were wrong before them, or
                     # changed while they ran, fail here unless undone meanwhile (a window of
                     # one group's writes, not the promotion's); the commit names no chunk unchecked
                     check(group)
             finally:  # (after a failure: nothing more starts, and nothing still runs once the txn ends)
-                for _k, f in flight:
+                for f in submitted:
                     f.cancel()
-                wait([f for _k, f in flight])
+                wait(submitted)
             entries, at = [], 0
             for e in manifest.storages:
                 k = len(e.chunks)
@@ -173,37 +142,6 @@ def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: Threa
             return promoted
     finally:
         fast.unpin_checkpoint(manifest.id)
-
-
-def check_groups(names: list[str], chunk_size: int) -> list[list[str]]:
-    """``names`` (in order) cut into the groups a promotion checks in one pass each: runs of
-    whole chunks back to back (at most :data:`CHECK_BYTES`), and chunks that are a run of
-    their own (small tensors, spans' tails) gathered in order, at most :data:`PIECES_BYTES`
-    and :data:`PIECES` a group (:func:`is_pieces` tells the two apart)."""
-    groups: list[list[str]] = []
-    batch: list[str] = []
-    size = 0
-    for run in check_runs(names, chunk_size, CHECK_BYTES):
-        n = chunk_location(run[0])[3]
-        if len(run) > 1 or n == chunk_size:
-            if batch:
-                groups.append(batch)
-                batch, size = [], 0
-            groups.append(run)
-            continue
-        if batch and (size + n > PIECES_BYTES or len(batch) >= PIECES):
-            groups.append(batch)
-            batch, size = [], 0
-        batch.append(run[0])
-        size += -(-n // 16) * 16
-    if batch:
-        groups.append(batch)
-    return groups
-
-
-def is_pieces(group: list[str], chunk_size: int) -> bool:
-    """Whether a group of :func:`check_groups` is chunks of their own (else one run)."""
-    return chunk_location(group[0])[3] < chunk_size
 
 
 def check_runs(names: list[str], chunk_size: int, run_bytes: int = RUN_BYTES) -> list[list[str]]:
