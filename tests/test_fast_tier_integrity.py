@@ -220,13 +220,13 @@ def test_a_promotion_on_a_pool_checks_each_group_after_writing_it_and_commits_on
     pool = ThreadPoolExecutor(len(runs))  # (every run starts at once)
     try:
         if corrupt is None:
-            promoted = promote_mod.promote(tier, manifest, repo, pool)
+            promoted = promote_mod.promote(tier, manifest, repo, pool, workers=len(runs))
             assert checked == every  # every byte, in order
             assert Repository.open(durable).list()[0].id == promoted.id
         else:
             bad = runs[corrupt][0]
             with pytest.raises(gpusnap.IntegrityError, match=bad.split("@")[0]):
-                promote_mod.promote(tier, manifest, repo, pool)
+                promote_mod.promote(tier, manifest, repo, pool, workers=len(runs))
             assert bad not in checked
             assert Repository.open(durable).list() == []  # never a durable copy of wrong bytes
     finally:
@@ -290,7 +290,7 @@ def test_a_promotion_whose_run_fails_while_others_are_written_raises_it_and_comm
     pool = ThreadPoolExecutor(len(runs))  # (every run starts at once)
     try:
         with pytest.raises(OSError, match="could not be read"):
-            promote_mod.promote(tier, manifest, repo, pool)
+            promote_mod.promote(tier, manifest, repo, pool, workers=len(runs))
         assert Repository.open(durable).list() == []
     finally:
         pool.shutdown()

@@ -299,7 +299,7 @@ class Promoter:
         try:
             durable = self._durable()
             extra = {"promoted_from": "fast", "promotions_skipped": superseded}
-            promoted = promote(job.tier, manifest, durable, pool, extra_stats=extra, cancel=token)
+            promoted = promote(job.tier, manifest, durable, pool, extra_stats=extra, cancel=token, workers=self._threads)
         except Exception as exc:
             if token.cancelled:  # (called off: whatever it met after that is no failure)
                 log.info("gpusnap: the promotion of %s was called off (%s)", manifest.id, exc)

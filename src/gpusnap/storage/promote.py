@@ -20,7 +20,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 from gpusnap.errors import CheckpointError
@@ -29,6 +29,7 @@ from gpusnap.storage.fast_tier import FastTier, chunk_location
 from gpusnap.storage.host_bytes_hash import hash_device
 from gpusnap.storage.manifest import Manifest, StorageEntry
 from gpusnap.storage.repository import Repository
+from gpusnap.storage.run_writers import RunWriters
 
 __all__ = ["CHECK_BYTES", "RUN_BYTES", "CancelToken", "PromotionCancelled", "check_runs", "pool_cpu_s", "promote"]
 
@@ -73,11 +74,13 @@ class CancelToken:
 
 
 def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: ThreadPoolExecutor | None = None,
-            extra_stats: dict[str, object] | None = None, cancel: CancelToken | None = None) -> Manifest:
+            extra_stats: dict[str, object] | None = None, cancel: CancelToken | None = None,
+            workers: int = 8) -> Manifest:
     """Commit ``manifest``'s checkpoint (from ``fast``) to ``durable``; returns the durable manifest.
 
-    ``pool`` writes runs of chunks (each straight from the slab); this thread checks each
-    group's slab bytes once its runs are written. A failure raises once no run is still
+    ``pool`` writes runs of chunks (each straight from the slab), in order, from ``workers``
+    tasks of its own (``storage/run_writers.py``: give it the pool's size); this thread checks
+    each group's slab bytes once its runs are written. A failure raises once no run is still
     being read or written.
     ``cancel`` called off: :class:`PromotionCancelled` (asked before each run, each check pass and the commit)."""
     started, cpu, cpu_pool = time.perf_counter(), time.thread_time(), pool_cpu_s(pool)
@@ -109,21 +112,19 @@ def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: Threa
                 # while the checkpoint is pinned)
                 fast.check_bytes(group, fast.run_view(group, manifest.chunk_size), manifest.chunk_size, device)
 
-            stores = [[pool.submit(store, run) for run in runs] for _group, runs in groups] if pool is not None else []
-            submitted = [f for fs in stores for f in fs]
+            writers = RunWriters([(k, run) for k, (_group, runs) in enumerate(groups) for run in runs], store)
+            if pool is not None:
+                writers.start(pool, workers)
             digests: list[str] = []
             try:
                 for k, (group, runs) in enumerate(groups):
-                    done = (f.result() for f in stores[k]) if pool is not None else map(store, runs)
-                    digests += [d for run in done for d in run]
+                    digests += writers.group(k) if pool is not None else [d for run in runs for d in store(run)]
                     # checked once its writes are done: bytes that were wrong before them, or
                     # changed while they ran, fail here unless undone meanwhile (a window of
                     # one group's writes, not the promotion's); the commit names no chunk unchecked
                     check(group)
             finally:  # (after a failure: nothing more starts, and nothing still runs once the txn ends)
-                for f in submitted:
-                    f.cancel()
-                wait(submitted)
+                writers.stop()
             entries, at = [], 0
             for e in manifest.storages:
                 k = len(e.chunks)
