@@ -23,8 +23,10 @@ import torch
 from faults import HANG_S
 from torch import nn
 
+import gpusnap
 from gpusnap import Config
-from gpusnap.storage.fast_tier import chunk_location
+from gpusnap.storage.fast_tier import FastTier, chunk_location
+from gpusnap.storage.promote import check_runs
 from gpusnap.storage.repository import Repository
 from gpusnap.storage.txn import WriteTxn
 
@@ -252,3 +254,15 @@ def in_thread(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
     t = threading.Thread(target=run, name=f"test-{getattr(fn, '__name__', 'fn')}", daemon=True)
     t.start()
     return t, out
+
+
+def saved_for_promotion(tmp_path: Path) -> tuple[Path, Path, FastTier, Any, list[list[str]]]:
+    """A fast-tier checkpoint of several storages: (durable, fast, its tier, its manifest, its runs)."""
+    durable, fast = roots(tmp_path)
+    with gpusnap.Checkpointer(durable, fast_root=fast, config=CFG) as ck:
+        info = ck.save(make_state(3)).wait()
+    tier = FastTier.open(fast)
+    manifest = tier.load_manifest(info.id)
+    runs = check_runs([n for e in manifest.storages for n in e.chunks], CFG.chunk_size)
+    assert len(runs) >= 4
+    return durable, fast, tier, manifest, runs

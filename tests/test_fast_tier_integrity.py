@@ -17,6 +17,7 @@ from fast_support import (
     make_state,
     overlapping,
     roots,
+    saved_for_promotion,
     same,
     snapshot,
     train,
@@ -172,20 +173,6 @@ def test_promotion_checks_back_to_back_chunks_in_one_pass_and_names_a_corrupt_on
     assert Repository.open(durable).list() == []
 
 
-def _saved_for_promotion(tmp_path: Path) -> tuple[Path, Path, FastTier, Any, list[list[str]]]:
-    """A fast-tier checkpoint of several storages: (durable, fast, its tier, its manifest, its runs)."""
-    from gpusnap.storage.promote import check_runs
-
-    durable, fast = roots(tmp_path)
-    with gpusnap.Checkpointer(durable, fast_root=fast, config=CFG) as ck:
-        info = ck.save(make_state(3)).wait()
-    tier = FastTier.open(fast)
-    manifest = tier.load_manifest(info.id)
-    runs = check_runs([n for e in manifest.storages for n in e.chunks], CFG.chunk_size)
-    assert len(runs) >= 4
-    return durable, fast, tier, manifest, runs
-
-
 @pytest.mark.parametrize("corrupt", [None, 0, 3, -1])
 def test_a_promotion_on_a_pool_checks_each_group_after_writing_it_and_commits_only_checked_bytes(
         tmp_path: Path, corrupt: int | None) -> None:
@@ -193,7 +180,7 @@ def test_a_promotion_on_a_pool_checks_each_group_after_writing_it_and_commits_on
 
     from gpusnap.storage import promote as promote_mod
 
-    durable, fast, tier, manifest, runs = _saved_for_promotion(tmp_path)
+    durable, fast, tier, manifest, runs = saved_for_promotion(tmp_path)
     every = [n for e in manifest.storages for n in e.chunks]
     if corrupt is not None:
         _flip(fast, runs[corrupt][0])
@@ -268,7 +255,7 @@ def test_a_promotion_whose_run_fails_while_others_are_written_raises_it_and_comm
 
     from gpusnap.storage import promote as promote_mod
 
-    durable, _fast, tier, manifest, runs = _saved_for_promotion(tmp_path)
+    durable, _fast, tier, manifest, runs = saved_for_promotion(tmp_path)
     failing = tuple(runs[-1])  # (a later group's run: earlier groups are written and checked meanwhile)
     all_in_flight = threading.Barrier(len(runs))  # every run is being written when the last one fails
     to_write = {tuple(r) for r in runs}

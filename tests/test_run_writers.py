@@ -10,11 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fast_support import CFG, make_state, roots
+from fast_support import CFG, saved_for_promotion
 
-import gpusnap
-from gpusnap.storage.fast_tier import FastTier
-from gpusnap.storage.promote import check_runs, promote
+from gpusnap.storage.promote import promote
 from gpusnap.storage.repository import Repository
 from gpusnap.storage.run_writers import RunWriters
 
@@ -32,13 +30,7 @@ class _CountingPool(ThreadPoolExecutor):
 
 
 def test_a_promotion_hands_its_pool_one_task_per_worker_not_one_per_run(tmp_path: Path) -> None:
-    durable, fast = roots(tmp_path)
-    with gpusnap.Checkpointer(durable, fast_root=fast, config=CFG) as ck:
-        info = ck.save(make_state(3)).wait()
-    tier = FastTier.open(fast)
-    manifest = tier.load_manifest(info.id)
-    runs = check_runs([n for e in manifest.storages for n in e.chunks], CFG.chunk_size)
-    assert len(runs) > 3
+    durable, _fast, tier, manifest, runs = saved_for_promotion(tmp_path)
     pool = _CountingPool(3)
     repo = Repository.open(durable, create=True, config=CFG)
     try:
