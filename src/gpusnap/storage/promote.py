@@ -113,10 +113,10 @@ def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: Threa
                 fast.check_bytes(group, fast.run_view(group, manifest.chunk_size), manifest.chunk_size, device)
 
             writers = RunWriters([(k, run) for k, (_group, runs) in enumerate(groups) for run in runs], store)
-            if pool is not None:
-                writers.start(pool, workers)
             digests: list[str] = []
             try:
+                if pool is not None:  # (inside: tasks started before a refused one are stopped too)
+                    writers.start(pool, workers)
                 for k, (group, runs) in enumerate(groups):
                     digests += writers.group(k) if pool is not None else [d for run in runs for d in store(run)]
                     # checked once its writes are done: bytes that were wrong before them, or
