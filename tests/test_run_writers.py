@@ -5,7 +5,7 @@ Python's collector and brought on full collections of the program's heap."""
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +73,7 @@ def test_each_group_gets_its_runs_names_in_order_whatever_order_they_finish_in()
     assert writers.group(7) == []  # (a group with no runs: nothing to wait for)
 
 
-def test_a_failing_run_is_raised_at_once_no_run_starts_after_it_and_stop_waits_for_the_running() -> None:
+def test_after_a_failure_no_run_starts_the_runs_in_flight_finish_and_stop_waits_for_them() -> None:
     runs = _runs([1, 4])
     started: list[str] = []
     in_flight = threading.Event()
@@ -93,15 +93,54 @@ def test_a_failing_run_is_raised_at_once_no_run_starts_after_it_and_stop_waits_f
         return run
 
     writers = RunWriters(runs, store)
+    got: list[list[str]] = []
     with ThreadPoolExecutor(2) as pool:
         writers.start(pool, 2)  # (two tasks: the second takes g1r0 and fails; none takes more)
+        waiting = threading.Thread(target=lambda: got.append(writers.group(0)))
+        waiting.start()
         with pytest.raises(OSError, match="no space"):
-            writers.group(0)  # (raised while group 0's run is still being written)
-        stopping = threading.Thread(target=writers.stop)
-        stopping.start()
-        assert stopping.is_alive()  # (the run still being written holds it)
+            writers.group(1)  # (its runs after the failed one never start)
+        assert waiting.is_alive()  # group 0's run is still being written: it waits for it
         finish.set()
-        stopping.join()
-        with pytest.raises(OSError, match="no space"):
-            writers.group(1)
+        waiting.join()
+        assert got == [["g0r0a", "g0r0b"]]
+        writers.stop()
     assert sorted(started) == ["g0r0a", "g1r0a"]  # nothing started after the failure
+
+
+def test_failures_are_raised_in_the_order_of_the_groups_not_of_time() -> None:
+    runs = _runs([1, 1])
+    later_failed = threading.Event()
+
+    def store(run: list[str]) -> list[str]:
+        if run[0] == "g1r0a":
+            try:
+                raise OSError(5, "the later group's run")
+            finally:
+                later_failed.set()
+        later_failed.wait()  # (the earlier group's run fails after it)
+        raise ValueError("the earlier group's run")
+
+    writers = RunWriters(runs, store)
+    with ThreadPoolExecutor(2) as pool:
+        writers.start(pool, 2)
+        try:
+            with pytest.raises(ValueError, match="earlier"):
+                writers.group(0)
+        finally:
+            writers.stop()
+
+
+def test_writers_whose_tasks_never_run_raise_instead_of_waiting() -> None:
+    blocker, release = ThreadPoolExecutor(1), threading.Event()
+    blocker.submit(release.wait)  # (its only thread is busy: the writers' task stays queued)
+    writers = RunWriters(_runs([2]), lambda run: run)
+    writers.start(blocker, 1)
+    blocker.shutdown(wait=False, cancel_futures=True)  # (the queued task is cancelled)
+    try:
+        with pytest.raises(CancelledError):
+            writers.group(0)
+    finally:
+        release.set()
+        writers.stop()
+    RunWriters([], lambda run: run).start(blocker, 8)  # (no runs: no task, even on a closed pool)

@@ -75,11 +75,11 @@ class CancelToken:
 
 def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: ThreadPoolExecutor | None = None,
             extra_stats: dict[str, object] | None = None, cancel: CancelToken | None = None,
-            workers: int = 8) -> Manifest:
+            workers: int | None = None) -> Manifest:
     """Commit ``manifest``'s checkpoint (from ``fast``) to ``durable``; returns the durable manifest.
 
     ``pool`` writes runs of chunks (each straight from the slab), in order, from ``workers``
-    tasks of its own (``storage/run_writers.py``: give it the pool's size); this thread checks
+    tasks of its own (``storage/run_writers.py``; None: as many as the pool has threads); this thread checks
     each group's slab bytes once its runs are written. A failure raises once no run is still
     being read or written.
     ``cancel`` called off: :class:`PromotionCancelled` (asked before each run, each check pass and the commit)."""
@@ -116,7 +116,7 @@ def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: Threa
             digests: list[str] = []
             try:
                 if pool is not None:  # (inside: tasks started before a refused one are stopped too)
-                    writers.start(pool, workers)
+                    writers.start(pool, workers if workers is not None else pool._max_workers)
                 for k, (group, runs) in enumerate(groups):
                     digests += writers.group(k) if pool is not None else [d for run in runs for d in store(run)]
                     # checked once its writes are done: bytes that were wrong before them, or
@@ -125,6 +125,8 @@ def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: Threa
                     check(group)
             finally:  # (after a failure: nothing more starts, and nothing still runs once the txn ends)
                 writers.stop()
+            if len(digests) != len(every):  # (a bug of ours: the manifest would misname chunks)
+                raise CheckpointError(f"a promotion of {manifest.id} wrote {len(digests)} chunks of {len(every)}")
             entries, at = [], 0
             for e in manifest.storages:
                 k = len(e.chunks)
