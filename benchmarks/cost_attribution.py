@@ -129,17 +129,28 @@ def user_sys() -> collections.Counter:
     """(user, system) CPU seconds per thread name from /proc stat (10 ms ticks): Python holds
     the interpreter lock only in user time, so a thread's user time bounds its lock time."""
     out: collections.Counter = collections.Counter()
-    names = {str(t.native_id): t.name for t in threading.enumerate()}
     tick = os.sysconf("SC_CLK_TCK")
-    for tid in os.listdir("/proc/self/task"):
+    for name, tid in threads():
         try:
-            name = (names.get(tid) or "native:" + Path(f"/proc/self/task/{tid}/comm").read_text().strip())
             fields = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        name = name.rstrip("0123456789_")
         out[name + ":user"] += int(fields[11]) / tick
         out[name + ":sys"] += int(fields[12]) / tick
+    return out
+
+
+def threads() -> list[tuple[str, str]]:
+    """``(name, tid)`` of this process's threads: Python's name (a pool's numbering cut), else
+    the OS's as ``native:<comm>``."""
+    names = {str(t.native_id): t.name for t in threading.enumerate()}
+    out = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            name = names.get(tid) or "native:" + Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+        except OSError:
+            continue
+        out.append((name.rstrip("0123456789_"), tid))
     return out
 
 
@@ -168,12 +179,10 @@ def attribute(timeline: list, events: list, mean: float) -> dict:
 def thread_cpu() -> collections.Counter:
     """CPU seconds per thread name (Python's name, else the OS's), from the scheduler's ns."""
     out: collections.Counter = collections.Counter()
-    names = {str(t.native_id): t.name for t in threading.enumerate()}
-    for tid in os.listdir("/proc/self/task"):
+    for name, tid in threads():
         try:
-            name = names.get(tid) or "native:" + Path(f"/proc/self/task/{tid}/comm").read_text().strip()
             with open(f"/proc/self/task/{tid}/schedstat") as f:
-                out[name.rstrip("0123456789_")] += int(f.read().split()[0]) / 1e9
+                out[name] += int(f.read().split()[0]) / 1e9
         except OSError:
             pass
     return out

@@ -66,17 +66,13 @@ class RunWriters:
                         raise CheckpointError(f"group {k} of a promotion: its runs stopped before they were written")
                     raise self._errors[min(self._errors)]
                 self._cond.wait()
-            first = self._first.get(k)
-            if first is None:
-                return []
+            first = self._first.get(k, 0)
             out: list[str] = []
-            i = first
-            while i < len(self._runs) and self._runs[i][0] == k:
+            for i in range(first, first + self._count.get(k, 0)):
                 names = self._names[i]
                 if names is None:  # (a written run always has its names)
                     raise CheckpointError(f"run {i} of a promotion has no names")
                 out += names
-                i += 1
             return out
 
     def _will_finish(self, k: int) -> bool:
