@@ -193,6 +193,54 @@ def test_a_promotion_that_keeps_failing_is_raised_by_wait_and_its_checkpoint_kep
     assert _manifest_ids(durable) == []
 
 
+class _ExitOnce(FaultyBackend):
+    """A durable root whose first pack write raises SystemExit (a BaseException, not an
+    Exception: a backend's code or a plug-in calling sys.exit), then works."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.armed = True
+
+    def open_write(self, path: str) -> Any:
+        if path.endswith(".pack") and self.armed:
+            self.armed = False
+            raise SystemExit("a backend gave up")
+        return super().open_write(path)
+
+
+def test_a_promotion_ended_by_system_exit_is_a_failure_and_later_promotions_still_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    durable, fast = roots(tmp_path)
+    backend = _ExitOnce(LocalBackend(durable))
+    durable_backend(monkeypatch, durable, backend)
+    state = make_state(1)
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:  # (on a thread of its own: a hang fails the test instead of blocking the suite)
+        try:
+            with gpusnap.Checkpointer(durable, fast_root=fast, config=CFG, fast_keep_last=1) as ck:
+                outcome["best"] = ck.save(state, tag="best", promote=True).wait().id
+                outcome["best_state"] = snapshot(state)
+                train(state, 2)
+                outcome["other"] = ck.save(state, promote=True).wait().id
+                outcome["other_state"] = snapshot(state)
+                ck.wait()  # the failed one was tried again after the later one succeeded
+                outcome["durable"] = [i.id for i in ck.list() if i.tier == "durable"]
+        except BaseException as exc:  # noqa: BLE001  (recorded for the assertions below)
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(HANG_S)
+    assert not worker.is_alive(), "wait() or close() hung: the promotion thread ended with the SystemExit"
+    assert "error" not in outcome, outcome.get("error")
+    assert not backend.armed  # (the SystemExit was raised)
+    assert outcome["best"] in outcome["durable"] and outcome["other"] in outcome["durable"]
+    assert same(_restored(durable, state, "best"), outcome["best_state"]) == []
+    assert same(_restored(durable, state, outcome["other"]), outcome["other_state"]) == []
+
+
 def test_an_explicit_promote_is_never_replaced_by_a_newer_promotion(
     tmp_path: Path, durable_gate: DurableGate
 ) -> None:

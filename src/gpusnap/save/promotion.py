@@ -300,7 +300,8 @@ class Promoter:
             durable = self._durable()
             extra = {"promoted_from": "fast", "promotions_skipped": superseded}
             promoted = promote(job.tier, manifest, durable, pool, extra_stats=extra, cancel=token, workers=self._threads)
-        except Exception as exc:
+        except BaseException as exc:  # (a SystemExit from a backend too: it would end this thread,
+            # and every later promotion would wait for it forever; kept and raised by wait() instead)
             if token.cancelled:  # (called off: whatever it met after that is no failure)
                 log.info("gpusnap: the promotion of %s was called off (%s)", manifest.id, exc)
                 return None
