@@ -31,8 +31,15 @@ them in 64 MiB steps), ``threadsN`` (``io_threads=N``), ``bigcheck`` (probe only
 check in 256 MiB passes, not 64 MiB), ``piece8`` (probe only: O_DIRECT writes of 8 MiB, not
 64 MiB, each pinning fewer pages at a time), and the user's alternative ``pinned`` (a pinned copy plus a writer
 thread that fsyncs, ``bench/baselines/pinned_writer.py``; its buffers are allocated before its
-first round, as a real program would, so its "first" is a warm save). A gpusnap variant's first
-window runs until its save is durable *and* the memory of the saves after it is made.
+first round, as a real program would, so its "first" is a warm save), ``dcp`` (DCP ``async_save``
+with its pinned ``DefaultStager``, ``bench/baselines/dcp.py``: the step after a save waits for
+its staging before it changes the state; its first save pins the copy) and ``tsave``
+(``torch.save`` of a host copy in a thread, ``bench/baselines/torch_save_thread.py``), all
+writing to ``DIR``'s disk; ``switchN`` (``sys.setswitchinterval(N ms)`` for that variant: how
+much of the cost is the interpreter lock handed to the promotion's threads). A name given twice
+runs twice (reported as ``name#2``: an order effect shows as a difference). A gpusnap
+variant's first window runs until its save is durable *and* the memory of the saves after it
+is made.
 """
 from __future__ import annotations
 
@@ -61,7 +68,8 @@ def step(wl, timeline: list | None = None) -> tuple[float, float]:
     ``(start, launch, total, main thread CPU)`` (perf_counter seconds)."""
     stream_sync(wl.device)
     t0, c0 = time.perf_counter(), time.thread_time()
-    out = wl.step(None)
+    hook, BEFORE_MUTATION[0] = BEFORE_MUTATION[0], None
+    out = wl.step(hook)
     t1 = time.perf_counter()
     if out is not None:
         out.reshape(-1)[0].item()
@@ -71,6 +79,9 @@ def step(wl, timeline: list | None = None) -> tuple[float, float]:
         timeline.append((t0, t1 - t0, t2 - t0, time.thread_time() - c0))
     return t1 - t0, t2 - t0
 
+
+# a baseline's hook the next step calls before it changes the state (DCP's staging copy)
+BEFORE_MUTATION: list = [None]
 
 # (kind, thread, start, end) of the promotion's parts, perf_counter seconds: filled by the
 # wrappers main_default installs around FastTier.check_bytes and WriteTxn.put_run
@@ -353,22 +364,30 @@ def main() -> None:
     print_other_cpu(report)
 
 
-class PinnedAsCheckpointer:
-    """The pinned copy + writer thread behind the two calls ``one_round`` makes of a
-    Checkpointer: ``save()`` (captured on return) and ``wait()`` (until durable)."""
+class SystemAsCheckpointer:
+    """A baseline (``bench/baselines``) behind the two calls ``one_round`` makes of a
+    Checkpointer: ``save()`` and ``wait()`` (until durable). A save's before-mutation hook
+    (DCP's staging) is called by the next step before it changes the state, as the cost
+    suite does."""
 
-    def __init__(self, root: str, wl) -> None:
+    def __init__(self, root: str, wl, name: str) -> None:
+        from gpusnap.bench.baselines.dcp import DcpAsyncSave
         from gpusnap.bench.baselines.pinned_writer import PinnedWriter
-        self.system, self.wl, self.index, self.handle = PinnedWriter(root, target="disk"), wl, 0, None
+        from gpusnap.bench.baselines.torch_save_thread import TorchSaveThread
+        system = {"pinned": lambda: PinnedWriter(root, target="disk"), "dcp": lambda: DcpAsyncSave(root),
+                  "tsave": lambda: TorchSaveThread(root, target="disk")}[name]()
+        self.system, self.wl, self.index, self.handle = system, wl, 0, None
         self.system.setup(wl)
 
     def save(self, _app_state):
         self.handle, self.index = self.system.save(self.wl, self.index), self.index + 1
+        BEFORE_MUTATION[0] = self.handle.before_mutation
         return self
 
     def wait(self):
         if self.handle is not None:
             self.handle.wait()
+            self.system.prepare_save(self.wl, self.index)  # (keep the newest only, as keep_last=1)
         return None
 
     def close(self) -> None:
@@ -395,8 +414,12 @@ def main_default(args) -> None:
     # would): it measures a program that never calls prepare()
     FastTier.wait_prepared = lambda self, timeout=None: self._preparer.join(timeout)
     state_bytes = sum(t.untyped_storage().nbytes() for t in wl.tensors().values())
+    switch = sys.getswitchinterval()
     try:
+        seen: collections.Counter = collections.Counter()
         for name in (args.variants or "default,inmemory,nocheck,threads1").split(","):
+            seen[name] += 1
+            key = name if seen[name] == 1 else f"{name}#{seen[name]}"  # (a variant again: order effects)
             root = os.path.join(args.default_root, f"attr-{name}")
             shutil.rmtree(root, ignore_errors=True)
             config = gpusnap.Config.from_env()
@@ -407,19 +430,21 @@ def main_default(args) -> None:
             direct_file._PIECE = 8 << 20 if name == "piece8" else piece
             promotion.lower_this_thread = (lambda: False) if name == "nice0" else lower
             slab_prep.STEP_BYTES, slab_prep.REST_FACTOR = (1 << 30, 0.0) if name == "whole" else steps
-            ck = PinnedAsCheckpointer(root, wl) if name == "pinned" else gpusnap.Checkpointer(
+            sys.setswitchinterval(float(name[6:]) / 1e3 if name.startswith("switch") else switch)
+            baseline = name in ("pinned", "dcp", "tsave")
+            ck = SystemAsCheckpointer(root, wl, name) if baseline else gpusnap.Checkpointer(
                 root, keep_last=1, config=config, promote_every=10**6 if name == "inmemory" else None)
             try:
                 first = one_round(ck, wl, args.window, True, durable=True,
-                                  prepared=None if name == "pinned" else state_bytes)
-                print(f"{name} first: cost {first['cost_ms']:.1f} ms, steps {first['steps']}, durable at "
+                                  prepared=None if baseline else state_bytes)
+                print(f"{key} first: cost {first['cost_ms']:.1f} ms, steps {first['steps']}, durable at "
                       f"{first.get('durable_s', 0):.2f} s, later saves' memory made at {first.get('prepared_s', 0):.2f} s, "
                       f"excess {first['excess_ms']}, "
                       f"stats {json.dumps(first['stats'], default=str)}", flush=True)
                 one_round(ck, wl, args.window, True, durable=True)
-                rows = rounds(ck, wl, args, name, durable=True)
+                rows = rounds(ck, wl, args, key, durable=True)
                 rows["first"] = [first]
-                report["variants"][name] = variant_entry(rows)
+                report["variants"][key] = variant_entry(rows)
             finally:
                 ck.close()
                 shutil.rmtree(root, ignore_errors=True)
@@ -428,6 +453,7 @@ def main_default(args) -> None:
         WriteTxn.put_run, WriteTxn.commit = put_run, commit
         direct_file._PIECE, fast_tier.DEVICE_SLICE_BYTES = piece, slice_bytes
         slab_prep.STEP_BYTES, slab_prep.REST_FACTOR = steps
+        sys.setswitchinterval(switch)
         write_report(args.out, report)
     print("\n| variant | save: median (mean ± sd) ms | null: median ms | steps in a save window | first save ms |")
     print("|---|---:|---:|---:|---:|")
