@@ -28,7 +28,8 @@ the promotion's device check of the slab bytes skipped, to see its share), ``nic
 only: the promotion's threads left at the program's priority, not lowered), ``whole`` (probe
 only: slabs made a whole GiB per call with no rests, as before ``storage/slab_prep.py`` made
 them in 64 MiB steps), ``threadsN`` (``io_threads=N``), ``bigcheck`` (probe only: the device
-check in 256 MiB passes, not 64 MiB), ``piece8`` (probe only: O_DIRECT writes of 8 MiB, not
+check in 256 MiB passes, not 64 MiB), ``scattered`` (probe only: no chunk gathered, each small
+chunk checked in a device pass and written as a run of its own, as before), ``piece8`` (probe only: O_DIRECT writes of 8 MiB, not
 64 MiB, each pinning fewer pages at a time), and the user's alternative ``pinned`` (a pinned copy plus a writer
 thread that fsyncs, ``bench/baselines/pinned_writer.py``; its buffers are allocated before its
 first round, as a real program would, so its "first" is a warm save), ``dcp`` (DCP ``async_save``
@@ -405,7 +406,9 @@ def main_default(args) -> None:
     from gpusnap.storage import direct_file, fast_tier, slab_prep
     from gpusnap.storage.txn import WriteTxn
     check, lower, steps = FastTier.check_bytes, promotion.lower_this_thread, (slab_prep.STEP_BYTES, slab_prep.REST_FACTOR)
+    from gpusnap.storage import promote as promote_mod
     put_run, commit, piece, slice_bytes = WriteTxn.put_run, WriteTxn.commit, direct_file._PIECE, fast_tier.DEVICE_SLICE_BYTES
+    small = promote_mod.SMALL_BYTES
     WriteTxn.put_run, WriteTxn.commit = traced("write", put_run), traced("commit", commit)
     import gc
     gc.callbacks.append(trace_gc)
@@ -428,6 +431,7 @@ def main_default(args) -> None:
             FastTier.check_bytes = traced("check", (lambda *a, **k: None) if name == "nocheck" else check)
             fast_tier.DEVICE_SLICE_BYTES = 256 << 20 if name == "bigcheck" else slice_bytes
             direct_file._PIECE = 8 << 20 if name == "piece8" else piece
+            promote_mod.SMALL_BYTES = 0 if name == "scattered" else small
             promotion.lower_this_thread = (lambda: False) if name == "nice0" else lower
             slab_prep.STEP_BYTES, slab_prep.REST_FACTOR = (1 << 30, 0.0) if name == "whole" else steps
             sys.setswitchinterval(float(name[6:]) / 1e3 if name.startswith("switch") else switch)
@@ -445,6 +449,7 @@ def main_default(args) -> None:
                 rows = rounds(ck, wl, args, key, durable=True)
                 rows["first"] = [first]
                 report["variants"][key] = variant_entry(rows)
+                write_report(args.out, report)  # (each variant as it ends: a run cut short keeps them)
             finally:
                 ck.close()
                 shutil.rmtree(root, ignore_errors=True)
@@ -452,6 +457,7 @@ def main_default(args) -> None:
         FastTier.check_bytes, promotion.lower_this_thread, FastTier.wait_prepared = check, lower, waited
         WriteTxn.put_run, WriteTxn.commit = put_run, commit
         direct_file._PIECE, fast_tier.DEVICE_SLICE_BYTES = piece, slice_bytes
+        promote_mod.SMALL_BYTES = small
         slab_prep.STEP_BYTES, slab_prep.REST_FACTOR = steps
         sys.setswitchinterval(switch)
         write_report(args.out, report)

@@ -26,7 +26,7 @@ from torch import nn
 import gpusnap
 from gpusnap import Config
 from gpusnap.storage.fast_tier import FastTier, chunk_location
-from gpusnap.storage.promote import check_runs
+from gpusnap.storage.promote import check_runs, gather_small
 from gpusnap.storage.repository import Repository
 from gpusnap.storage.txn import WriteTxn
 
@@ -154,12 +154,18 @@ class DurableGate:
         self.entered = threading.Event()
         self.opened = threading.Event()
         self.held = 0
+        self.arrived = threading.Condition()
 
     def release(self) -> None:
         self.opened.set()
 
     def wait_entered(self) -> None:
         assert self.entered.wait(HANG_S), "no durable write started (was a promotion due?)"
+
+    def wait_held(self, n: int) -> None:
+        """Until ``n`` writes wait at the gate."""
+        with self.arrived:
+            assert self.arrived.wait_for(lambda: self.held >= n, HANG_S), f"{self.held} writes held, not {n}"
 
 
 def hold_durable_writes(monkeypatch: pytest.MonkeyPatch) -> Iterator[DurableGate]:
@@ -170,7 +176,9 @@ def hold_durable_writes(monkeypatch: pytest.MonkeyPatch) -> Iterator[DurableGate
     put_run = WriteTxn.put_run
 
     def gated(self: Any, digests: list[str], data: Any, lengths: list[int]) -> int:
-        g.held += 1
+        with g.arrived:
+            g.held += 1
+            g.arrived.notify_all()
         g.entered.set()
         if not g.opened.wait(HANG_S):
             raise TimeoutError("the durable gate was never released")
@@ -257,12 +265,13 @@ def in_thread(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
 
 
 def saved_for_promotion(tmp_path: Path) -> tuple[Path, Path, FastTier, Any, list[list[str]]]:
-    """A fast-tier checkpoint of several storages: (durable, fast, its tier, its manifest, its runs)."""
+    """A fast-tier checkpoint of several storages: (durable, fast, its tier, its manifest, the
+    runs a promotion's pool writes: those of the chunks it does not gather)."""
     durable, fast = roots(tmp_path)
     with gpusnap.Checkpointer(durable, fast_root=fast, config=CFG) as ck:
-        info = ck.save(make_state(3)).wait()
+        info = ck.save(make_state(3, width=256)).wait()  # (its weights and moments: whole chunks)
     tier = FastTier.open(fast)
     manifest = tier.load_manifest(info.id)
-    runs = check_runs([n for e in manifest.storages for n in e.chunks], CFG.chunk_size)
+    runs = check_runs(gather_small([n for e in manifest.storages for n in e.chunks], CFG.chunk_size)[1], CFG.chunk_size)
     assert len(runs) >= 4
     return durable, fast, tier, manifest, runs

@@ -173,6 +173,22 @@ def test_promotion_checks_back_to_back_chunks_in_one_pass_and_names_a_corrupt_on
     assert Repository.open(durable).list() == []
 
 
+def test_a_small_chunk_corrupt_in_its_slab_fails_the_promotion_and_commits_nothing(tmp_path: Path) -> None:
+    from gpusnap.storage.promote import gather_small, promote
+
+    durable, fast, tier, manifest, _runs = saved_for_promotion(tmp_path)
+    gathered = gather_small([n for e in manifest.storages for n in e.chunks], CFG.chunk_size)[0]
+    bad = gathered[len(gathered) // 2]
+    _flip(fast, bad)
+    repo = Repository.open(durable, create=True, config=CFG)
+    try:
+        with pytest.raises(gpusnap.IntegrityError, match=bad.split("@")[0]):
+            promote(tier, manifest, repo)
+    finally:
+        repo.close()
+    assert Repository.open(durable).list() == []
+
+
 @pytest.mark.parametrize("corrupt", [None, 0, 3, -1])
 def test_a_promotion_on_a_pool_checks_each_group_after_writing_it_and_commits_only_checked_bytes(
         tmp_path: Path, corrupt: int | None) -> None:
@@ -208,7 +224,8 @@ def test_a_promotion_on_a_pool_checks_each_group_after_writing_it_and_commits_on
     try:
         if corrupt is None:
             promoted = promote_mod.promote(tier, manifest, repo, pool, workers=len(runs))
-            assert checked == every  # every byte, in order
+            gathered, rest = promote_mod.gather_small(every, CFG.chunk_size)
+            assert gathered and checked == rest  # every byte not gathered, in order (gathered: checked in a copy)
             assert Repository.open(durable).list()[0].id == promoted.id
         else:
             bad = runs[corrupt][0]

@@ -33,7 +33,7 @@ from faults import FaultyBackend
 import gpusnap
 from gpusnap.storage.backend import LocalBackend
 from gpusnap.storage.fast_tier import FastTier
-from gpusnap.storage.promote import check_runs
+from gpusnap.storage.promote import check_runs, gather_small
 from gpusnap.storage.repository import Repository
 
 
@@ -114,7 +114,8 @@ def test_slab_bytes_that_change_while_a_promotion_writes_them_fail_it_and_reach_
             info = ck.save(state, promote=True).wait()
             durable_gate.wait_entered()  # the first run's first chunk waits to be written
             manifest = FastTier.open(fast).load_manifest(info.id)
-            first_run = check_runs([n for e in manifest.storages for n in e.chunks], CFG.chunk_size)[0]
+            every = [n for e in manifest.storages for n in e.chunks]
+            first_run = check_runs(gather_small(every, CFG.chunk_size)[1], CFG.chunk_size)[0]  # (read from the slab)
             for name in first_run:  # another process scribbles over the run's slab bytes
                 where, length = name.split("@")[1], int(name.split(":")[-1])
                 slab, offset = (int(x) for x in where.split(":")[:2])
@@ -127,6 +128,30 @@ def test_slab_bytes_that_change_while_a_promotion_writes_them_fail_it_and_reach_
             finally:
                 assert info.id not in [i.id for i in Repository.open(durable).list()] \
                     if (durable / "manifests").is_dir() else True  # (the written bytes were checked: refused)
+
+
+def test_small_chunks_are_written_from_the_copy_they_were_checked_in(
+    tmp_path: Path, durable_gate: DurableGate
+) -> None:
+    durable, fast = roots(tmp_path)
+    state = make_state(1)
+    expected = snapshot(state)
+    with gpusnap.Checkpointer(durable, fast_root=fast, config=cfg(io_threads=1)) as ck:
+        info = ck.save(state, promote=True).wait()
+        durable_gate.wait_held(2)  # the pool's first run and the gathered chunks (copied and checked): none written
+        manifest = FastTier.open(fast).load_manifest(info.id)
+        gathered = gather_small([n for e in manifest.storages for n in e.chunks], CFG.chunk_size)[0]
+        assert gathered
+        for name in gathered:  # another process scribbles over them now
+            where, length = name.split("@")[1], int(name.split(":")[-1])
+            slab, offset = (int(x) for x in where.split(":")[:2])
+            with open(fast / "slabs" / f"{slab:06d}.slab", "r+b") as f:
+                f.seek(offset)
+                f.write(bytes(255 - (i % 256) for i in range(length)))
+        durable_gate.release()
+        ck.wait()
+    assert _manifest_ids(durable) == [info.id]
+    assert same(_restored(durable, state, info.id), expected) == []  # the bytes of the save, not the scribble
 
 
 class _FullOnce(FaultyBackend):

@@ -41,6 +41,7 @@ import torch
 
 from gpusnap.config import Config
 from gpusnap.errors import CheckpointError, IntegrityError
+from gpusnap.kernels.chunk_hash import hex_rows, piece_hashes
 from gpusnap.storage.backend import Backend, BackendLock, LocalBackend
 from gpusnap.storage.canonical import TreeCodes
 from gpusnap.storage.fast_chunks import chunk_location, fast_name
@@ -239,6 +240,29 @@ class FastTier(SlabFiles, SlabSpace, Repository, root_kind="fast"):
         for i, name in enumerate(names):
             if got[i] != chunk_location(name)[0]:
                 raise self._mismatch(name, "", slab_path(slab), lo + i * chunk_size)
+
+    def copy_checked(self, names: builtins.list[str]) -> bytearray:
+        """The bytes of chunks ``names`` (each anywhere in the tier, none empty) copied back
+        to back into memory of this process, then checked against their device hashes on
+        the host, in one pass for them all (:func:`~gpusnap.kernels.chunk_hash.piece_hashes`);
+        IntegrityError naming the first that does not match. Bytes written from the copy are
+        the bytes checked: nothing can change them in between. Meant for small chunks (the
+        host hashes them); the caller keeps their checkpoint pinned while this reads."""
+        where = [chunk_location(name) for name in names]
+        out = bytearray(sum(n for *_x, n in where))
+        view, at, pieces = memoryview(out), 0, []
+        for _h, slab, offset, n in where:
+            view[at : at + n] = self._slab_bytes(slab, offset, offset + n)
+            pieces.append(view[at : at + n])
+            at += n
+        got = hex_rows(piece_hashes(pieces).numpy()) if pieces else []
+        for piece in pieces:
+            piece.release()  # (exports of the bytearray: none may outlive this call)
+        view.release()
+        for name, (want, slab, offset, _n), digest in zip(names, where, got):
+            if digest != want:
+                raise self._mismatch(name, "", slab_path(slab), offset)
+        return out
 
     @staticmethod
     def _run_range(names: builtins.list[str], chunk_size: int) -> tuple[int, int, int]:
