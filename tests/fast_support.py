@@ -154,18 +154,12 @@ class DurableGate:
         self.entered = threading.Event()
         self.opened = threading.Event()
         self.held = 0
-        self.arrived = threading.Condition()
 
     def release(self) -> None:
         self.opened.set()
 
     def wait_entered(self) -> None:
         assert self.entered.wait(HANG_S), "no durable write started (was a promotion due?)"
-
-    def wait_held(self, n: int) -> None:
-        """Until ``n`` writes wait at the gate."""
-        with self.arrived:
-            assert self.arrived.wait_for(lambda: self.held >= n, HANG_S), f"{self.held} writes held, not {n}"
 
 
 def hold_durable_writes(monkeypatch: pytest.MonkeyPatch) -> Iterator[DurableGate]:
@@ -176,9 +170,7 @@ def hold_durable_writes(monkeypatch: pytest.MonkeyPatch) -> Iterator[DurableGate
     put_run = WriteTxn.put_run
 
     def gated(self: Any, digests: list[str], data: Any, lengths: list[int]) -> int:
-        with g.arrived:
-            g.held += 1
-            g.arrived.notify_all()
+        g.held += 1
         g.entered.set()
         if not g.opened.wait(HANG_S):
             raise TimeoutError("the durable gate was never released")

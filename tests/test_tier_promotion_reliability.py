@@ -131,25 +131,30 @@ def test_slab_bytes_that_change_while_a_promotion_writes_them_fail_it_and_reach_
 
 
 def test_small_chunks_are_written_from_the_copy_they_were_checked_in(
-    tmp_path: Path, durable_gate: DurableGate
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     durable, fast = roots(tmp_path)
     state = make_state(1)
     expected = snapshot(state)
-    with gpusnap.Checkpointer(durable, fast_root=fast, config=cfg(io_threads=1)) as ck:
-        info = ck.save(state, promote=True).wait()
-        durable_gate.wait_held(2)  # the pool's first run and the gathered chunks (copied and checked): none written
-        manifest = FastTier.open(fast).load_manifest(info.id)
-        gathered = gather_small([n for e in manifest.storages for n in e.chunks], CFG.chunk_size)[0]
-        assert gathered
-        for name in gathered:  # another process scribbles over them now
+    copy_checked = FastTier.copy_checked
+    scribbled: list[str] = []
+
+    def then_scribbled(tier: FastTier, names: list[str]) -> bytearray:
+        copy = copy_checked(tier, names)
+        for name in names:  # another process scribbles over their slab bytes as soon as they are checked
             where, length = name.split("@")[1], int(name.split(":")[-1])
             slab, offset = (int(x) for x in where.split(":")[:2])
             with open(fast / "slabs" / f"{slab:06d}.slab", "r+b") as f:
                 f.seek(offset)
                 f.write(bytes(255 - (i % 256) for i in range(length)))
-        durable_gate.release()
+        scribbled.extend(names)
+        return copy
+
+    monkeypatch.setattr(FastTier, "copy_checked", then_scribbled)
+    with gpusnap.Checkpointer(durable, fast_root=fast, config=CFG) as ck:
+        info = ck.save(state, promote=True).wait()
         ck.wait()
+    assert scribbled
     assert _manifest_ids(durable) == [info.id]
     assert same(_restored(durable, state, info.id), expected) == []  # the bytes of the save, not the scribble
 
@@ -219,38 +224,46 @@ def test_a_promotion_that_keeps_failing_is_raised_by_wait_and_its_checkpoint_kep
 
 
 class _ExitOnce(FaultyBackend):
-    """A durable root whose first pack write raises SystemExit (a BaseException, not an
-    Exception: a backend's code or a plug-in calling sys.exit), then works."""
+    """A durable root that raises SystemExit once (a BaseException, not an Exception: a
+    backend's code or a plug-in calling sys.exit), on the promotion thread: at the commit's
+    rename of a manifest, or at retention's removal of one after a commit."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, where: str) -> None:
         super().__init__(inner)
+        self.where = where
         self.armed = True
+        self.before_rename = self._exit_at if where == "commit" else None
 
-    def open_write(self, path: str) -> Any:
-        if path.endswith(".pack") and self.armed:
+    def _exit_at(self, path: str) -> None:
+        if path.startswith("manifests/") and self.armed:
             self.armed = False
             raise SystemExit("a backend gave up")
-        return super().open_write(path)
+
+    def remove(self, path: str) -> None:
+        if self.where == "retention":
+            self._exit_at(path)
+        super().remove(path)
 
 
-def test_a_promotion_ended_by_system_exit_is_a_failure_and_later_promotions_still_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("where", ["commit", "retention"])
+def test_a_system_exit_on_the_promotion_thread_neither_ends_it_nor_loses_a_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
     durable, fast = roots(tmp_path)
-    backend = _ExitOnce(LocalBackend(durable))
+    backend = _ExitOnce(LocalBackend(durable), where)
     durable_backend(monkeypatch, durable, backend)
     state = make_state(1)
+    saved: list[tuple[str, dict[str, Any]]] = []
     outcome: dict[str, Any] = {}
 
     def run() -> None:  # (on a thread of its own: a hang fails the test instead of blocking the suite)
         try:
-            with gpusnap.Checkpointer(durable, fast_root=fast, config=CFG, fast_keep_last=1) as ck:
-                outcome["best"] = ck.save(state, tag="best", promote=True).wait().id
-                outcome["best_state"] = snapshot(state)
-                train(state, 2)
-                outcome["other"] = ck.save(state, promote=True).wait().id
-                outcome["other_state"] = snapshot(state)
-                ck.wait()  # the failed one was tried again after the later one succeeded
+            with gpusnap.Checkpointer(durable, fast_root=fast, config=CFG, fast_keep_last=1,
+                                      keep_last=1 if where == "retention" else None) as ck:
+                for step in range(1, 4):
+                    train(state, step)
+                    saved.append((ck.save(state, promote=True).wait().id, snapshot(state)))
+                ck.wait()  # (a failed promotion was tried again after a later one succeeded)
                 outcome["durable"] = [i.id for i in ck.list() if i.tier == "durable"]
         except BaseException as exc:  # noqa: BLE001  (recorded for the assertions below)
             outcome["error"] = exc
@@ -259,11 +272,13 @@ def test_a_promotion_ended_by_system_exit_is_a_failure_and_later_promotions_stil
     worker.start()
     worker.join(HANG_S)
     assert not worker.is_alive(), "wait() or close() hung: the promotion thread ended with the SystemExit"
-    assert "error" not in outcome, outcome.get("error")
     assert not backend.armed  # (the SystemExit was raised)
-    assert outcome["best"] in outcome["durable"] and outcome["other"] in outcome["durable"]
-    assert same(_restored(durable, state, "best"), outcome["best_state"]) == []
-    assert same(_restored(durable, state, outcome["other"]), outcome["other_state"]) == []
+    assert "error" not in outcome, outcome.get("error")
+    wanted = [cid for cid, _s in saved] if where == "commit" else [saved[-1][0]]
+    assert set(wanted) <= set(outcome["durable"])
+    for cid, expected in saved:
+        if cid in wanted:
+            assert same(_restored(durable, state, cid), expected) == []
 
 
 def test_an_explicit_promote_is_never_replaced_by_a_newer_promotion(

@@ -256,7 +256,10 @@ class Promoter:
                     with self._cond:
                         self._running = None
                         self._cond.notify_all()
-                    self._close_retired()
+                    try:
+                        self._close_retired()
+                    except BaseException as exc:  # (nothing may end this thread: wait() would hang)
+                        log.warning("gpusnap: closing a replaced fast tier: %s", exc)
         finally:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
@@ -265,7 +268,7 @@ class Promoter:
         if self._on_released is not None and tier not in self._retired:
             try:
                 self._on_released(tier)
-            except Exception as exc:  # (retention: the next commit tries again)
+            except BaseException as exc:  # (retention: the next commit tries again)
                 log.warning("gpusnap: after a promotion: %s", exc)
 
     def _close_retired(self) -> None:
@@ -313,6 +316,6 @@ class Promoter:
         self.promoted += 1
         try:
             self._on_promoted(durable, promoted)
-        except Exception as exc:  # retention after the commit: the promotion stands
+        except BaseException as exc:  # retention after the commit: the promotion stands (and the thread)
             log.warning("gpusnap: after promoting %s: %s", manifest.id, exc)
         return None

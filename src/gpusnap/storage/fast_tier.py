@@ -249,19 +249,23 @@ class FastTier(SlabFiles, SlabSpace, Repository, root_kind="fast"):
         the bytes checked: nothing can change them in between. Meant for small chunks (the
         host hashes them); the caller keeps their checkpoint pinned while this reads."""
         where = [chunk_location(name) for name in names]
-        out = bytearray(sum(n for *_x, n in where))
+        out: bytearray | None = bytearray(sum(n for *_x, n in where))
         view, at, pieces = memoryview(out), 0, []
-        for _h, slab, offset, n in where:
-            view[at : at + n] = self._slab_bytes(slab, offset, offset + n)
-            pieces.append(view[at : at + n])
-            at += n
-        got = hex_rows(piece_hashes(pieces).numpy()) if pieces else []
-        for piece in pieces:
-            piece.release()  # (exports of the bytearray: none may outlive this call)
-        view.release()
-        for name, (want, slab, offset, _n), digest in zip(names, where, got):
-            if digest != want:
-                raise self._mismatch(name, "", slab_path(slab), offset)
+        try:
+            for _h, slab, offset, n in where:
+                view[at : at + n] = self._slab_bytes(slab, offset, offset + n)
+                pieces.append(view[at : at + n])
+                at += n
+            got = hex_rows(piece_hashes(pieces).numpy()) if pieces else []
+        finally:
+            for piece in pieces:
+                piece.release()  # (exports of the bytearray: none may outlive this call)
+            view.release()
+        bad = next(((name, slab, offset) for name, (want, slab, offset, _n), digest in zip(names, where, got)
+                    if digest != want), None)
+        if bad is not None:
+            out = None  # (a failure is kept until raised: not with this copy held by its traceback)
+            raise self._mismatch(bad[0], "", slab_path(bad[1]), bad[2])
         return out
 
     @staticmethod

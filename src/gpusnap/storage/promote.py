@@ -107,15 +107,12 @@ def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: Threa
             groups = [(group, check_runs(group, manifest.chunk_size, RUN_BYTES))
                       for group in check_runs(rest, manifest.chunk_size, CHECK_BYTES)]
             written: dict[str, str] = {}  # fast-tier name -> durable name
-            count = 0
 
             def record(names: list[str], durable_names: list[str]) -> None:
-                nonlocal count
                 if len(names) != len(durable_names):  # (a bug of ours: the manifest would misname chunks)
                     raise CheckpointError(f"a promotion of {manifest.id} wrote {len(durable_names)} chunks "
                                           f"for {len(names)}")
                 written.update(zip(names, durable_names))
-                count += len(names)
 
             def durable_names(names: list[str]) -> list[str]:
                 return [device_name(chunk_location(name)[0]) for name in names]
@@ -154,8 +151,9 @@ def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: Threa
                     check(group)
             finally:  # (after a failure: nothing more starts, and nothing still runs once the txn ends)
                 writers.stop()
-            if count != len(every):  # (a bug of ours: the manifest would misname chunks)
-                raise CheckpointError(f"a promotion of {manifest.id} wrote {count} chunks of {len(every)}")
+            unwritten = [n for n in every if n not in written]
+            if unwritten:  # (a bug of ours: the manifest would name chunks never stored)
+                raise CheckpointError(f"a promotion of {manifest.id} left {len(unwritten)} chunks unwritten")
             entries = [StorageEntry(e.nbytes, e.device, tuple(written[n] for n in e.chunks), e.hashes)
                        for e in manifest.storages]
             stats = dict(manifest.stats)
