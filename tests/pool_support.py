@@ -60,9 +60,22 @@ def _warm_up(model: nn.Module) -> None:
 
 
 def _logits(model: nn.Module, ids: list[list[int]], device: torch.device) -> torch.Tensor:
-    with torch.no_grad():
-        out = model(torch.tensor(ids, device=device))
-    return getattr(out, "logits", out).float().cpu()
+    """On one CPU thread: a pool's process and the test's own then give the same bits whatever
+    thread counts they run with (a CPU matmul's sums are split by thread; a test before may
+    have left the test process at one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor(ids, device=device))
+        return getattr(out, "logits", out).float().cpu()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def reference_logits(model: nn.Module, ids: list[list[int]]) -> torch.Tensor:
+    """The logits the tests compare a served process's with, computed the way it computes them."""
+    return _logits(model, ids, next(model.parameters()).device)
 
 
 def _write(path: str, value: Any) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from pool_support import trained
+from pool_support import reference_logits, trained
 from restore_support import tiny_config
 
 import gpusnap
@@ -38,8 +38,7 @@ def _save(root: Path, model: torch.nn.Module, tag: str | None = None) -> str:
 
 
 def _logits(model: torch.nn.Module) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor(IDS))
+    return reference_logits(model, IDS)
 
 
 def _served(value: dict[str, Any]) -> torch.Tensor:

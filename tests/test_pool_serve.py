@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from pool_support import trained
+from pool_support import reference_logits, trained
 from restore_support import tiny_config
 from serve_support import HANG_S, SRC, private_runtime, running_server  # noqa: F401 (a fixture)
 from test_pool import IDS, gone
@@ -33,8 +33,7 @@ def _save(root: Path, model: torch.nn.Module) -> str:
 
 
 def _logits(model: torch.nn.Module) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor(IDS))
+    return reference_logits(model, IDS)
 
 
 def test_gpusnap_serve_keeps_a_pool_and_hands_out_served_processes(tmp_path: Path, private_runtime: Path) -> None:
