@@ -50,9 +50,10 @@ RUN_BYTES = 64 << 20
 # from ~1 s (fifth).
 CHECK_BYTES = 256 << 20
 # A chunk at most this long is gathered (see the module docstring): each check of one in a
-# device pass of its own cost the promoter's thread ~0.8 ms of interpreter time, which the
-# training thread waits for (BENCHMARKS.md, seventh section). At most GATHER_BYTES of them a promotion, in order (the host
-# hashes ~1 GB/s a core; the rest go the device's way).
+# device pass of its own cost the promoter's thread ~0.8 ms of CPU, most of it holding the
+# interpreter lock the training thread then waits for (BENCHMARKS.md, seventh section). At
+# most GATHER_BYTES of them a promotion, in order (the host hashes ~1 GB/s a core; the rest
+# go the device's way).
 SMALL_BYTES = 64 << 10
 GATHER_BYTES = 32 << 20
 
