@@ -115,22 +115,22 @@ def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: Threa
                                           f"for {len(names)}")
                 written.update(zip(names, durable_names))
 
-            def durable_names(names: list[str]) -> list[str]:
-                return [device_name(chunk_location(name)[0]) for name in names]
+            def put(run: list[str], data: bytes | bytearray | memoryview) -> list[str]:
+                names, lengths = [], []
+                for name in run:  # (each name parsed once: this runs on the writers' threads)
+                    device_hash, _slab, _off, n = chunk_location(name)
+                    names.append(device_name(device_hash))
+                    lengths.append(n)
+                txn.put_run(names, data, lengths)  # (one write for the run: see WriteTxn.put_run)
+                return names
 
             def store(run: list[str]) -> list[str]:
                 cancel.check(manifest.id)
-                data = fast.run_view(run, manifest.chunk_size)  # (slab memory: written from where it is)
-                names = durable_names(run)
-                txn.put_run(names, data, [chunk_location(name)[3] for name in run])  # (one write: WriteTxn.put_run)
-                return names
+                return put(run, fast.run_view(run, manifest.chunk_size))  # (slab memory: written from where it is)
 
             def store_gathered() -> None:
                 cancel.check(manifest.id)
-                data = fast.copy_checked(gathered)  # (checked in our copy, then written from it)
-                names = durable_names(gathered)
-                txn.put_run(names, data, [chunk_location(name)[3] for name in gathered])
-                record(gathered, names)
+                record(gathered, put(gathered, fast.copy_checked(gathered)))  # (checked in our copy, written from it)
 
             def check(group: list[str]) -> None:
                 cancel.check(manifest.id)
