@@ -23,7 +23,8 @@ copied through torch, not by address: ``capture/address_copy.py``). SIZE=tiny DE
 ``--default-root DIR`` measures the default ``Checkpointer(root)`` instead (issue 39): a save's
 middle window runs until it is durable in ``DIR`` (promoted from the memory tier), and each
 variant has a Checkpointer of its own: ``default``, ``inmemory`` (``promote_every`` never: the
-capture alone), ``threads1`` (``io_threads=1``: one promotion thread), ``nocheck`` (probe only:
+capture alone), ``threads1`` (``io_threads=1``: one promotion thread), ``helper`` (``promotion_process="on"``:
+promotions in a helper process, ``storage/promote_process.py``), ``nocheck`` (probe only:
 the promotion's device check of the slab bytes skipped, to see its share), ``nice0`` (probe
 only: the promotion's threads left at the program's priority, not lowered), ``whole`` (probe
 only: slabs made a whole GiB per call with no rests, as before ``storage/slab_prep.py`` made
@@ -189,14 +190,24 @@ def attribute(timeline: list, events: list, mean: float) -> dict:
 
 
 def thread_cpu() -> collections.Counter:
-    """CPU seconds per thread name (Python's name, else the OS's), from the scheduler's ns."""
+    """CPU seconds per thread name (Python's name, else the OS's), from the scheduler's ns;
+    and ``child:<comm>``, this process's child processes (a promotion helper), all threads."""
     out: collections.Counter = collections.Counter()
     for name, tid in threads():
         try:
             with open(f"/proc/self/task/{tid}/schedstat") as f:
                 out[name] += int(f.read().split()[0]) / 1e9
+            with open(f"/proc/self/task/{tid}/children") as f:
+                kids = f.read().split()
         except OSError:
-            pass
+            continue
+        for pid in kids:
+            try:
+                comm = Path(f"/proc/{pid}/comm").read_text().strip()
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            out[f"child:{comm}"] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return out
 
 
@@ -428,6 +439,8 @@ def main_default(args) -> None:
             config = gpusnap.Config.from_env()
             if name.startswith("threads"):
                 config = dataclasses.replace(config, io_threads=int(name[7:]))
+            if name == "helper":
+                config = dataclasses.replace(config, promotion_process="on")
             FastTier.check_bytes = traced("check", (lambda *a, **k: None) if name == "nocheck" else check)
             fast_tier.DEVICE_SLICE_BYTES = 256 << 20 if name == "bigcheck" else slice_bytes
             direct_file._PIECE = 8 << 20 if name == "piece8" else piece

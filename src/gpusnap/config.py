@@ -180,6 +180,14 @@ class Config:
         metadata={"doc": "where the default path's host memory lives ('': $GPUSNAP_MEMORY_TIER_DIR, else /dev/shm; "
                   "a tmpfs, where a directory of this user's is made)"},
     )
+    promotion_process: str = field(
+        default="off",
+        metadata={"doc": "promotions (the background writes that make a memory-tier or fast-tier checkpoint "
+                  "durable) run in a helper process with a CUDA context of its own, so that their writes and "
+                  "device checks take no interpreter lock from the training thread (auto: for a local root "
+                  "when the checkpoint has CUDA tensors; on: for any local root; off: on the program's threads; "
+                  "a helper that cannot start or dies leaves them to the program's threads, with a WARNING)"},
+    )
     direct_writes: str = field(
         default="auto",
         metadata={"doc": "pack files of a local root are written with O_DIRECT, straight from host memory, where "
@@ -230,6 +238,8 @@ class Config:
             raise ValueError(f"Config.restore_from_server must be 'auto', 'on' or 'off', got {self.restore_from_server!r}")
         if self.memory_tier not in ("", "auto", "off"):
             raise ValueError(f"Config.memory_tier must be 'auto' or 'off', got {self.memory_tier!r}")
+        if self.promotion_process not in ("auto", "on", "off"):
+            raise ValueError(f"Config.promotion_process must be 'auto', 'on' or 'off', got {self.promotion_process!r}")
         if self.direct_writes not in ("auto", "off"):
             raise ValueError(f"Config.direct_writes must be 'auto' or 'off', got {self.direct_writes!r}")
         if self.when_busy not in ("wait", "skip"):

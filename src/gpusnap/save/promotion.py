@@ -32,10 +32,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from gpusnap.config import Config
 from gpusnap.errors import CheckpointError
 from gpusnap.storage.fast_tier import FastTier
 from gpusnap.storage.manifest import Manifest
 from gpusnap.storage.promote import CancelToken, pool_cpu_s, promote
+from gpusnap.storage.promote_process import HelperUnavailable, PromotionProcess, process_usable
 from gpusnap.storage.repository import Repository
 from gpusnap.thread_priority import lower_this_thread
 
@@ -68,8 +70,13 @@ class Promoter:
 
     def __init__(self, durable: Callable[[], Repository], *, threads: int,
                  on_promoted: Callable[[Repository, Manifest], None],
-                 on_released: Callable[[FastTier], None] | None = None) -> None:
+                 on_released: Callable[[FastTier], None] | None = None, config: Config | None = None) -> None:
         self._durable = durable
+        self._config = config if config is not None else Config()
+        # the helper process promotions run in where Config.promotion_process asks for it
+        # (storage/promote_process.py); None once it failed: this thread promotes from then on
+        self._helper: PromotionProcess | None = PromotionProcess(self._config)
+        self.helper_failure: str | None = None
         self._on_promoted = on_promoted
         # after a promotion lets go of its fast checkpoint, before it counts as done: that
         # tier's retention, so that a save waiting for room (when_busy="wait") finds it
@@ -263,6 +270,8 @@ class Promoter:
         finally:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
+            if self._helper is not None:
+                self._helper.close()
 
     def _released(self, tier: FastTier) -> None:
         if self._on_released is not None and tier not in self._retired:
@@ -293,6 +302,28 @@ class Promoter:
             return None
         return self._pool
 
+    def _in_helper(self, job: _Job, durable: Repository, extra: dict[str, object],
+                   token: CancelToken) -> Manifest | None:
+        """The promotion run by the helper process, or None where this thread is to run it
+        (not asked for, not a local root, a tier removed and made again, or the helper could
+        not start or ended before committing: then with a WARNING, and for good)."""
+        helper = self._helper
+        devices = [e.device for e in job.manifest.storages]
+        if helper is None or not process_usable(self._config, job.tier, durable, devices) or not job.tier.intact():
+            return None
+        before = helper.cpu_s
+        try:
+            return helper.promote(job.tier, job.manifest, durable, extra_stats={**extra, "promoted_in": "helper"},
+                                  cancel=token, workers=self._threads)
+        except HelperUnavailable as exc:
+            self._helper, self.helper_failure = None, str(exc)
+            helper.close()
+            log.warning("gpusnap: promotions run on the program's threads from now on (they take its interpreter "
+                        "lock): %s", exc)
+            return None
+        finally:
+            self.cpu_s += max(0.0, helper.cpu_s - before)
+
     def _promote(self, job: _Job, superseded: list[str], token: CancelToken) -> BaseException | None:
         """One promotion; returns its error (logged), or None once committed (or called off)."""
         manifest = job.manifest
@@ -301,8 +332,12 @@ class Promoter:
         cpu_pool = pool_cpu_s(pool)
         try:
             durable = self._durable()
-            extra = {"promoted_from": "fast", "promotions_skipped": superseded}
-            promoted = promote(job.tier, manifest, durable, pool, extra_stats=extra, cancel=token, workers=self._threads)
+            extra: dict[str, object] = {"promoted_from": "fast", "promotions_skipped": superseded}
+            promoted = self._in_helper(job, durable, extra, token)
+            if promoted is None:
+                extra["promoted_in"] = "threads"
+                promoted = promote(job.tier, manifest, durable, pool, extra_stats=extra, cancel=token,
+                                   workers=self._threads)
         except BaseException as exc:  # (a SystemExit from a backend too: it would end this thread,
             # and every later promotion would wait for it forever; kept and raised by wait() instead)
             if token.cancelled:  # (called off: whatever it met after that is no failure)

@@ -194,6 +194,7 @@ class Tiers:
     def promotions(self) -> Promoter:
         if self.promoter is None:
             self.promoter = Promoter(lambda: self.durable(create=True), threads=self.config.io_threads,
+                                     config=self.config,
                                      on_promoted=lambda repo, _m: self.retain(repo, self.keep_last),
                                      on_released=lambda tier: self.retain(tier, self.fast_keep_last))
         return self.promoter

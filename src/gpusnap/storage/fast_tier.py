@@ -152,6 +152,12 @@ class FastTier(SlabFiles, SlabSpace, Repository, root_kind="fast"):
             return None
         return owner if isinstance(owner, str) else None
 
+    @property
+    def identity(self) -> tuple[int, int] | None:
+        """The root directory this object opened, as (device, inode): another object of the
+        same tier (a promotion helper's) must see the same."""
+        return self._identity
+
     def intact(self) -> bool:
         """Whether the root this object opened is still there (removed, or removed and made
         again by someone else: the writer starts a new tier)."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -69,10 +69,30 @@ class CancelToken:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.cancelled = False
+        self._listeners: list[Callable[[], None]] = []
 
     def cancel(self) -> None:
         with self._lock:  # (waits for a commit in progress: then its durable copy exists)
             self.cancelled = True
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener()
+
+    def when_cancelled(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call ``listener`` once cancelled (at once if it is already; a promotion process
+        is told so); returns what unregisters it."""
+        with self._lock:
+            now = self.cancelled
+            if not now:
+                self._listeners.append(listener)
+        if now:
+            listener()
+        return lambda: self._forget(listener)
+
+    def _forget(self, listener: Callable[[], None]) -> None:
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
 
     def check(self, checkpoint_id: str) -> None:
         if self.cancelled:

@@ -1,0 +1,187 @@
+"""The promotion helper's own side: ``storage/promote_process.py`` says why, and the protocol.
+
+Run by the program as ``python -P -c "from gpusnap.storage.promote_worker import main; main()"``
+with the channel on its stdin and stdout. One thread reads the program's messages (a job,
+a cancel, the answer to "commit?", the end of input); the main thread runs one promotion at a
+time. Its tiers stay open between jobs, so each slab is mapped and page-locked here once.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+from gpusnap.config import Config
+from gpusnap.errors import StorageError
+from gpusnap.storage.backend import LocalBackend
+from gpusnap.storage.fast_tier import FastTier
+from gpusnap.storage.promote import CancelToken, PromotionCancelled, promote
+from gpusnap.storage.promote_process import cpu_seconds, read_message, write_message
+from gpusnap.storage.repository import Repository
+from gpusnap.thread_priority import LOWEST
+
+__all__ = ["main"]
+
+
+def main() -> None:
+    channel_in, channel_out = os.dup(0), os.dup(1)
+    quiet = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(quiet, 0)
+    os.close(quiet)
+    os.dup2(2, 1)  # (whatever anything prints goes to stderr, never into the channel)
+    try:  # (before any thread starts: they inherit it) the program's threads go first
+        os.setpriority(os.PRIO_PROCESS, 0, LOWEST)
+    except OSError:
+        pass
+    try:
+        _hello, fields, device = read_message(channel_in)
+        config = Config(**fields)
+        if device is not None:
+            import torch
+
+            if torch.cuda.is_available():  # the checks hash on this device (hash_device: CUDA up)
+                torch.cuda.set_device(torch.device(device))
+                torch.cuda.init()
+    except EOFError:
+        return
+    except BaseException as exc:
+        write_message(channel_out, ("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    write_message(channel_out, ("ready", os.getpid()))
+    _Helper(channel_in, channel_out, config).run()
+
+
+class _ProgramsToken(CancelToken):
+    """A promotion's token here: cancelled by the program's message (or its end), and the
+    commit asks the program first, which holds its own token meanwhile."""
+
+    def __init__(self, send: Callable[[Any], None]) -> None:
+        super().__init__()
+        self._send = send
+        self._answers: queue.Queue[str] = queue.Queue()
+
+    def answer(self, word: str) -> None:
+        self._answers.put(word)
+
+    @contextmanager
+    def committing(self, checkpoint_id: str) -> Iterator[None]:
+        self.check(checkpoint_id)
+        self._send(("commit?",))
+        if self._answers.get() != "go":
+            self.cancelled = True
+            raise PromotionCancelled(f"the promotion of {checkpoint_id} was called off: nothing was committed")
+        yield
+
+
+class _ProgramsLease:
+    """The writer lease of the durable root, held by the program for as long as this helper
+    works for it; lost once the program is gone (this process is then someone else's child)."""
+
+    def __init__(self) -> None:
+        self._program = os.getppid()
+
+    def confirm(self) -> None:
+        if os.getppid() != self._program:
+            raise OSError(errno.ESRCH, "the program whose writer lease this helper wrote under is gone")
+
+    def release(self) -> None:
+        return
+
+
+class _OnBehalfBackend(LocalBackend):
+    """The program's durable root, written on the program's behalf (under its lease)."""
+
+    def writer_lease(self, owner: dict[str, Any], timeout: float) -> _ProgramsLease:  # type: ignore[override]
+        return _ProgramsLease()
+
+
+class _Helper:
+    def __init__(self, channel_in: int, channel_out: int, config: Config) -> None:
+        self._in, self._out, self._config = channel_in, channel_out, config
+        self._jobs: queue.Queue[tuple[dict[str, Any], _ProgramsToken] | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._token: _ProgramsToken | None = None  # the newest job's
+        self._tiers: dict[str, FastTier] = {}
+        self._roots: dict[str, Repository] = {}
+        self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="gpusnap-promote")
+
+    def _send(self, message: Any) -> None:
+        write_message(self._out, message)
+
+    def run(self) -> None:
+        threading.Thread(target=self._read, name="gpusnap-promote-channel", daemon=True).start()
+        try:
+            while (item := self._jobs.get()) is not None:
+                job, token = item
+                reply = self._promote(job, token)
+                try:
+                    self._send(reply)
+                except OSError:
+                    break
+        finally:
+            self._pool.shutdown(wait=True)
+            for repo in [*self._tiers.values(), *self._roots.values()]:
+                repo.close()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message = read_message(self._in)
+                kind = message[0]
+                if kind == "job":  # (its token made here: a cancel right behind it finds it)
+                    token = _ProgramsToken(self._send)
+                    with self._lock:
+                        self._token = token
+                    self._jobs.put((message[1], token))
+                    continue
+                with self._lock:
+                    token = self._token
+                if token is not None and kind == "cancel":
+                    token.cancel()
+                elif token is not None and kind in ("go", "no"):
+                    token.answer(kind)
+        except (EOFError, OSError, ValueError):  # the program is gone, or closed us: commit nothing
+            with self._lock:
+                token = self._token
+            if token is not None:
+                token.cancel()
+                token.answer("no")
+            self._jobs.put(None)
+
+    def _promote(self, job: dict[str, Any], token: _ProgramsToken) -> tuple[Any, ...]:
+        try:
+            fast = self._tier(job["fast_root"], job["fast_identity"])
+            durable = self._durable(job["durable_root"])
+            manifest = fast.load_manifest(job["id"])
+            promote(fast, manifest, durable, self._pool, extra_stats=job["extra_stats"], cancel=token,
+                    workers=job["workers"])
+            return ("done", cpu_seconds())
+        except BaseException as exc:  # (a SystemExit from a backend too: the program decides)
+            return ("error", type(exc).__name__, str(exc), cpu_seconds())
+
+    def _tier(self, path: str, identity: Any) -> FastTier:
+        want = tuple(identity) if identity is not None else None
+        tier = self._tiers.get(path)
+        if tier is not None and tier.identity != want:
+            tier.close()
+            del self._tiers[path]
+            tier = None
+        if tier is None:
+            tier = FastTier.open(path, config=self._config)
+            if tier.identity != want:  # (removed and made again since the program opened it)
+                tier.close()
+                raise StorageError(f"the fast tier {path} was removed: the program's checkpoint is no longer there")
+            self._tiers[path] = tier
+        return tier
+
+    def _durable(self, path: str) -> Repository:
+        repo = self._roots.get(path)
+        if repo is None:
+            repo = self._roots[path] = Repository.open(path, config=self._config, backend=_OnBehalfBackend(path))
+        return repo
