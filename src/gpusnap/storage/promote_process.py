@@ -16,13 +16,15 @@ Data flow::
                       -> "commit?"
     promoter thread:  under the promotion's CancelToken: "go" (or "no": called off)
     helper:           commit -> "done" (or "error": type, message), its CPU seconds so far
+    promoter thread:  the durable manifest read back (and remembered: listed, its tag taken)
 
 A cancel while the helper works is forwarded at once (it stops before its next run or check);
 the commit waits for the program's "go", so :meth:`CancelToken.cancel` and the commit still
 exclude each other, and a program that died never gets a commit (end of input: called off).
 
-Protocol: 8-byte little-endian length, then a ``marshal`` body, over the helper's stdin and
-stdout (nothing else reaches them: its own output goes to stderr). Only local roots are
+Protocol: 8-byte little-endian length, then a ``marshal`` body, over two pipes of the helper's
+own (its stdin and stdout are /dev/null, its stderr the program's: nothing printed at its
+start reaches them); each message after "hello" names its job. Only local roots are
 promoted here; the program's threads do the rest (:func:`process_usable`).
 
 >>> helper = PromotionProcess(Config())                        # doctest: +SKIP
@@ -31,9 +33,11 @@ promoted here; the program's threads do the rest (:func:`process_usable`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import marshal
 import os
+import select
 import struct
 import subprocess
 import sys
@@ -41,7 +45,6 @@ import threading
 import weakref
 from typing import Any
 
-import gpusnap
 from gpusnap.config import Config
 from gpusnap.errors import CheckpointError, CheckpointNotFoundError, IntegrityError, StorageError
 from gpusnap.fork_safety import at_fork
@@ -54,16 +57,18 @@ from gpusnap.storage.repository import Repository
 __all__ = ["HelperUnavailable", "PromotionProcess", "process_usable", "read_message", "write_message"]
 
 LEN = struct.Struct("<Q")
+MAX_MESSAGE = 64 << 20  # a longer one is nonsense (the largest is a job: a few KiB)
 # a helper not ready by then never will be (importing torch and starting CUDA: seconds)
 START_TIMEOUT_S = 120.0
 CLOSE_TIMEOUT_S = 10.0  # close(): then a helper still there is killed
-_ERRORS: dict[str, type[CheckpointError]] = {e.__name__: e for e in (
-    CheckpointError, IntegrityError, StorageError, CheckpointNotFoundError, PromotionCancelled)}
+# what the helper's promotion may raise as the promotion's own failure (the threads would
+# meet it too); anything else is the helper's, and the threads take over
+_FAILURES: dict[str, type[CheckpointError]] = {e.__name__: e for e in (IntegrityError, StorageError, PromotionCancelled)}
 
 
 class HelperUnavailable(CheckpointError):
-    """The helper could not start, or ended without an answer: the promotion was not committed
-    by it, and the program's threads take promotions over."""
+    """The helper could not start, ended without an answer, answered nonsense or failed in a
+    way of its own: nothing was committed by it, and the program's threads take promotions over."""
 
 
 def process_usable(config: Config, fast: FastTier, durable: Repository, devices: list[str]) -> bool:
@@ -84,8 +89,11 @@ def write_message(fd: int, obj: Any) -> None:
 
 
 def read_message(fd: int) -> Any:
-    """The next message on ``fd``; EOFError at its end (the other side is gone)."""
+    """The next message on ``fd``: EOFError at its end (the other side is gone), ValueError
+    for what is no message of ours."""
     (n,) = LEN.unpack(_read_exactly(fd, LEN.size))
+    if n > MAX_MESSAGE:
+        raise ValueError(f"a message of {n} bytes")
     return marshal.loads(_read_exactly(fd, n))
 
 
@@ -102,146 +110,157 @@ def _read_exactly(fd: int, n: int) -> bytes:
 
 class PromotionProcess:
     """One helper process, started at the first :meth:`promote` and kept until :meth:`close`;
-    one promotion at a time. ``cpu_s``: the helper's CPU seconds (all its threads) so far."""
+    one promotion at a time. ``cpu_s``: the helper's CPU seconds (all its threads) so far,
+    of which ``start_cpu_s`` its start (importing torch, CUDA)."""
 
     def __init__(self, config: Config) -> None:
         self._config = config
         self._proc: subprocess.Popen[bytes] | None = None
+        self._to: int | None = None  # our ends of its channel
+        self._from: int | None = None
         self._lock = threading.Lock()  # one promotion at a time
         self._send_lock = threading.Lock()  # (a cancel is sent from the canceller's thread)
+        self._jobs = 0
         self._closed = False
         self.cpu_s = 0.0
+        self.start_cpu_s = 0.0
         _helpers.add(self)
 
     # -- the helper's life ---------------------------------------------------------------
-    def _started(self, device: str | None) -> subprocess.Popen[bytes]:
+    def _started(self, device: str | None) -> None:
         if self._closed:
             raise HelperUnavailable("the promotion helper is closed")
         if self._proc is not None:
             if self._proc.poll() is not None:
                 raise HelperUnavailable(f"the promotion helper ended (exit code {self._proc.returncode})")
-            return self._proc
-        env = dict(os.environ)
-        # the gpusnap this program runs, whatever put it on sys.path
-        here = os.path.dirname(os.path.dirname(os.path.abspath(gpusnap.__file__)))
-        env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        safe_path = ["-P"] if sys.version_info >= (3, 11) else []  # (no module of the working directory)
-        argv = [sys.executable, *safe_path, "-c", "from gpusnap.storage.promote_worker import main; main()"]
+            return
+        to_r, to_w = os.pipe()
+        from_r, from_w = os.pipe()
+        # the modules this program imports, found where it finds them; the channel on pipes of
+        # its own, so that nothing printed at its start (a sitecustomize) can reach it
+        code = (f"import sys; sys.path[:] = {[str(p) for p in sys.path]!r}; "
+                f"from gpusnap.storage.promote_worker import main; main({to_r}, {from_w})")
         try:
             # its own session: a Ctrl-C at the terminal is the program's to handle, not the
-            # helper's (it ends when the program's end of the pipe closes)
-            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True,
-                                    start_new_session=True, bufsize=0)
-        except OSError as exc:
+            # helper's (it ends when the program's end of the channel closes)
+            self._proc = subprocess.Popen([sys.executable, "-I", "-c", code], stdin=subprocess.DEVNULL,
+                                          stdout=subprocess.DEVNULL, pass_fds=(to_r, from_w), close_fds=True,
+                                          start_new_session=True)
+        except (OSError, ValueError) as exc:
+            for fd in (to_r, to_w, from_r, from_w):
+                os.close(fd)
             raise HelperUnavailable(f"the promotion helper could not start: {exc}") from exc
-        self._proc = proc
-        try:
-            self._send(("hello", dataclasses.asdict(self._config), device))
-            ready = self._receive(START_TIMEOUT_S)
-        except HelperUnavailable:
-            self._kill()
-            raise
-        if not (isinstance(ready, tuple) and ready and ready[0] == "ready"):
+        finally:
+            if self._proc is not None:
+                os.close(to_r)
+                os.close(from_w)
+        self._to, self._from = to_w, from_r
+        self._send(("hello", dataclasses.asdict(self._config), device))
+        ready = self._receive(START_TIMEOUT_S)
+        if not (isinstance(ready, tuple) and len(ready) == 2 and ready[0] == "ready"):
             self._kill()
             raise HelperUnavailable(f"the promotion helper did not start: {ready!r:.300}")
-        return proc
+        self.cpu_s = self.start_cpu_s = float(ready[1])
 
     def close(self) -> None:
         """End the helper (end of its input; killed if still there after ``CLOSE_TIMEOUT_S``)."""
         with self._lock:
             self._closed = True
-            proc, self._proc = self._proc, None
+            self._end(CLOSE_TIMEOUT_S)
+
+    def _kill(self) -> None:
+        self._end(0.0)
+
+    def _end(self, grace: float) -> None:
+        proc, self._proc = self._proc, None
+        ends, self._to, self._from = (self._to, self._from), None, None
+        for fd in ends:
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
         if proc is None:
             return
-        for pipe in (proc.stdin, proc.stdout):
-            try:
-                if pipe is not None:
-                    pipe.close()
-            except OSError:
-                pass
         try:
-            proc.wait(timeout=CLOSE_TIMEOUT_S)
+            proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
 
-    def _kill(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        for pipe in (proc.stdin, proc.stdout):
-            if pipe is not None:
-                pipe.close()
-
     # -- messages --------------------------------------------------------------------------
     def _send(self, message: Any) -> None:
-        proc = self._proc
-        if proc is None or proc.stdin is None:
-            raise HelperUnavailable("the promotion helper is gone")
-        try:
-            with self._send_lock:
-                write_message(proc.stdin.fileno(), message)
-        except (OSError, ValueError) as exc:
-            raise HelperUnavailable(f"the promotion helper is gone (exit code {proc.poll()})") from exc
+        with self._send_lock:
+            fd = self._to
+            if fd is None:
+                raise HelperUnavailable("the promotion helper is gone")
+            try:
+                write_message(fd, message)
+            except (OSError, ValueError) as exc:
+                code = self._proc.poll() if self._proc is not None else None
+                raise HelperUnavailable(f"the promotion helper is gone (exit code {code})") from exc
 
     def _receive(self, timeout: float | None = None) -> Any:
-        proc = self._proc
-        if proc is None or proc.stdout is None:
+        """The helper's next message; HelperUnavailable (and the helper killed) when it
+        ends first, sends what is no message, or (``timeout``) is silent that long."""
+        fd = self._from
+        if fd is None:
             raise HelperUnavailable("the promotion helper is gone")
-        fd = proc.stdout.fileno()
-        if timeout is not None:
-            import select  # (only the start waits with a bound: a promotion takes what the disk takes)
-
-            if not select.select([fd], [], [], timeout)[0]:
-                raise HelperUnavailable(f"the promotion helper did not answer within {timeout:.0f} s")
         try:
-            message = read_message(fd)
-        except (OSError, EOFError, ValueError) as exc:
-            code = proc.wait(timeout=CLOSE_TIMEOUT_S) if proc.poll() is None and isinstance(exc, EOFError) else proc.poll()
-            raise HelperUnavailable(f"the promotion helper ended without an answer (exit code {code})") from exc
-        return message
+            if timeout is not None and not select.select([fd], [], [], timeout)[0]:
+                raise TimeoutError(f"no answer within {timeout:.0f} s")
+            return read_message(fd)
+        except (OSError, EOFError, ValueError, TypeError) as exc:
+            proc = self._proc
+            self._kill()
+            what = f"exit code {proc.returncode}" if proc is not None else "gone"
+            raise HelperUnavailable(f"the promotion helper ended or failed to answer ({what}): "
+                                    f"{type(exc).__name__} {exc}".rstrip()) from exc
 
     # -- a promotion -------------------------------------------------------------------------
     def promote(self, fast: FastTier, manifest: Manifest, durable: Repository, *,
                 extra_stats: dict[str, object] | None = None, cancel: CancelToken, workers: int) -> Manifest:
         """:func:`~gpusnap.storage.promote.promote` in the helper; returns the durable manifest.
-        Raises what the helper's promotion raised (IntegrityError, StorageError,
-        PromotionCancelled, ...), or :class:`HelperUnavailable` when the helper could not
-        start or ended first (then nothing was committed by it)."""
+        Raises the promotion's failure (IntegrityError, StorageError, PromotionCancelled), or
+        :class:`HelperUnavailable` when the helper could not start, ended first or failed in
+        a way of its own (then nothing was committed by it)."""
         device = next((e.device for e in manifest.storages if e.device.startswith("cuda")), None)
         with self._lock:
             self._started(device)
+            self._jobs += 1
+            job_id = self._jobs
             fast.pin_checkpoint(manifest.id)  # (the helper reads its slab bytes: retention keeps them)
             stop_forwarding = lambda: None  # noqa: E731
             try:
-                job = {"fast_root": fast.backend.local_path(""), "fast_identity": fast.identity,
-                       "durable_root": durable.backend.local_path(""), "id": manifest.id, "workers": workers,
-                       "extra_stats": dict(extra_stats or {})}
-                self._send(("job", job))
-                stop_forwarding = cancel.when_cancelled(lambda: self._forward_cancel())
-                reply = self._receive()
-                if isinstance(reply, tuple) and reply and reply[0] == "commit?":
-                    reply = self._gate(cancel, manifest.id, durable)
-                return self._result(reply, manifest.id, durable)
+                try:
+                    with durable.writing_elsewhere():
+                        job = {"fast_root": fast.backend.local_path(""),  # type: ignore[attr-defined]
+                               "fast_identity": fast.identity, "durable_root": durable.backend.local_path(""),  # type: ignore[attr-defined]
+                               "id": manifest.id, "workers": workers, "extra_stats": dict(extra_stats or {}),
+                               "job": job_id}
+                        self._send(("job", job))
+                        stop_forwarding = cancel.when_cancelled(lambda: self._forward_cancel(job_id))
+                        reply = self._receive()
+                        if reply == ("commit?", job_id):
+                            reply = self._gate(cancel, manifest.id, durable, job_id)
+                except BaseException:  # (gone, or our side failed mid-exchange: the channel is out of step)
+                    self._kill()
+                    raise
+                return self._result(reply, manifest.id, durable, job_id)
             finally:
                 stop_forwarding()
                 fast.unpin_checkpoint(manifest.id)
 
-    def _forward_cancel(self) -> None:
+    def _forward_cancel(self, job_id: int) -> None:
         try:
-            self._send(("cancel",))
+            self._send(("cancel", job_id))
         except HelperUnavailable:
             pass  # (gone: it commits nothing without our "go")
 
-    def _gate(self, cancel: CancelToken, checkpoint_id: str, durable: Repository) -> Any:
+    def _gate(self, cancel: CancelToken, checkpoint_id: str, durable: Repository, job_id: int) -> Any:
         """The helper asks to commit: "go" under the token (a cancel() waits for the answer
         that follows), else "no"; returns the helper's last answer."""
         try:
             with cancel.committing(checkpoint_id):
-                self._send(("go",))
+                self._send(("go", job_id))
                 try:
                     return self._receive()
                 except HelperUnavailable as gone:
@@ -250,25 +269,29 @@ class PromotionProcess:
                         durable.load_manifest(checkpoint_id)
                     except CheckpointNotFoundError:
                         raise gone from None
-                    return ("done", None)
+                    return ("done", job_id, None)
         except PromotionCancelled:
-            self._send(("no",))
+            self._send(("no", job_id))
             return self._receive()
 
-    def _result(self, reply: Any, checkpoint_id: str, durable: Repository) -> Manifest:
-        if isinstance(reply, tuple) and len(reply) == 2 and reply[0] == "done":
-            if isinstance(reply[1], (int, float)):
-                self.cpu_s = float(reply[1])
-            return durable.load_manifest(checkpoint_id)
-        if isinstance(reply, tuple) and len(reply) == 4 and reply[0] == "error":
-            _, kind, text, cpu = reply
+    def _result(self, reply: Any, checkpoint_id: str, durable: Repository, job_id: int) -> Manifest:
+        if isinstance(reply, tuple) and len(reply) == 3 and reply[:2] == ("done", job_id):
+            if isinstance(reply[2], (int, float)):
+                self.cpu_s = float(reply[2])
+            promoted = durable.load_manifest(checkpoint_id)
+            durable.remember_committed(promoted)  # (listed, and its tag taken, as if we had committed it)
+            return promoted
+        if isinstance(reply, tuple) and len(reply) == 5 and reply[:2] == ("error", job_id):
+            _, _job, kind, text, cpu = reply
             if isinstance(cpu, (int, float)):
                 self.cpu_s = float(cpu)
-            error = _ERRORS.get(kind)
-            raise error(text) if error is not None else CheckpointError(f"the promotion helper failed: {kind}: {text}")
+            failure = _FAILURES.get(kind)
+            if failure is not None:
+                raise failure(text)
+            self._kill()
+            raise HelperUnavailable(f"the promotion helper failed: {kind}: {text}")
         self._kill()
         raise HelperUnavailable(f"the promotion helper answered {reply!r:.200}")
-
 
 
 def cpu_seconds() -> float:

@@ -1,7 +1,7 @@
 """The promotion helper's own side: ``storage/promote_process.py`` says why, and the protocol.
 
-Run by the program as ``python -P -c "from gpusnap.storage.promote_worker import main; main()"``
-with the channel on its stdin and stdout. One thread reads the program's messages (a job,
+Run by the program as ``python -I -c "...; from gpusnap.storage.promote_worker import main;
+main(R, W)"`` with the program's ``sys.path`` and the channel on the pipe ends ``R`` and ``W``. One thread reads the program's messages (a job,
 a cancel, the answer to "commit?", the end of input); the main thread runs one promotion at a
 time. Its tiers stay open between jobs, so each slab is mapped and page-locked here once.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import queue
+import signal
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -29,12 +30,14 @@ from gpusnap.thread_priority import LOWEST
 __all__ = ["main"]
 
 
-def main() -> None:
-    channel_in, channel_out = os.dup(0), os.dup(1)
-    quiet = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(quiet, 0)
-    os.close(quiet)
-    os.dup2(2, 1)  # (whatever anything prints goes to stderr, never into the channel)
+def main(channel_in: int, channel_out: int) -> None:
+    """Serve the program on the pipe ends ``channel_in`` and ``channel_out``."""
+    os.dup2(2, 1)  # (whatever anything prints goes to stderr)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        # the program decides when this ends (end of its input; a SIGTERM'd program finishes
+        # its promotions first, Config.sigterm_grace_s): a job's group signalled at once
+        # would otherwise lose the promotion in flight
+        signal.signal(sig, signal.SIG_IGN)
     try:  # (before any thread starts: they inherit it) the program's threads go first
         os.setpriority(os.PRIO_PROCESS, 0, LOWEST)
     except OSError:
@@ -53,7 +56,7 @@ def main() -> None:
     except BaseException as exc:
         write_message(channel_out, ("failed", f"{type(exc).__name__}: {exc}"))
         return
-    write_message(channel_out, ("ready", os.getpid()))
+    write_message(channel_out, ("ready", cpu_seconds()))
     _Helper(channel_in, channel_out, config).run()
 
 
@@ -61,8 +64,9 @@ class _ProgramsToken(CancelToken):
     """A promotion's token here: cancelled by the program's message (or its end), and the
     commit asks the program first, which holds its own token meanwhile."""
 
-    def __init__(self, send: Callable[[Any], None]) -> None:
+    def __init__(self, job: int, send: Callable[[Any], None]) -> None:
         super().__init__()
+        self.job = job
         self._send = send
         self._answers: queue.Queue[str] = queue.Queue()
 
@@ -72,7 +76,7 @@ class _ProgramsToken(CancelToken):
     @contextmanager
     def committing(self, checkpoint_id: str) -> Iterator[None]:
         self.check(checkpoint_id)
-        self._send(("commit?",))
+        self._send(("commit?", self.job))
         if self._answers.get() != "go":
             self.cancelled = True
             raise PromotionCancelled(f"the promotion of {checkpoint_id} was called off: nothing was committed")
@@ -135,18 +139,21 @@ class _Helper:
                 message = read_message(self._in)
                 kind = message[0]
                 if kind == "job":  # (its token made here: a cancel right behind it finds it)
-                    token = _ProgramsToken(self._send)
+                    token = _ProgramsToken(message[1]["job"], self._send)
                     with self._lock:
                         self._token = token
                     self._jobs.put((message[1], token))
                     continue
                 with self._lock:
                     token = self._token
-                if token is not None and kind == "cancel":
+                if token is None or message[1] != token.job:  # (a late word about a job that ended)
+                    continue
+                if kind == "cancel":
                     token.cancel()
-                elif token is not None and kind in ("go", "no"):
+                elif kind in ("go", "no"):
                     token.answer(kind)
-        except (EOFError, OSError, ValueError):  # the program is gone, or closed us: commit nothing
+        except (EOFError, OSError, ValueError, TypeError, IndexError, KeyError):
+            # the program is gone, closed us or sent nonsense: commit nothing, end
             with self._lock:
                 token = self._token
             if token is not None:
@@ -161,9 +168,9 @@ class _Helper:
             manifest = fast.load_manifest(job["id"])
             promote(fast, manifest, durable, self._pool, extra_stats=job["extra_stats"], cancel=token,
                     workers=job["workers"])
-            return ("done", cpu_seconds())
+            return ("done", token.job, cpu_seconds())
         except BaseException as exc:  # (a SystemExit from a backend too: the program decides)
-            return ("error", type(exc).__name__, str(exc), cpu_seconds())
+            return ("error", token.job, type(exc).__name__, str(exc), cpu_seconds())
 
     def _tier(self, path: str, identity: Any) -> FastTier:
         want = tuple(identity) if identity is not None else None

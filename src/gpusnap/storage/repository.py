@@ -95,6 +95,9 @@ class Repository(PackReads, Retention):
         # begin_write calls between taking the shared lock and registering their transaction:
         # gc must count them as open (their shared lock excludes its exclusive one)
         self._opening = 0
+        # write transactions a helper process runs for this writer (a promotion:
+        # storage/promote_process.py): their pins are not ours to see, so gc waits for them
+        self._elsewhere = 0
         self._cache_complete = False  # _manifest_cache lists every readable manifest (writer only)
         self.commit_lock = threading.Lock()  # commits of this object, one at a time (txn.py, fast_txn.py)
         self._warned: set[str] = set()  # unreadable manifests already reported (warn_unreadable)
@@ -547,6 +550,20 @@ class Repository(PackReads, Retention):
             pins = self._pins.get(txn)  # (none once txn has ended: nothing left to keep)
             if pins is not None:
                 pins.add(digest)
+
+    @contextmanager
+    def writing_elsewhere(self) -> Iterator[None]:
+        """A write transaction of this writer runs in another process meanwhile (under this
+        object's lease and its own shared root lock): gc waits for it to end (the exclusive
+        lock), never relying on this object's pins alone, which do not name its chunks or
+        its ``tmp/`` files."""
+        with self._mutex:
+            self._elsewhere += 1
+        try:
+            yield
+        finally:
+            with self._mutex:
+                self._elsewhere -= 1
 
     def remember_committed(self, manifest: Manifest) -> None:
         """A manifest ``txn`` just committed: listed and resolved from now on without a read."""

@@ -134,9 +134,11 @@ class Retention:
 
     def _has_txns(self) -> bool:
         """Whether a write transaction of this object is open or opening (its shared lock,
-        held or wanted, keeps gc from the exclusive one: gc then relies on the pins)."""
+        held or wanted, keeps gc from the exclusive one: gc then relies on the pins), and
+        none runs in a helper process (:meth:`writing_elsewhere`: then gc waits for that one's
+        shared lock to go, as for another writer's)."""
         with self._mutex:
-            return bool(self._pins) or self._opening > 0
+            return (bool(self._pins) or self._opening > 0) and not self._elsewhere
 
     def _gc_lock(self, timeout: float) -> BackendLock | None:
         """The exclusive root lock, or None while this object's own transactions are open
