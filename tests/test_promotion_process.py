@@ -23,7 +23,7 @@ from fast_support import CFG, HANG_S, blank_state, cfg, make_state, roots, same,
 import gpusnap
 from gpusnap.storage.fast_tier import chunk_location, slab_path
 from gpusnap.storage.promote import CancelToken, PromotionCancelled, gather_small, promote
-from gpusnap.storage.promote_process import PromotionProcess
+from gpusnap.storage.promote_process import HelperUnavailable, PromotionProcess
 from gpusnap.storage.repository import Repository
 
 ON = cfg(promotion_process="on")
@@ -220,3 +220,52 @@ def test_the_default_memory_tier_promotes_in_the_helper_when_asked(tmp_path: Pat
     (m,) = Repository.open(root).list()
     assert m.id == info.id and m.stats["promoted_in"] == "helper"
     assert _helper_pids() == []  # (closed with its Checkpointer)
+
+
+def test_gc_waits_for_a_write_transaction_running_elsewhere_even_while_its_own_are_open(tmp_path: Path) -> None:
+    """A helper's transaction is invisible to the program's pins: with one running, the
+    program's gc may not fall back on its own pins (it would delete what the helper reuses)."""
+    root = tmp_path / "root"
+    with gpusnap.Checkpointer(root, keep_last=None, config=cfg(memory_tier="off")) as ck:
+        for seed in (1, 2):
+            ck.save(make_state(seed)).wait()
+    repo = Repository.open(root, create=True, config=CFG)
+    first = repo.list()[0].id
+    txn = repo.begin_write()  # (the program's own: its shared lock keeps gc from the exclusive one)
+    try:
+        with repo.writing_elsewhere():
+            report = repo.gc(keep_last=1, blocking=False)
+            assert report.skipped and [m.id for m in Repository.open(root).list()][0] == first
+        report = repo.gc(keep_last=1, blocking=False)  # (none elsewhere: its pins cover its own)
+        assert not report.skipped and report.deleted_checkpoints == (first,)
+    finally:
+        txn.abort()
+        repo.close()
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_a_tag_the_helper_committed_is_taken_for_the_program(tmp_path: Path, mode: str) -> None:
+    durable, fast = roots(tmp_path)
+    with gpusnap.Checkpointer(durable, fast_root=fast, fast_keep_last=1, keep_last=None,
+                              config=cfg(promotion_process=mode)) as ck:
+        ck.save(make_state(1), tag="best", promote=True).wait()
+        ck.wait()
+        ck.save(make_state(2)).wait()  # (fast retention lets "best" go from the fast tier)
+        ck.wait()
+        with pytest.raises(gpusnap.CheckpointError, match="tag 'best' already names"):
+            ck.save(make_state(3), tag="best", promote=True)
+    assert [m.tag for m in Repository.open(durable).list()].count("best") == 1
+
+
+def test_a_failure_of_the_helpers_own_is_no_failure_of_the_promotion(tmp_path: Path) -> None:
+    """The helper reads the checkpoint's manifest from the tier; here it is gone from there
+    (the program still has it): the helper fails in a way the threads would not."""
+    durable, fast, tier, manifest, _runs = saved_for_promotion(tmp_path)
+    (fast / "manifests" / f"{manifest.id}.json").unlink()
+    repo = Repository.open(durable, create=True, config=CFG)
+    with helper() as process:
+        with pytest.raises(HelperUnavailable, match="CheckpointNotFoundError"):
+            process.promote(tier, manifest, repo, cancel=CancelToken(), workers=2)
+        assert _helper_pids() == []  # (killed: it is not asked again)
+    promote(tier, manifest, repo)  # (what the Promoter does next, on its threads)
+    assert [m.id for m in Repository.open(durable).list()] == [manifest.id]
