@@ -18,6 +18,8 @@ from accelerate import Accelerator, DataLoaderConfiguration
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from one_thread import one_thread
+
 import gpusnap
 from gpusnap.integrations.accelerate import accelerator_state, resume_epoch
 
@@ -29,7 +31,11 @@ class Stopped(Exception):
 
 
 def train(root: str, *, stop_at: int | None = None, kill: bool = False) -> nn.Module:
-    torch.set_num_threads(1)
+    with one_thread():
+        return _train(root, stop_at, kill)
+
+
+def _train(root: str, stop_at: int | None, kill: bool) -> nn.Module:
     torch.manual_seed(0)
     accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1))

@@ -25,6 +25,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from one_thread import one_thread
+
 from gpusnap.integrations.lightning import GpusnapCheckpointIO
 
 EPOCHS = 4
@@ -139,15 +141,15 @@ def trainer(dirpath: str, io: GpusnapCheckpointIO, *, epochs: int = EPOCHS, call
 def fit(dirpath: str, *, ckpt_path: str | None = None, kill_in_epoch: int | None = None,
         io: GpusnapCheckpointIO | None = None, epochs: int = EPOCHS, kill_at_pointer: bool = False,
         callbacks: list[Any] = ()) -> tuple[L.Trainer, Net]:
-    torch.set_num_threads(1)
-    L.seed_everything(0, verbose=False)
-    model = Net()
-    io = io if io is not None else GpusnapCheckpointIO()
-    killer = KillAtPointer if kill_at_pointer else KillAfterSave
-    extra = [killer(io, kill_in_epoch)] if kill_in_epoch is not None else []
-    run = trainer(dirpath, io, epochs=epochs, callbacks=[*extra, *callbacks])
-    run.fit(model, data(), ckpt_path=ckpt_path)
-    return run, model
+    with one_thread():
+        L.seed_everything(0, verbose=False)
+        model = Net()
+        io = io if io is not None else GpusnapCheckpointIO()
+        killer = KillAtPointer if kill_at_pointer else KillAfterSave
+        extra = [killer(io, kill_in_epoch)] if kill_in_epoch is not None else []
+        run = trainer(dirpath, io, epochs=epochs, callbacks=[*extra, *callbacks])
+        run.fit(model, data(), ckpt_path=ckpt_path)
+        return run, model
 
 
 if __name__ == "__main__":

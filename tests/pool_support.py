@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from one_thread import one_thread
+
 import gpusnap.pool
 
 VOCAB, DIM, CTX = 64, 32, 16
@@ -63,14 +65,9 @@ def _logits(model: nn.Module, ids: list[list[int]], device: torch.device) -> tor
     """On one CPU thread: a pool's process and the test's own then give the same bits whatever
     thread counts they run with (a CPU matmul's sums are split by thread; a test before may
     have left the test process at one)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.no_grad():
-            out = model(torch.tensor(ids, device=device))
-        return getattr(out, "logits", out).float().cpu()
-    finally:
-        torch.set_num_threads(threads)
+    with one_thread(), torch.no_grad():
+        out = model(torch.tensor(ids, device=device))
+    return getattr(out, "logits", out).float().cpu()
 
 
 def reference_logits(model: nn.Module, ids: list[list[int]]) -> torch.Tensor:
@@ -90,6 +87,9 @@ def _answer(ready: gpusnap.pool.Ready) -> dict[str, Any] | None:
         subprocess.Popen(params["spawn"])  # (a helper of the entry's own)
     if "marker" in params:
         _write(params["marker"], {"pid": os.getpid()})
+    if "holding" in params:  # (a FIFO the test reads: it then knows this ran before it stops us)
+        with open(params["holding"], "w") as f:
+            f.write(str(os.getpid()))
     if params.get("hold"):
         threading.Event().wait()  # (until a signal ends the process)
     model = ready.model

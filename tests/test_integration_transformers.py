@@ -15,6 +15,7 @@ pytest.importorskip("accelerate")
 import transformers_support as run  # noqa: E402
 from integration_support import assert_equal_tensors, run_killed  # noqa: E402
 from test_lifecycle_unobserved_errors import full_disk  # noqa: E402,F401  (a fixture)
+from one_thread import one_thread  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 import gpusnap  # noqa: E402
@@ -44,7 +45,8 @@ def test_resume_after_sigkill_is_bit_exact(tmp_path):
     record = _Record()
     callback = GpusnapCallback(str(tmp_path / "straight"), save_steps=run.SAVE_STEPS)
     straight = run.trainer(str(tmp_path / "out2"), [record, callback])
-    straight.train()
+    with one_thread():  # (as run.train: the same sums, bit for bit)
+        straight.train()
     assert_equal_tensors(resumed.model.state_dict(), straight.model.state_dict())
     for got, want in zip(resumed.optimizer.state_dict()["state"].values(),
                          straight.optimizer.state_dict()["state"].values()):

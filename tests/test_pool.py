@@ -8,7 +8,6 @@ the pool's own signals (``wait_ready``, ``take``, ``PoolProcess.wait``), never o
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import signal
@@ -107,12 +106,20 @@ def test_processes_take_serve_are_replaced_and_stop(tmp_path: Path) -> None:
         refused = [e["pid"] for e in events if e["event"] == "pool-taken"][-1]
         assert gone(refused)
 
-        # process 4 serves the tagged checkpoint until stopped
-        held = pool.take("old", params={"hold": True, "marker": str(marker)}, timeout=HANG_S)
-        assert held.checkpoint != newest
+        # process 4 serves the tagged checkpoint until stopped (once its entry says it runs:
+        # take() returns when the weights are in place, before the entry is called)
+        holding = tmp_path / "holding"
+        os.mkfifo(holding, 0o600)
+        reader = os.open(holding, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            held = pool.take("old", params={"hold": True, "holding": str(holding)}, timeout=HANG_S)
+            assert held.checkpoint != newest
+            assert select.select([reader], [], [], HANG_S)[0], "the entry never ran"
+            assert int(os.read(reader, 64)) == held.pid
+        finally:
+            os.close(reader)
         stopped = held.stop()
         assert stopped.returncode == -signal.SIGTERM and stopped.error == "killed by SIGTERM"
-        assert json.loads(marker.read_text())["pid"] == held.pid
 
         # process 5 serves and is still running when the pool closes
         last = pool.take("old", params={"ids": IDS, "hold": True}, timeout=HANG_S)

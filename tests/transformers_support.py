@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
+from one_thread import one_thread
+
 from gpusnap.integrations.transformers import GpusnapCallback
 
 STEPS_PER_EPOCH = 6
@@ -58,11 +60,11 @@ def trainer(out: str, callbacks: list[Any]) -> Trainer:
 
 
 def train(root: str, out: str, *, resume: bool = False, kill: bool = False) -> Trainer:
-    torch.set_num_threads(1)
-    callback = GpusnapCallback(root, save_steps=SAVE_STEPS)
-    run = trainer(out, [callback] + ([KillAt(callback)] if kill else []))
-    run.train(resume_from_checkpoint=callback.resume_path() if resume else None)
-    return run
+    with one_thread():
+        callback = GpusnapCallback(root, save_steps=SAVE_STEPS)
+        run = trainer(out, [callback] + ([KillAt(callback)] if kill else []))
+        run.train(resume_from_checkpoint=callback.resume_path() if resume else None)
+        return run
 
 
 if __name__ == "__main__":
