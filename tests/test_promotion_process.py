@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from fast_support import CFG, HANG_S, blank_state, cfg, make_state, roots, same, saved_for_promotion, snapshot
+from helper_faults import faulty_python
 
 import gpusnap
 from gpusnap.storage.fast_tier import chunk_location, slab_path
@@ -48,8 +50,19 @@ def helper() -> Iterator[PromotionProcess]:
         process.close()
 
 
-def _helper_pids() -> list[int]:
-    """This process's children that are promotion helpers."""
+@pytest.fixture(autouse=True)
+def _earlier_helpers() -> Iterator[None]:
+    """Helpers an earlier test left (it failed) are not this test's."""
+    _LEFT.clear()
+    _LEFT.update(_helper_pids(mine=False))
+    yield
+
+
+_LEFT: set[int] = set()
+
+
+def _helper_pids(*, mine: bool = True) -> list[int]:
+    """This process's children that are promotion helpers (``mine``: started by this test)."""
     pids = []
     for tid in os.listdir("/proc/self/task"):
         try:
@@ -58,7 +71,7 @@ def _helper_pids() -> list[int]:
             continue
         for pid in kids:
             try:
-                if b"promote_worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                if b"promote_worker" in Path(f"/proc/{pid}/cmdline").read_bytes() and not (mine and int(pid) in _LEFT):
                     pids.append(int(pid))
             except OSError:
                 continue
@@ -257,15 +270,53 @@ def test_a_tag_the_helper_committed_is_taken_for_the_program(tmp_path: Path, mod
     assert [m.tag for m in Repository.open(durable).list()].count("best") == 1
 
 
-def test_a_failure_of_the_helpers_own_is_no_failure_of_the_promotion(tmp_path: Path) -> None:
-    """The helper reads the checkpoint's manifest from the tier; here it is gone from there
-    (the program still has it): the helper fails in a way the threads would not."""
+def test_a_checkpoint_error_in_the_helper_is_the_promotions_failure_and_the_helper_stays(tmp_path: Path) -> None:
+    """The helper reads the checkpoint's manifest from the tier; here it is gone from there:
+    the threads would fail too (their caller's manifest aside), so it is the promotion's failure."""
     durable, fast, tier, manifest, _runs = saved_for_promotion(tmp_path)
     (fast / "manifests" / f"{manifest.id}.json").unlink()
     repo = Repository.open(durable, create=True, config=CFG)
     with helper() as process:
-        with pytest.raises(HelperUnavailable, match="CheckpointNotFoundError"):
+        with pytest.raises(gpusnap.CheckpointNotFoundError):
             process.promote(tier, manifest, repo, cancel=CancelToken(), workers=2)
-        assert _helper_pids() == []  # (killed: it is not asked again)
-    promote(tier, manifest, repo)  # (what the Promoter does next, on its threads)
-    assert [m.id for m in Repository.open(durable).list()] == [manifest.id]
+        token = CancelToken()
+        token.cancel()  # (a delete() racing the promotion: called off, whatever the helper met)
+        with pytest.raises(PromotionCancelled):
+            process.promote(tier, manifest, repo, cancel=token, workers=2)
+        assert len(_helper_pids()) == 1  # (the same helper serves on)
+
+
+def test_a_failure_of_the_helpers_own_leaves_the_promotion_to_the_threads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(sys, "executable", faulty_python(tmp_path))
+    durable, fast = roots(tmp_path)
+    caplog.set_level(logging.WARNING, logger="gpusnap")
+    with gpusnap.Checkpointer(durable, fast_root=fast, promote_every=1, config=ON) as ck:
+        infos = [ck.save(make_state(seed)).wait() for seed in (1, 2)]
+        ck.wait()
+    by_id = {m.id: m for m in Repository.open(durable).list()}
+    assert [by_id[i.id].stats["promoted_in"] for i in infos] == ["threads", "threads"]
+    warned = [r.getMessage() for r in caplog.records if "program's threads from now on" in r.getMessage()]
+    assert len(warned) == 1 and "RuntimeError: injected into the helper" in warned[0]
+    assert _helper_pids() == []
+
+
+def test_a_gc_on_its_own_pins_and_a_transaction_elsewhere_exclude_each_other(tmp_path: Path) -> None:
+    repo = Repository.open(tmp_path / "root", create=True, config=CFG)
+    try:
+        with repo.writing_elsewhere():
+            assert not repo.enter_pins_only_gc()  # (the pins do not name the helper's chunks)
+        assert repo.enter_pins_only_gc()
+        entered = threading.Event()
+
+        def elsewhere() -> None:
+            with repo.writing_elsewhere():
+                entered.set()
+
+        thread = threading.Thread(target=elsewhere)
+        thread.start()
+        repo.leave_pins_only_gc()  # (the helper's transaction starts once that gc is over)
+        assert entered.wait(HANG_S)
+        thread.join(HANG_S)
+    finally:
+        repo.close()

@@ -107,11 +107,11 @@ class CancelToken:
 
 def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: ThreadPoolExecutor | None = None,
             extra_stats: dict[str, object] | None = None, cancel: CancelToken | None = None,
-            workers: int | None = None) -> Manifest:
+            workers: int = 1) -> Manifest:
     """Commit ``manifest``'s checkpoint (from ``fast``) to ``durable``; returns the durable manifest.
 
     ``pool`` writes runs of chunks (each straight from the slab), in order, from ``workers``
-    tasks of its own (``storage/run_writers.py``; None: as many as the pool has threads); this thread checks
+    tasks of its own (``storage/run_writers.py``; at most as many as the pool has threads); this thread checks
     each group's slab bytes once its runs are written. A failure raises once no run is still
     being read or written.
     ``cancel`` called off: :class:`PromotionCancelled` (asked before each run, each check pass and the commit)."""
@@ -161,7 +161,7 @@ def promote(fast: FastTier, manifest: Manifest, durable: Repository, pool: Threa
             writers = RunWriters([(k, run) for k, (_group, runs) in enumerate(groups) for run in runs], store)
             try:
                 if pool is not None:  # (inside: tasks started before a refused one are stopped too)
-                    writers.start(pool, workers if workers is not None else pool._max_workers)
+                    writers.start(pool, workers)
                 if gathered:  # (on this thread, while the pool writes the first runs)
                     store_gathered()
                 for k, (group, runs) in enumerate(groups):

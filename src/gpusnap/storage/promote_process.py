@@ -61,9 +61,25 @@ MAX_MESSAGE = 64 << 20  # a longer one is nonsense (the largest is a job: a few 
 # a helper not ready by then never will be (importing torch and starting CUDA: seconds)
 START_TIMEOUT_S = 120.0
 CLOSE_TIMEOUT_S = 10.0  # close(): then a helper still there is killed
-# what the helper's promotion may raise as the promotion's own failure (the threads would
-# meet it too); anything else is the helper's, and the threads take over
-_FAILURES: dict[str, type[CheckpointError]] = {e.__name__: e for e in (IntegrityError, StorageError, PromotionCancelled)}
+# the helper's CheckpointErrors are the promotion's own failures (the threads would meet them
+# too), raised as their class where it is one of these; anything else is the helper's, and
+# the threads take over
+_FAILURES: dict[str, type[CheckpointError]] = {e.__name__: e for e in (
+    IntegrityError, StorageError, PromotionCancelled, CheckpointNotFoundError, CheckpointError)}
+# the helper's first lines: the program's sys.path (its first message), then the helper
+_BOOT = """import marshal, os, struct, sys
+def _take(n):
+    got = b""
+    while len(got) < n:
+        part = os.read({r}, n - len(got))
+        if not part:
+            raise SystemExit(0)
+        got += part
+    return got
+sys.path[:] = marshal.loads(_take(struct.unpack("<Q", _take(8))[0]))[1]
+from gpusnap.storage.promote_worker import main
+main({r}, {w})
+"""
 
 
 class HelperUnavailable(CheckpointError):
@@ -111,7 +127,7 @@ def _read_exactly(fd: int, n: int) -> bytes:
 class PromotionProcess:
     """One helper process, started at the first :meth:`promote` and kept until :meth:`close`;
     one promotion at a time. ``cpu_s``: the helper's CPU seconds (all its threads) so far,
-    of which ``start_cpu_s`` its start (importing torch, CUDA)."""
+    its start included (importing torch, CUDA)."""
 
     def __init__(self, config: Config) -> None:
         self._config = config
@@ -123,7 +139,6 @@ class PromotionProcess:
         self._jobs = 0
         self._closed = False
         self.cpu_s = 0.0
-        self.start_cpu_s = 0.0
         _helpers.add(self)
 
     # -- the helper's life ---------------------------------------------------------------
@@ -136,10 +151,10 @@ class PromotionProcess:
             return
         to_r, to_w = os.pipe()
         from_r, from_w = os.pipe()
-        # the modules this program imports, found where it finds them; the channel on pipes of
-        # its own, so that nothing printed at its start (a sitecustomize) can reach it
-        code = (f"import sys; sys.path[:] = {[str(p) for p in sys.path]!r}; "
-                f"from gpusnap.storage.promote_worker import main; main({to_r}, {from_w})")
+        # the channel on pipes of its own, so that nothing printed at its start (a
+        # sitecustomize) can reach it; its first message the program's sys.path, so that it
+        # imports the modules this program does, from where this program does
+        code = _BOOT.format(r=to_r, w=from_w)
         try:
             # its own session: a Ctrl-C at the terminal is the program's to handle, not the
             # helper's (it ends when the program's end of the channel closes)
@@ -155,12 +170,18 @@ class PromotionProcess:
                 os.close(to_r)
                 os.close(from_w)
         self._to, self._from = to_w, from_r
+        self._send(("path", [os.fspath(p) for p in sys.path if isinstance(p, (str, os.PathLike))]))
         self._send(("hello", dataclasses.asdict(self._config), device))
         ready = self._receive(START_TIMEOUT_S)
-        if not (isinstance(ready, tuple) and len(ready) == 2 and ready[0] == "ready"):
+        if not (isinstance(ready, tuple) and len(ready) == 3 and ready[0] == "ready"):
             self._kill()
             raise HelperUnavailable(f"the promotion helper did not start: {ready!r:.300}")
-        self.cpu_s = self.start_cpu_s = float(ready[1])
+        ours = package_dir()
+        if ready[2] != ours:  # (a sys.path changed since this program imported gpusnap)
+            self._kill()
+            raise HelperUnavailable(f"the promotion helper imported gpusnap from {ready[2]!r}, this program "
+                                    f"from {ours!r}")
+        self.cpu_s = float(ready[1])
 
     def close(self) -> None:
         """End the helper (end of its input; killed if still there after ``CLOSE_TIMEOUT_S``)."""
@@ -173,11 +194,12 @@ class PromotionProcess:
 
     def _end(self, grace: float) -> None:
         proc, self._proc = self._proc, None
-        ends, self._to, self._from = (self._to, self._from), None, None
-        for fd in ends:
-            if fd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+        with self._send_lock:  # (a cancel being sent never writes to a number reused meanwhile)
+            ends, self._to, self._from = (self._to, self._from), None, None
+            for fd in ends:
+                if fd is not None:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
         if proc is None:
             return
         try:
@@ -244,7 +266,7 @@ class PromotionProcess:
                 except BaseException:  # (gone, or our side failed mid-exchange: the channel is out of step)
                     self._kill()
                     raise
-                return self._result(reply, manifest.id, durable, job_id)
+                return self._result(reply, manifest.id, durable, job_id, cancel)
             finally:
                 stop_forwarding()
                 fast.unpin_checkpoint(manifest.id)
@@ -274,24 +296,32 @@ class PromotionProcess:
             self._send(("no", job_id))
             return self._receive()
 
-    def _result(self, reply: Any, checkpoint_id: str, durable: Repository, job_id: int) -> Manifest:
+    def _result(self, reply: Any, checkpoint_id: str, durable: Repository, job_id: int,
+                cancel: CancelToken) -> Manifest:
         if isinstance(reply, tuple) and len(reply) == 3 and reply[:2] == ("done", job_id):
             if isinstance(reply[2], (int, float)):
                 self.cpu_s = float(reply[2])
             promoted = durable.load_manifest(checkpoint_id)
             durable.remember_committed(promoted)  # (listed, and its tag taken, as if we had committed it)
             return promoted
-        if isinstance(reply, tuple) and len(reply) == 5 and reply[:2] == ("error", job_id):
-            _, _job, kind, text, cpu = reply
+        if isinstance(reply, tuple) and len(reply) == 6 and reply[:2] == ("error", job_id):
+            _, _job, kind, text, cpu, ours = reply
             if isinstance(cpu, (int, float)):
                 self.cpu_s = float(cpu)
-            failure = _FAILURES.get(kind)
-            if failure is not None:
-                raise failure(text)
+            if cancel.cancelled:  # (called off: what it met after that is no failure)
+                raise PromotionCancelled(f"the promotion of {checkpoint_id} was called off: nothing was committed")
+            if ours is True:
+                failure = _FAILURES.get(kind)
+                raise failure(text) if failure is not None else CheckpointError(f"{kind}: {text}")
             self._kill()
             raise HelperUnavailable(f"the promotion helper failed: {kind}: {text}")
         self._kill()
         raise HelperUnavailable(f"the promotion helper answered {reply!r:.200}")
+
+
+def package_dir() -> str:
+    """The directory of the gpusnap package this process imported."""
+    return os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 
 
 def cpu_seconds() -> float:
@@ -308,6 +338,11 @@ def _after_fork() -> None:
     helpers without a word to them (their pipes are the parent's to close)."""
     for helper in list(_helpers):
         helper._proc, helper._closed = None, True
+        for fd in (helper._to, helper._from):  # (held here, they would keep the helper from its end)
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        helper._to = helper._from = None
 
 
 at_fork(after_in_child=_after_fork)

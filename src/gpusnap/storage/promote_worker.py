@@ -1,9 +1,10 @@
 """The promotion helper's own side: ``storage/promote_process.py`` says why, and the protocol.
 
-Run by the program as ``python -I -c "...; from gpusnap.storage.promote_worker import main;
-main(R, W)"`` with the program's ``sys.path`` and the channel on the pipe ends ``R`` and ``W``. One thread reads the program's messages (a job,
-a cancel, the answer to "commit?", the end of input); the main thread runs one promotion at a
-time. Its tiers stay open between jobs, so each slab is mapped and page-locked here once.
+Run by the program as ``python -I -c`` with a few lines that read the program's ``sys.path``
+from the pipe end ``R`` (its first message), then call ``main(R, W)``: the channel is on the
+two pipe ends. One thread reads the program's messages (a job, a cancel, the answer to
+"commit?", the end of input); the main thread runs one promotion at a time. Its tiers stay
+open between jobs, so each slab is mapped and page-locked here once.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ from contextlib import contextmanager
 from typing import Any
 
 from gpusnap.config import Config
-from gpusnap.errors import StorageError
+from gpusnap.errors import CheckpointError, StorageError
 from gpusnap.storage.backend import LocalBackend
 from gpusnap.storage.fast_tier import FastTier
 from gpusnap.storage.promote import CancelToken, PromotionCancelled, promote
-from gpusnap.storage.promote_process import cpu_seconds, read_message, write_message
+from gpusnap.storage.promote_process import cpu_seconds, package_dir, read_message, write_message
 from gpusnap.storage.repository import Repository
 from gpusnap.thread_priority import LOWEST
 
@@ -56,7 +57,7 @@ def main(channel_in: int, channel_out: int) -> None:
     except BaseException as exc:
         write_message(channel_out, ("failed", f"{type(exc).__name__}: {exc}"))
         return
-    write_message(channel_out, ("ready", cpu_seconds()))
+    write_message(channel_out, ("ready", cpu_seconds(), package_dir()))
     _Helper(channel_in, channel_out, config).run()
 
 
@@ -170,7 +171,7 @@ class _Helper:
                     workers=job["workers"])
             return ("done", token.job, cpu_seconds())
         except BaseException as exc:  # (a SystemExit from a backend too: the program decides)
-            return ("error", token.job, type(exc).__name__, str(exc), cpu_seconds())
+            return ("error", token.job, type(exc).__name__, str(exc), cpu_seconds(), isinstance(exc, CheckpointError))
 
     def _tier(self, path: str, identity: Any) -> FastTier:
         want = tuple(identity) if identity is not None else None

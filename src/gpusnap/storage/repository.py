@@ -96,8 +96,11 @@ class Repository(PackReads, Retention):
         # gc must count them as open (their shared lock excludes its exclusive one)
         self._opening = 0
         # write transactions a helper process runs for this writer (a promotion:
-        # storage/promote_process.py): their pins are not ours to see, so gc waits for them
+        # storage/promote_process.py) and gcs relying on this object's pins alone: the two
+        # exclude each other (the pins do not name what the helper reuses or its tmp/ files)
         self._elsewhere = 0
+        self._pins_only_gcs = 0
+        self._elsewhere_turn = threading.Condition(self._mutex)
         self._cache_complete = False  # _manifest_cache lists every readable manifest (writer only)
         self.commit_lock = threading.Lock()  # commits of this object, one at a time (txn.py, fast_txn.py)
         self._warned: set[str] = set()  # unreadable manifests already reported (warn_unreadable)
@@ -554,16 +557,32 @@ class Repository(PackReads, Retention):
     @contextmanager
     def writing_elsewhere(self) -> Iterator[None]:
         """A write transaction of this writer runs in another process meanwhile (under this
-        object's lease and its own shared root lock): gc waits for it to end (the exclusive
-        lock), never relying on this object's pins alone, which do not name its chunks or
-        its ``tmp/`` files."""
-        with self._mutex:
+        object's lease and its own shared root lock). This object's pins do not name its
+        chunks or its ``tmp/`` files, so no gc may rely on them alone meanwhile: one that does
+        is waited for first, and a later gc waits for the exclusive lock (for it to end)."""
+        with self._elsewhere_turn:
+            while self._pins_only_gcs:
+                self._elsewhere_turn.wait()
             self._elsewhere += 1
         try:
             yield
         finally:
-            with self._mutex:
+            with self._elsewhere_turn:
                 self._elsewhere -= 1
+
+    def enter_pins_only_gc(self) -> bool:
+        """A gc may rely on this object's pins (its own transactions hold the root's shared
+        lock): True, until :meth:`leave_pins_only_gc`, unless a transaction runs elsewhere."""
+        with self._elsewhere_turn:
+            if self._elsewhere:
+                return False
+            self._pins_only_gcs += 1
+            return True
+
+    def leave_pins_only_gc(self) -> None:
+        with self._elsewhere_turn:
+            self._pins_only_gcs -= 1
+            self._elsewhere_turn.notify_all()
 
     def remember_committed(self, manifest: Manifest) -> None:
         """A manifest ``txn`` just committed: listed and resolved from now on without a read."""

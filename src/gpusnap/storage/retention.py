@@ -118,9 +118,11 @@ class Retention:
                 raise
             return GcReport(skipped=True, notes=(str(exc),))
         lock: BackendLock | None = None
+        pins_only = False
         try:
             try:
                 lock = self._gc_lock(wait)
+                pins_only = lock is None
             except StorageError as exc:
                 if blocking:
                     raise
@@ -130,15 +132,15 @@ class Retention:
         finally:
             if lock is not None:
                 lock.release()
+            if pins_only:
+                self.leave_pins_only_gc()
             self._lease.drop()
 
     def _has_txns(self) -> bool:
         """Whether a write transaction of this object is open or opening (its shared lock,
-        held or wanted, keeps gc from the exclusive one: gc then relies on the pins), and
-        none runs in a helper process (:meth:`writing_elsewhere`: then gc waits for that one's
-        shared lock to go, as for another writer's)."""
+        held or wanted, keeps gc from the exclusive one: gc then relies on the pins)."""
         with self._mutex:
-            return (bool(self._pins) or self._opening > 0) and not self._elsewhere
+            return bool(self._pins) or self._opening > 0
 
     def _gc_lock(self, timeout: float) -> BackendLock | None:
         """The exclusive root lock, or None while this object's own transactions are open
@@ -146,13 +148,15 @@ class Retention:
         got: builtins.list[BackendLock] = []
 
         def attempt() -> bool:
-            if self._has_txns():
+            # on the pins alone only while no transaction runs elsewhere, and none starts
+            # before this gc ends (writing_elsewhere waits): the pins do not name its chunks
+            if self._has_txns() and self.enter_pins_only_gc():
                 return True
             try:
                 got.append(self.backend.lock(exclusive=True, timeout=0.0))
                 return True
             except TimeoutError:
-                return self._has_txns()  # one began meanwhile
+                return self._has_txns() and self.enter_pins_only_gc()  # one began meanwhile
             except OSError as exc:
                 raise storage_error(exc, "locking", self.backend.describe("lock"), writing=False) from exc
 
