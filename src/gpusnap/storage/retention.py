@@ -162,7 +162,7 @@ class Retention:
 
         if not poll_until(attempt, timeout):
             raise StorageError(
-                f"another process holds {self.root} (gc or save in progress, a verify, or this program's "
+                f"another process holds {self.root} (gc or save in progress, or a verify; or this program's "
                 f"promotion helper writing); "
                 f"gave up waiting for the exclusive lock after {timeout:g}s"
             )
