@@ -76,7 +76,6 @@ class Promoter:
         # the helper process promotions run in where Config.promotion_process asks for it
         # (storage/promote_process.py); None once it failed: this thread promotes from then on
         self._helper: PromotionProcess | None = PromotionProcess(self._config)
-        self.helper_failure: str | None = None
         self._on_promoted = on_promoted
         # after a promotion lets go of its fast checkpoint, before it counts as done: that
         # tier's retention, so that a save waiting for room (when_busy="wait") finds it
@@ -306,7 +305,8 @@ class Promoter:
                    token: CancelToken) -> Manifest | None:
         """The promotion run by the helper process, or None where this thread is to run it
         (not asked for, not a local root, a tier removed and made again, or the helper could
-        not start or ended before committing: then with a WARNING, and for good)."""
+        not start, ended before committing or failed in a way of its own: then with a
+        WARNING, and for good)."""
         helper = self._helper
         devices = [e.device for e in job.manifest.storages]
         if helper is None or not process_usable(self._config, job.tier, durable, devices) or not job.tier.intact():
@@ -316,7 +316,7 @@ class Promoter:
             return helper.promote(job.tier, job.manifest, durable, extra_stats={**extra, "promoted_in": "helper"},
                                   cancel=token, workers=self._threads)
         except HelperUnavailable as exc:
-            self._helper, self.helper_failure = None, str(exc)
+            self._helper = None
             helper.close()
             log.warning("gpusnap: promotions run on the program's threads from now on (they take its interpreter "
                         "lock): %s", exc)

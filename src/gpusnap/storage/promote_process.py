@@ -165,10 +165,8 @@ class PromotionProcess:
             for fd in (to_r, to_w, from_r, from_w):
                 os.close(fd)
             raise HelperUnavailable(f"the promotion helper could not start: {exc}") from exc
-        finally:
-            if self._proc is not None:
-                os.close(to_r)
-                os.close(from_w)
+        os.close(to_r)  # (the helper's ends: it has its own copies)
+        os.close(from_w)
         self._to, self._from = to_w, from_r
         self._send(("path", [os.fspath(p) for p in sys.path if isinstance(p, (str, os.PathLike))]))
         self._send(("hello", dataclasses.asdict(self._config), device))
